@@ -1,0 +1,1 @@
+"""Framework-neutral core of hvdlite: engine, negotiation, fusion, backends, numpy API."""

@@ -1,0 +1,98 @@
+"""The MPI data mover for host buffers: executes negotiated responses on numpy views."""
+from __future__ import annotations
+
+import numpy as np
+
+from .dtypes import dtype_info, mpi_datatype, mpi_reduce_op, scale_in_place
+from .fusion import FusionBuffer
+from .handle import Entry
+from .messages import ALLGATHER, ALLREDUCE, BARRIER, BROADCAST, Response
+from .reduce_ops import ReduceOp
+
+
+class MPIBackend:
+    def __init__(self, comm) -> None:
+        from mpi4py import MPI
+        self._MPI = MPI
+        self.comm = comm
+        self.size = comm.Get_size()
+        self.rank = comm.Get_rank()
+        self._fusion = FusionBuffer()
+
+    def _postscale(self, response: Response) -> float:
+        factor = response.postscale
+        if response.reduce_op == ReduceOp.Average:
+            factor *= 1.0 / self.size
+        return factor
+
+    def execute(self, batch: list[tuple[Response, Entry]]) -> None:
+        """Run one planned batch; on return every entry's ``output`` holds its result."""
+        response, entry = batch[0]
+        if response.kind == ALLREDUCE:
+            if len(batch) == 1:
+                self._allreduce_one(response, entry)
+            else:
+                self._allreduce_fused(batch)
+        elif response.kind == ALLGATHER:
+            self._allgather(response, entry)
+        elif response.kind == BROADCAST:
+            self._broadcast(response, entry)
+        elif response.kind == BARRIER:
+            pass  # negotiation completing on every rank *is* the barrier
+        else:
+            raise ValueError(f"unknown operation {response.kind!r}")
+
+    def _allreduce_one(self, response: Response, entry: Entry) -> None:
+        info = dtype_info(response.dtype)
+        src = entry.array.reshape(-1)
+        out = entry.output.reshape(-1)
+        mpi_type, mpi_op = mpi_datatype(info), mpi_reduce_op(info, ReduceOp(response.reduce_op))
+        if entry.output is entry.array:   # in place: no copy at all
+            scale_in_place(out, response.prescale)
+            self.comm.Allreduce(self._MPI.IN_PLACE, [out, mpi_type], op=mpi_op)
+        elif response.prescale == 1.0:
+            self.comm.Allreduce([src, mpi_type], [out, mpi_type], op=mpi_op)
+        else:
+            np.copyto(out, src)
+            scale_in_place(out, response.prescale)
+            self.comm.Allreduce(self._MPI.IN_PLACE, [out, mpi_type], op=mpi_op)
+        scale_in_place(out, self._postscale(response))
+
+    def _allreduce_fused(self, batch: list[tuple[Response, Entry]]) -> None:
+        response = batch[0][0]
+        info = dtype_info(response.dtype)
+        total = sum(e.array.size for _, e in batch)
+        buf = self._fusion.view(total * info.itemsize, info.np_dtype)
+        offset = 0
+        for _, entry in batch:
+            n = entry.array.size
+            np.copyto(buf[offset:offset + n], entry.array.reshape(-1))
+            offset += n
+        scale_in_place(buf, response.prescale)
+        self.comm.Allreduce(self._MPI.IN_PLACE, [buf, mpi_datatype(info)],
+                            op=mpi_reduce_op(info, ReduceOp(response.reduce_op)))
+        scale_in_place(buf, self._postscale(response))
+        offset = 0
+        for _, entry in batch:
+            n = entry.array.size
+            np.copyto(entry.output.reshape(-1), buf[offset:offset + n])
+            offset += n
+
+    def _allgather(self, response: Response, entry: Entry) -> None:
+        info = dtype_info(response.dtype)
+        row_shape = tuple(response.shape[1:])
+        row = int(np.prod(row_shape, dtype=np.int64))
+        out_shape = (sum(response.first_dims),) + row_shape
+        entry.output = entry.allocate(out_shape, info.np_dtype)
+        counts = [d * row for d in response.first_dims]
+        displs = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64).tolist()
+        mpi_type = mpi_datatype(info)
+        self.comm.Allgatherv([entry.array.reshape(-1), mpi_type],
+                             [entry.output.reshape(-1), (counts, displs), mpi_type])
+
+    def _broadcast(self, response: Response, entry: Entry) -> None:
+        info = dtype_info(response.dtype)
+        out = entry.output.reshape(-1)
+        if self.rank == response.root and entry.output is not entry.array:
+            np.copyto(out, entry.array.reshape(-1))
+        self.comm.Bcast([out, mpi_datatype(info)], root=response.root)

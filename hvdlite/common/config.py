@@ -1,0 +1,69 @@
+"""Engine settings read from the environment.
+
+Each knob is ``HVDLITE_<NAME>``; Horovod's ``HOROVOD_<NAME>`` is accepted as an alias so existing
+launch scripts keep working (the hvdlite spelling wins when both are set).  Rank 0's values are
+broadcast at ``init()``: knobs that shape the communication pattern (fusion threshold, cache
+capacity) must agree on every rank or the ranks would issue different collectives.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Mapping
+
+DEFAULT_FUSION_THRESHOLD = 128 * 1024 * 1024  # bytes, Horovod's default since v0.21
+DEFAULT_CYCLE_TIME_MS = 1.0
+DEFAULT_CACHE_CAPACITY = 1024
+DEFAULT_STALL_CHECK_SECONDS = 60.0
+
+
+def env_value(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """Value of ``HVDLITE_<name>``, else ``HOROVOD_<name>``, else None."""
+    environ = os.environ if environ is None else environ
+    for prefix in ("HVDLITE_", "HOROVOD_"):
+        value = environ.get(prefix + name)
+        if value is not None and value.strip() != "":
+            return value.strip()
+    return None
+
+
+def _number(name: str, default: float, environ: Mapping[str, str] | None, cast=float):
+    raw = env_value(name, environ)
+    if raw is None:
+        return default
+    try:
+        value = cast(float(raw)) if cast is int else cast(raw)
+    except ValueError:
+        raise ValueError(f"HVDLITE_{name}={raw!r} is not a number.") from None
+    if value < 0:
+        raise ValueError(f"HVDLITE_{name}={raw!r} must not be negative.")
+    return value
+
+
+def _flag(name: str, environ: Mapping[str, str] | None) -> bool:
+    raw = env_value(name, environ)
+    return raw is not None and raw.lower() not in ("0", "false", "no", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    fusion_threshold: int = DEFAULT_FUSION_THRESHOLD
+    cycle_time_ms: float = DEFAULT_CYCLE_TIME_MS
+    cache_capacity: int = DEFAULT_CACHE_CAPACITY
+    stall_check_enabled: bool = True
+    stall_check_seconds: float = DEFAULT_STALL_CHECK_SECONDS
+    stall_shutdown_seconds: float = 0.0  # 0 = never turn a stall into an error
+    log_level: str = "WARNING"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Config":
+        return cls(
+            fusion_threshold=_number("FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD, environ, int),
+            cycle_time_ms=_number("CYCLE_TIME", DEFAULT_CYCLE_TIME_MS, environ),
+            cache_capacity=_number("CACHE_CAPACITY", DEFAULT_CACHE_CAPACITY, environ, int),
+            stall_check_enabled=not _flag("STALL_CHECK_DISABLE", environ),
+            stall_check_seconds=_number(
+                "STALL_CHECK_TIME_SECONDS", DEFAULT_STALL_CHECK_SECONDS, environ),
+            stall_shutdown_seconds=_number("STALL_SHUTDOWN_TIME_SECONDS", 0.0, environ),
+            log_level=(env_value("LOG_LEVEL", environ) or "WARNING").upper(),
+        )

@@ -1,0 +1,281 @@
+"""Negotiation over MPI: deciding, identically on every rank, which operations run and in what order.
+
+One *round* is what every rank's background thread does together:
+
+1. A bitwise AND (one small non-blocking ``Iallreduce``) over three bit sets: cache slots of
+   tensors ready here, cache slots this rank found stale, and status flags (negated so that AND
+   yields "some rank has it").  In steady state this is the whole negotiation.
+2. Only if some rank has a tensor the cache does not know (or asks for a shutdown or a stall
+   report) the ranks send their full requests to the coordinator (rank 0) point-to-point; it
+   validates tensors that are now ready everywhere and sends back the ordered responses.
+
+Ranks take part in rounds while they have pending work, and every ``IDLE_TICK_SECONDS`` when idle,
+so the coordinator always learns within a bounded time who is missing what, and a rank that
+shuts down is noticed by the others.  Waiting never spins (see :mod:`waiting`).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Iterable
+
+import numpy as np
+
+from .config import Config
+from .errors import StallError
+from .handle import Entry
+from .messages import ERROR_STALL, Request, Response, build_response
+from .response_cache import ResponseCache
+from .waiting import wait_until
+
+log = logging.getLogger("hvdlite")
+
+IDLE_TICK_SECONDS = 0.1   # an idle rank still joins a round this often
+TAG_REQUESTS = 7101
+TAG_RESPONSES = 7102
+
+F_UNSENT = 1 << 0      # some rank has requests the coordinator has not seen
+F_SHUTDOWN = 1 << 1    # some rank is shutting down
+F_STALL = 1 << 2       # some rank wants a stall report
+F_IDLE = 1 << 3        # some rank has nothing pending (so waiting on it is not a livelock)
+_ALL_ONES = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _set_bits(words: np.ndarray, slots: Iterable[int]) -> None:
+    for slot in slots:
+        words[slot >> 6] |= np.uint64(1 << (slot & 63))
+
+
+def _bits(words: np.ndarray) -> list[int]:
+    out = []
+    for w, value in enumerate(words.tolist()):
+        while value:
+            low = value & -value
+            out.append((w << 6) + low.bit_length() - 1)
+            value ^= low
+    return out
+
+
+class RoundOutcome:
+    __slots__ = ("ready", "shutdown_ranks", "progress", "everyone_busy")
+
+    def __init__(self) -> None:
+        self.ready: list[tuple[Response, Entry | None]] = []  # in execution order
+        self.shutdown_ranks: tuple[int, ...] = ()
+        self.progress = False
+        self.everyone_busy = False
+
+
+class Controller:
+    def __init__(self, comm, config: Config) -> None:
+        from mpi4py import MPI
+        self._MPI = MPI
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.config = config
+        self.max_sleep = max(config.cycle_time_ms, 0.01) / 1000.0
+        self.cache = ResponseCache(config.cache_capacity)
+        self.pending: dict[str, Entry] = {}
+        self._table: dict[str, dict[int, Request]] = {}   # coordinator: full requests by name
+        self._outbox = []                                  # unfinished isend requests
+
+    # ---------------------------------------------------------------------------------------
+    def stall_due(self, now: float) -> bool:
+        return self.config.stall_check_enabled and any(
+            now >= e.next_stall_report for e in self.pending.values())
+
+    def _wait(self, ready, what: str) -> None:
+        wait_until(ready, self.max_sleep, on_slow=lambda waited: self._local_stall(waited, what))
+
+    def _local_stall(self, waited: float, what: str) -> None:
+        """A round that does not complete means some rank's hvdlite thread is not running
+        rounds at all (a process stopped or stuck while holding the interpreter)."""
+        cfg = self.config
+        if not cfg.stall_check_enabled or waited < cfg.stall_check_seconds:
+            return
+        names = sorted(self.pending)[:20]
+        if int(waited) % max(1, int(cfg.stall_check_seconds)) == 0:
+            log.warning("rank %d has waited %.0f s for the other ranks to join %s; pending here: "
+                        "%s. Some rank is not responding (stopped, or stuck outside Python).",
+                        self.rank, waited, what, names)
+        if cfg.stall_shutdown_seconds > 0 and waited >= cfg.stall_shutdown_seconds:
+            raise StallError(
+                f"rank {self.rank} gave up after {waited:.0f} s waiting for the other ranks to "
+                f"join {what} (HVDLITE_STALL_SHUTDOWN_TIME_SECONDS="
+                f"{cfg.stall_shutdown_seconds:g}); pending here: {names}.")
+
+    def _finish_outbox(self) -> None:
+        if self._outbox:
+            MPI = self._MPI
+            self._wait(lambda: MPI.Request.Testall(self._outbox), "negotiation")
+            self._outbox.clear()
+
+    # ---------------------------------------------------------------------------------------
+    def run_round(self, new_entries: list[Entry], shutdown: bool) -> RoundOutcome:
+        MPI = self._MPI
+        invalid_here: set[int] = set()
+        for entry in new_entries:
+            self.pending[entry.name] = entry
+            entry.slot, stale = self.cache.lookup(entry.request)
+            if stale is not None:
+                invalid_here.add(stale)
+            cfg = self.config
+            entry.next_stall_report = entry.submitted_at + (
+                cfg.stall_check_seconds if cfg.stall_check_enabled else float("inf"))
+        now = time.monotonic()
+        want_stall = self.stall_due(now)
+
+        nw = self.cache.num_words
+        vec = np.zeros(2 * nw + 1, dtype=np.uint64)
+        vec[nw:] = _ALL_ONES
+        _set_bits(vec[:nw], (e.slot for e in self.pending.values() if e.slot is not None))
+        cleared = _ALL_ONES.copy()
+        inval = np.zeros(nw, dtype=np.uint64)
+        _set_bits(inval, invalid_here)
+        vec[nw:2 * nw] &= ~inval
+        flags = 0
+        if any(e.slot is None and not e.sent for e in self.pending.values()):
+            flags |= F_UNSENT
+        if shutdown:
+            flags |= F_SHUTDOWN
+        if want_stall:
+            flags |= F_STALL
+        if not self.pending:
+            flags |= F_IDLE
+        vec[2 * nw] = cleared & ~np.uint64(flags)
+        result = np.empty_like(vec)
+        request = self.comm.Iallreduce(vec, result, op=MPI.BAND)
+        self._wait(request.Test, "negotiation")
+
+        outcome = RoundOutcome()
+        any_flags = int(~result[2 * nw])
+        invalid = _bits(~result[nw:2 * nw])
+        for slot in invalid:
+            self.cache.erase(slot)
+        invalid_set = set(invalid)
+        cached_ready = []
+        for slot in _bits(result[:nw]):
+            if slot not in invalid_set:
+                cached_ready.append(self.cache.response(slot))
+        for entry in self.pending.values():
+            if entry.slot in invalid_set:
+                entry.slot = None   # now negotiated in full, like a new tensor
+        for response in cached_ready:
+            outcome.ready.append((response, self.pending.pop(response.name)))
+
+        slow = invalid or any_flags & (F_UNSENT | F_SHUTDOWN | F_STALL)
+        if slow:
+            new_responses, outcome.shutdown_ranks = self._exchange(
+                shutdown, bool(any_flags & F_STALL), now)
+            for response in new_responses:
+                entry = self.pending.pop(response.name, None)
+                if response.error is None and entry is not None:
+                    self.cache.put(response, entry.request)
+                if entry is not None or response.error is None:
+                    outcome.ready.append((response, entry))
+        outcome.progress = bool(outcome.ready) or bool(slow)
+        outcome.everyone_busy = not (any_flags & F_IDLE)
+        return outcome
+
+    # ---------------------------------------------------------------------------------------
+    def _exchange(self, shutdown: bool, stall_report: bool, now: float):
+        """Slow path: full requests to the coordinator, ordered responses back."""
+        unsent = [e for e in self.pending.values() if e.slot is None and not e.sent]
+        for entry in unsent:
+            entry.sent = True
+        payload = {
+            "requests": [e.request for e in unsent],
+            "shutdown": shutdown,
+            "pending": ({name: now - e.submitted_at for name, e in self.pending.items()}
+                        if stall_report else None),
+        }
+        if stall_report:
+            cfg = self.config
+            for entry in self.pending.values():
+                if now >= entry.next_stall_report:
+                    nxt = now + cfg.stall_check_seconds
+                    deadline = entry.submitted_at + cfg.stall_shutdown_seconds
+                    if cfg.stall_shutdown_seconds > 0 and now < deadline:
+                        nxt = min(nxt, deadline)
+                    entry.next_stall_report = nxt
+        if self.rank != 0:
+            self._finish_outbox()
+            self._outbox.append(self.comm.isend(payload, dest=0, tag=TAG_REQUESTS))
+            holder = []
+
+            def arrived() -> bool:
+                msg = self.comm.improbe(source=0, tag=TAG_RESPONSES)
+                if msg is None:
+                    return False
+                holder.append(msg.recv())
+                return True
+
+            self._wait(arrived, "negotiation")
+            reply = holder[0]
+            return reply["responses"], reply["shutdown_ranks"]
+
+        payloads = {0: payload}
+        while len(payloads) < self.size:
+            holder = []
+
+            def arrived() -> bool:
+                status = self._MPI.Status()
+                msg = self.comm.improbe(source=self._MPI.ANY_SOURCE, tag=TAG_REQUESTS,
+                                        status=status)
+                if msg is None:
+                    return False
+                holder.append((status.Get_source(), msg.recv()))
+                return True
+
+            self._wait(arrived, "negotiation")
+            source, data = holder[0]
+            payloads[source] = data
+        responses, shutdown_ranks = self._coordinate(payloads)
+        reply = {"responses": responses, "shutdown_ranks": shutdown_ranks}
+        self._finish_outbox()
+        for dest in range(1, self.size):
+            self._outbox.append(self.comm.isend(reply, dest=dest, tag=TAG_RESPONSES))
+        return responses, shutdown_ranks
+
+    def _coordinate(self, payloads: dict[int, dict]) -> tuple[list[Response], tuple[int, ...]]:
+        shutdown_ranks = tuple(sorted(r for r, p in payloads.items() if p["shutdown"]))
+        for rank in sorted(payloads):
+            for request in payloads[rank]["requests"]:
+                self._table.setdefault(request.name, {})[rank] = request
+        responses: list[Response] = []
+        for name in [n for n, reqs in self._table.items() if len(reqs) == self.size]:
+            responses.append(build_response(self._table.pop(name)))
+        if any(p["pending"] is not None for p in payloads.values()):
+            responses += self._stall_report(payloads)
+        return responses, shutdown_ranks
+
+    def _stall_report(self, payloads: dict[int, dict]) -> list[Response]:
+        cfg = self.config
+        by_name: dict[str, dict[int, float]] = {}
+        for rank, payload in payloads.items():
+            for name, age in (payload["pending"] or {}).items():
+                by_name.setdefault(name, {})[rank] = age
+        errors = []
+        lines = []
+        for name, ages in sorted(by_name.items()):
+            missing = [r for r in range(self.size) if r not in ages]
+            age = max(ages.values())
+            if not missing or age < cfg.stall_check_seconds:
+                continue
+            lines.append(f"  {name!r}: submitted on ranks {sorted(ages)} {age:.0f} s ago, "
+                         f"missing on ranks {missing}")
+            if cfg.stall_shutdown_seconds > 0 and age >= cfg.stall_shutdown_seconds:
+                self._table.pop(name, None)
+                errors.append(Response(
+                    name, "error", error_kind=ERROR_STALL,
+                    error=(f"Tensor {name!r} stalled: submitted on ranks {sorted(ages)} but "
+                           f"missing on ranks {missing} for {age:.0f} s (HVDLITE_STALL_SHUTDOWN_"
+                           f"TIME_SECONDS={cfg.stall_shutdown_seconds:g}). Every rank must submit "
+                           f"the same tensors; check for rank-dependent control flow.")))
+        if lines:
+            log.warning("Stall detected: one or more tensors were submitted on some ranks but "
+                        "not on others (the other ranks may be waiting on these forever):\n%s"
+                        "\nCheck for rank-dependent code paths, or ranks that ran out of data.",
+                        "\n".join(lines))
+        return errors

@@ -1,0 +1,161 @@
+"""The background thread that owns all collective communication.
+
+User threads only enqueue entries and wait on handles.  The engine thread loops: take what was
+submitted, run a negotiation round (see :mod:`controller`), execute the agreed responses in the
+agreed order through the backend (fusing small allreduces), and complete the handles.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from .backend_mpi import MPIBackend
+from .config import Config
+from .controller import Controller, IDLE_TICK_SECONDS
+from .errors import (DuplicateNameError, HvdliteError, RankExitedError, ShutdownError,
+                     StallError, TensorMismatchError)
+from .fusion import plan_batches
+from .handle import Entry, Handle
+from .messages import ALLREDUCE, ERROR_STALL, Response
+
+log = logging.getLogger("hvdlite")
+
+
+def _fusion_key(item: tuple[Response, Entry]):
+    response, _ = item
+    if response.kind != ALLREDUCE:
+        return None
+    return (response.dtype, response.reduce_op, response.prescale, response.postscale,
+            response.device)
+
+
+def _nbytes(item: tuple[Response, Entry]) -> int:
+    array = item[1].array
+    return 0 if array is None else array.nbytes
+
+
+class Engine:
+    def __init__(self, comm, config: Config) -> None:
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.config = config
+        self.controller = Controller(comm, config)
+        self.backend = MPIBackend(comm)
+        self._cv = threading.Condition()
+        self._incoming: list[Entry] = []
+        self._in_flight: dict[str, Entry] = {}   # submitted, not completed
+        self._shutdown_requested = False
+        self._stopped: str | None = None        # why the engine stopped, once it has
+        self._thread = threading.Thread(target=self._run, name="hvdlite-engine", daemon=True)
+
+    # --- user threads ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def new_handle(self, name: str) -> Handle:
+        return Handle(name, self.alive)
+
+    def submit(self, entry: Entry) -> Handle:
+        with self._cv:
+            if self._stopped is not None:
+                raise ShutdownError(self._stopped)
+            if self._shutdown_requested:
+                raise ShutdownError("hvdlite is shutting down; no new operations are accepted.")
+            if entry.name in self._in_flight:
+                raise DuplicateNameError(
+                    f"A tensor named {entry.name!r} is already in flight on rank {self.rank}. "
+                    f"Names must be unique among pending operations: wait for the first one "
+                    f"(hvd.synchronize) or give the second a different name.")
+            self._in_flight[entry.name] = entry
+            self._incoming.append(entry)
+            self._cv.notify()
+        return entry.handle
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        with self._cv:
+            self._shutdown_requested = True
+            self._cv.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # --- engine thread -----------------------------------------------------------------------
+    def _take_work(self, pause: float) -> tuple[list[Entry], bool]:
+        with self._cv:
+            if not (self._incoming or self._shutdown_requested):
+                if self.controller.pending and pause == 0.0:
+                    pass  # keep negotiating: other ranks may be about to submit
+                else:
+                    self._cv.wait(pause if pause > 0 else IDLE_TICK_SECONDS)
+            new, self._incoming = self._incoming, []
+            return new, self._shutdown_requested
+
+    def _run(self) -> None:
+        pause = 0.0
+        try:
+            while True:
+                new, shutdown = self._take_work(pause)
+                outcome = self.controller.run_round(new, shutdown)
+                self._execute(outcome.ready)
+                if outcome.shutdown_ranks:
+                    self._stop_after_shutdown(outcome.shutdown_ranks)
+                    return
+                # Everyone has work but nothing matched (tensors submitted in different orders):
+                # pace the rounds by the cycle time instead of spinning.
+                pause = (self.controller.max_sleep
+                         if (not outcome.progress and outcome.everyone_busy and not new) else 0.0)
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiters
+            if isinstance(exc, HvdliteError):
+                reason = str(exc)
+                error: BaseException = exc
+            else:
+                log.exception("hvdlite background thread failed")
+                reason = f"hvdlite's background thread failed: {type(exc).__name__}: {exc}"
+                error = HvdliteError(reason)
+            self._fail_everything(error, reason)
+
+    def _execute(self, ready: list[tuple[Response, Entry | None]]) -> None:
+        runnable = []
+        for response, entry in ready:
+            if response.error is not None:
+                cls = StallError if response.error_kind == ERROR_STALL else TensorMismatchError
+                self._complete(entry, error=cls(response.error))
+            else:
+                runnable.append((response, entry))
+        for batch in plan_batches(runnable, _fusion_key, _nbytes, self.config.fusion_threshold):
+            self.backend.execute(batch)
+            for _, entry in batch:
+                self._complete(entry, result=entry.output)
+
+    def _complete(self, entry: Entry, result=None, error: BaseException | None = None) -> None:
+        with self._cv:
+            self._in_flight.pop(entry.name, None)
+        entry.handle._complete(result, error)
+
+    def _stop_after_shutdown(self, ranks: tuple[int, ...]) -> None:
+        if self.rank in ranks:
+            reason = "hvdlite has been shut down; call hvd.init() to use it again."
+            self._fail_everything(ShutdownError(reason), reason, per_entry=lambda e: ShutdownError(
+                f"hvdlite was shut down on rank {self.rank} while {e.name!r} was pending."))
+            return
+        others = [r for r in ranks if r != self.rank]
+        reason = (f"hvdlite stopped because rank(s) {others} shut down (their script ended, "
+                  f"raised an exception, or called hvd.shutdown()); no further collective "
+                  f"operations are possible in this job. Look at rank(s) {others}'s output for "
+                  f"the cause.")
+        self._fail_everything(RankExitedError(reason), reason, per_entry=lambda e: RankExitedError(
+            f"Rank(s) {others} shut down hvdlite (their script ended, raised an exception, or "
+            f"called hvd.shutdown()) while tensor {e.name!r} was still pending on rank "
+            f"{self.rank}. Look at rank(s) {others}'s output for the cause."))
+
+    def _fail_everything(self, error: BaseException, reason: str, per_entry=None) -> None:
+        with self._cv:
+            self._stopped = reason
+            entries = list(self._in_flight.values())
+            self.controller.pending.clear()
+            self._incoming = []
+        for entry in entries:
+            self._complete(entry, error=per_entry(entry) if per_entry else error)

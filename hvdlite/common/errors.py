@@ -1,0 +1,47 @@
+"""Exceptions raised by hvdlite.
+
+Every failure of a collective operation derives from :class:`HvdliteError`, which is also exported
+as ``HorovodInternalError`` so that ``except hvd.HorovodInternalError`` in a Horovod script keeps
+catching the same failures.  The more specific classes let callers (and tests) tell cases apart.
+"""
+from __future__ import annotations
+
+
+class HvdliteError(RuntimeError):
+    """A collective operation failed (on every rank that took part)."""
+
+
+# Horovod scripts catch this name; it is the same class so both spellings catch every failure.
+HorovodInternalError = HvdliteError
+
+
+class NotInitializedError(ValueError):
+    """An hvdlite function was called before ``init()``."""
+
+    def __init__(self, what: str = "this function") -> None:
+        super().__init__(f"hvdlite has not been initialized; call hvd.init() before {what}.")
+
+
+class ShutdownError(HvdliteError):
+    """hvdlite was shut down (here or on another rank) while the operation was pending, or an
+    operation was submitted after ``shutdown()``."""
+
+
+class RankExitedError(ShutdownError):
+    """Another rank shut down or exited while this rank still waited on it."""
+
+
+class TensorMismatchError(HvdliteError, ValueError):
+    """Ranks submitted the same tensor name with different dtype/shape/op/root/device/scale."""
+
+
+class DuplicateNameError(HvdliteError, ValueError):
+    """A tensor name is already in flight on this rank."""
+
+
+class UnsupportedDtypeError(HvdliteError, TypeError):
+    """The dtype cannot be used with the requested operation."""
+
+
+class StallError(HvdliteError):
+    """A tensor stayed unsubmitted on some ranks past HVDLITE_STALL_SHUTDOWN_TIME_SECONDS."""

@@ -1,0 +1,95 @@
+"""Async work handles and the entries the engine carries for them."""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from .messages import Request
+
+
+class Handle:
+    """Completion handle of one asynchronous collective.
+
+    ``poll()`` never blocks; ``wait()`` blocks until the operation finished on this rank and
+    returns its result or raises its error.  Post-processing registered by an adapter (wrapping a
+    numpy result into a framework tensor, copying back into a non-contiguous input, ...) runs once,
+    on the thread that waits.
+    """
+
+    __slots__ = ("name", "_event", "_result", "_error", "_post", "_finished", "_engine_alive")
+
+    def __init__(self, name: str, engine_alive: Callable[[], bool]) -> None:
+        self.name = name
+        self._event = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._post: list[Callable[[Any], Any]] = []
+        self._finished = False
+        self._engine_alive = engine_alive
+
+    # --- engine side -------------------------------------------------------------------------
+    def _complete(self, result: Any = None, error: BaseException | None = None) -> None:
+        self._result, self._error = result, error
+        self._event.set()
+
+    # --- user side ---------------------------------------------------------------------------
+    def then(self, fn: Callable[[Any], Any]) -> "Handle":
+        """Transform the result when it is waited for (adapters use this)."""
+        self._post.append(fn)
+        return self
+
+    def poll(self) -> bool:
+        """True once the operation has completed (successfully or not)."""
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until done; return the result or raise the operation's error."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._event.wait(1.0 if deadline is None else
+                                   max(0.0, min(1.0, deadline - time.monotonic()))):
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"hvdlite operation {self.name!r} did not finish within "
+                                   f"{timeout} s.")
+            if not self._engine_alive() and not self._event.is_set():
+                from .errors import ShutdownError
+                raise ShutdownError(f"hvdlite's background thread is gone; operation "
+                                    f"{self.name!r} can never finish.")
+        if self._error is not None:
+            raise self._error
+        if not self._finished:
+            for fn in self._post:
+                self._result = fn(self._result)
+            self._post.clear()
+            self._finished = True
+        return self._result
+
+    synchronize = wait
+
+    def __repr__(self) -> str:
+        return f"<hvdlite.Handle {self.name!r} {'done' if self.poll() else 'pending'}>"
+
+
+class Entry:
+    """One submitted operation, as the engine sees it."""
+
+    __slots__ = ("request", "array", "output", "allocate", "handle", "submitted_at",
+                 "slot", "sent", "next_stall_report")
+
+    def __init__(self, request: Request, array: np.ndarray | None, output: np.ndarray | None,
+                 allocate: Callable[[tuple, np.dtype], np.ndarray] | None, handle: Handle) -> None:
+        self.request = request
+        self.array = array          # contiguous input view (arithmetic dtype)
+        self.output = output        # contiguous output view, or None if allocated at execution
+        self.allocate = allocate    # allocator for outputs whose shape is known only after
+        self.handle = handle        # negotiation (allgather)
+        self.submitted_at = time.monotonic()
+        self.slot: int | None = None   # response-cache slot announced for this entry
+        self.sent = False              # full request already delivered to the coordinator
+        self.next_stall_report = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.request.name

@@ -1,0 +1,113 @@
+"""Negotiation messages and their cross-rank validation (pure logic, no MPI).
+
+A :class:`Request` says "this rank has tensor <name> ready, with these properties".  The
+coordinator collects one per rank and turns them into a :class:`Response` (what every rank will
+execute) or an error response that names the tensor, what each rank sent and which ranks disagree.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Mapping
+
+ALLREDUCE = "allreduce"
+ALLGATHER = "allgather"
+BROADCAST = "broadcast"
+BARRIER = "barrier"
+
+ERROR_MISMATCH = "mismatch"
+ERROR_STALL = "stall"
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    name: str
+    kind: str
+    dtype: str
+    shape: tuple
+    reduce_op: int = -1
+    root: int = -1
+    device: int = -1          # -1 = host memory, else the CUDA device ordinal
+    prescale: float = 1.0
+    postscale: float = 1.0
+    cacheable: bool = True    # auto-named tensors never repeat, so caching them is waste
+
+    def signature(self) -> tuple:
+        """Everything that must match for a cached response to be reused."""
+        return (self.kind, self.dtype, self.shape, self.reduce_op, self.root, self.device,
+                self.prescale, self.postscale)
+
+
+@dataclasses.dataclass(frozen=True)
+class Response:
+    name: str
+    kind: str
+    dtype: str = ""
+    shape: tuple = ()
+    reduce_op: int = -1
+    root: int = -1
+    device: int = -1
+    prescale: float = 1.0
+    postscale: float = 1.0
+    first_dims: tuple = ()      # allgather: first dimension contributed by each rank
+    error: str | None = None
+    error_kind: str | None = None
+    cacheable: bool = True
+
+
+def _describe_values(name: str, kind: str, field: str, by_rank: Mapping[int, object]) -> str:
+    groups: dict[object, list[int]] = {}
+    for rank in sorted(by_rank):
+        groups.setdefault(by_rank[rank], []).append(rank)
+    reference = by_rank[min(by_rank)]
+    disagree = sorted(r for r, v in by_rank.items() if v != reference)
+    parts = "; ".join(f"{field} {value!r} on ranks {ranks}" for value, ranks in groups.items())
+    return (f"Mismatched {field} for tensor {name!r} in {kind}: {parts}. "
+            f"Ranks {disagree} disagree with rank {min(by_rank)}. Every rank must submit "
+            f"{name!r} with the same {field}; check that each rank runs the same model and "
+            f"passes the same arguments.")
+
+
+def _first_mismatch(name: str, kind: str, requests: Mapping[int, Request],
+                    fields: Iterable[tuple[str, callable]]) -> str | None:
+    for field, get in fields:
+        by_rank = {rank: get(req) for rank, req in requests.items()}
+        if len(set(by_rank.values())) > 1:
+            return _describe_values(name, kind, field, by_rank)
+    return None
+
+
+def build_response(requests: Mapping[int, Request]) -> Response:
+    """Validate one request per rank for the same tensor name; return what to execute."""
+    name = next(iter(requests.values())).name
+    by_kind = {rank: req.kind for rank, req in requests.items()}
+    if len(set(by_kind.values())) > 1:
+        return Response(name, "error", error=_describe_values(name, "negotiation", "operation",
+                                                              by_kind),
+                        error_kind=ERROR_MISMATCH)
+    first = requests[min(requests)]
+    kind = first.kind
+    fields = [("operation", lambda r: r.kind), ("dtype", lambda r: r.dtype),
+              ("device", lambda r: "cpu" if r.device < 0 else f"cuda:{r.device}")]
+    if kind == ALLREDUCE:
+        fields += [("reduce op", lambda r: r.reduce_op), ("shape", lambda r: r.shape),
+                   ("prescale factor", lambda r: r.prescale),
+                   ("postscale factor", lambda r: r.postscale)]
+    elif kind == BROADCAST:
+        fields += [("root rank", lambda r: r.root), ("shape", lambda r: r.shape)]
+    elif kind == ALLGATHER:
+        fields += [("number of dimensions", lambda r: len(r.shape)),
+                   ("shape after the first dimension", lambda r: tuple(r.shape[1:]))]
+    error = _first_mismatch(name, kind, requests, fields)
+    if error is not None:
+        if "reduce op" in error:
+            from .reduce_ops import ReduceOp
+            for op in ReduceOp:
+                error = error.replace(f"reduce op {int(op)!r}", f"reduce op {op.name}")
+        return Response(name, kind, error=error, error_kind=ERROR_MISMATCH)
+    first_dims = ()
+    if kind == ALLGATHER:
+        first_dims = tuple(requests[r].shape[0] if requests[r].shape else 1
+                           for r in sorted(requests))
+    return Response(name, kind, first.dtype, first.shape, first.reduce_op, first.root,
+                    first.device, first.prescale, first.postscale, first_dims,
+                    cacheable=all(r.cacheable for r in requests.values()))

@@ -1,0 +1,44 @@
+"""hvdlite: pure-Python, Horovod-compatible data-parallel training (no compiler needed)."""
+import os
+
+from setuptools import find_packages, setup
+
+here = os.path.dirname(os.path.abspath(__file__))
+version = {}
+with open(os.path.join(here, "hvdlite", "version.py")) as f:
+    exec(f.read(), version)
+
+with open(os.path.join(here, "README.md"), encoding="utf-8") as f:
+    long_description = f.read()
+
+setup(
+    name="hvdlite",
+    version=version["__version__"],
+    description="Horovod-compatible data-parallel training in pure Python over MPI and NCCL",
+    long_description=long_description,
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["hvdlite", "hvdlite.*"]),
+    python_requires=">=3.9",
+    install_requires=[
+        "numpy>=1.22",
+        "ml_dtypes>=0.3",   # bfloat16 arithmetic for numpy
+        "mpi4py>=4.0",
+        # A working MPI from PyPI (MPICH). Skip it with `pip install --no-deps` plus the other
+        # requirements when you use a system MPI; see README "Using a system MPI".
+        "mpich>=4.2; platform_system == 'Linux'",
+    ],
+    extras_require={
+        # Pin torch yourself (e.g. torch==2.13.0 for the CPU wheel); an unpinned torch pulls CUDA.
+        "torch": ["torch>=2.1"],
+        "tensorflow": ["tensorflow-cpu>=2.16"],
+        "nccl": ["cupy-cuda12x>=13"],
+        "examples": ["scikit-learn>=1.2"],
+        "test": ["pytest>=7", "scikit-learn>=1.2"],
+    },
+    entry_points={"console_scripts": ["hvdlite = hvdlite.runner.launch:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "Operating System :: POSIX :: Linux",
+    ],
+)
