@@ -38,17 +38,19 @@ F_UNSENT = 1 << 0      # some rank has requests the coordinator has not seen
 F_SHUTDOWN = 1 << 1    # some rank is shutting down
 F_STALL = 1 << 2       # some rank wants a stall report
 F_IDLE = 1 << 3        # some rank has nothing pending (so waiting on it is not a livelock)
-_ALL_ONES = np.uint64(0xFFFFFFFFFFFFFFFF)
+_ALL_ONES = 0xFFFFFFFFFFFFFFFF
 
 
-def _set_bits(words: np.ndarray, slots: Iterable[int]) -> None:
+def _pack(slots: Iterable[int], nw: int) -> list[int]:
+    words = [0] * nw
     for slot in slots:
-        words[slot >> 6] |= np.uint64(1 << (slot & 63))
+        words[slot >> 6] |= 1 << (slot & 63)
+    return words
 
 
-def _bits(words: np.ndarray) -> list[int]:
+def _bits(words: Iterable[int]) -> list[int]:
     out = []
-    for w, value in enumerate(words.tolist()):
+    for w, value in enumerate(words):
         while value:
             low = value & -value
             out.append((w << 6) + low.bit_length() - 1)
@@ -79,6 +81,13 @@ class Controller:
         self.pending: dict[str, Entry] = {}
         self._table: dict[str, dict[int, Request]] = {}   # coordinator: full requests by name
         self._outbox = []                                  # unfinished isend requests
+        self._bufs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _buffers(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        bufs = self._bufs.get(n)
+        if bufs is None:
+            bufs = self._bufs[n] = (np.empty(n, dtype=np.uint64), np.empty(n, dtype=np.uint64))
+        return bufs
 
     # ---------------------------------------------------------------------------------------
     def stall_due(self, now: float) -> bool:
@@ -127,13 +136,8 @@ class Controller:
         want_stall = self.stall_due(now)
 
         nw = self.cache.num_words
-        vec = np.zeros(2 * nw + 1, dtype=np.uint64)
-        vec[nw:] = _ALL_ONES
-        _set_bits(vec[:nw], (e.slot for e in self.pending.values() if e.slot is not None))
-        cleared = _ALL_ONES.copy()
-        inval = np.zeros(nw, dtype=np.uint64)
-        _set_bits(inval, invalid_here)
-        vec[nw:2 * nw] &= ~inval
+        ready_here = _pack((e.slot for e in self.pending.values() if e.slot is not None), nw)
+        stale_here = _pack(invalid_here, nw)
         flags = 0
         if any(e.slot is None and not e.sent for e in self.pending.values()):
             flags |= F_UNSENT
@@ -143,26 +147,27 @@ class Controller:
             flags |= F_STALL
         if not self.pending:
             flags |= F_IDLE
-        vec[2 * nw] = cleared & ~np.uint64(flags)
-        result = np.empty_like(vec)
-        request = self.comm.Iallreduce(vec, result, op=MPI.BAND)
+        # AND across ranks: ready bits as they are; "some rank has it" bits negated.
+        send, recv = self._buffers(2 * nw + 1)
+        send[:] = ready_here + [_ALL_ONES ^ w for w in stale_here] + [_ALL_ONES ^ flags]
+        request = self.comm.Iallreduce(send, recv, op=MPI.BAND)
         self._wait(request.Test, "negotiation")
+        result = recv.tolist()
 
         outcome = RoundOutcome()
-        any_flags = int(~result[2 * nw])
-        invalid = _bits(~result[nw:2 * nw])
+        any_flags = _ALL_ONES ^ result[2 * nw]
+        invalid = _bits(_ALL_ONES ^ w for w in result[nw:2 * nw])
+        invalid_set = set(invalid)
         for slot in invalid:
             self.cache.erase(slot)
-        invalid_set = set(invalid)
-        cached_ready = []
+        if invalid_set:
+            for entry in self.pending.values():
+                if entry.slot in invalid_set:
+                    entry.slot = None   # now negotiated in full, like a new tensor
         for slot in _bits(result[:nw]):
             if slot not in invalid_set:
-                cached_ready.append(self.cache.response(slot))
-        for entry in self.pending.values():
-            if entry.slot in invalid_set:
-                entry.slot = None   # now negotiated in full, like a new tensor
-        for response in cached_ready:
-            outcome.ready.append((response, self.pending.pop(response.name)))
+                response = self.cache.response(slot)
+                outcome.ready.append((response, self.pending.pop(response.name)))
 
         slow = invalid or any_flags & (F_UNSENT | F_SHUTDOWN | F_STALL)
         if slow:

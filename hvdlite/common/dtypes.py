@@ -63,8 +63,14 @@ def _info_by_name(name: str) -> DtypeInfo:
     return DtypeInfo(name, np_dtype, mpi_name, custom, is_bool)
 
 
+_by_dtype: dict = {}
+
+
 def dtype_info(dtype, what: str = "tensor") -> DtypeInfo:
     """Look up a numpy dtype (or a canonical name); raise a clear error if unsupported."""
+    info = _by_dtype.get(dtype)
+    if info is not None:
+        return info
     name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
     if name not in _FIXED:
         raise UnsupportedDtypeError(

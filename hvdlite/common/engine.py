@@ -7,8 +7,8 @@ agreed order through the backend (fusing small allreduces), and complete the han
 from __future__ import annotations
 
 import logging
+import queue
 import threading
-import time
 
 from .backend_mpi import MPIBackend
 from .config import Config
@@ -42,8 +42,8 @@ class Engine:
         self.config = config
         self.controller = Controller(comm, config)
         self.backend = MPIBackend(comm)
-        self._cv = threading.Condition()
-        self._incoming: list[Entry] = []
+        self._lock = threading.Lock()              # guards _in_flight and the stop state
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()   # entries (or None = wake up)
         self._in_flight: dict[str, Entry] = {}   # submitted, not completed
         self._shutdown_requested = False
         self._stopped: str | None = None        # why the engine stopped, once it has
@@ -60,7 +60,7 @@ class Engine:
         return Handle(name, self.alive)
 
     def submit(self, entry: Entry) -> Handle:
-        with self._cv:
+        with self._lock:
             if self._stopped is not None:
                 raise ShutdownError(self._stopped)
             if self._shutdown_requested:
@@ -71,27 +71,36 @@ class Engine:
                     f"Names must be unique among pending operations: wait for the first one "
                     f"(hvd.synchronize) or give the second a different name.")
             self._in_flight[entry.name] = entry
-            self._incoming.append(entry)
-            self._cv.notify()
+        self._queue.put(entry)
         return entry.handle
 
     def shutdown(self, timeout: float | None = None) -> None:
-        with self._cv:
+        with self._lock:
             self._shutdown_requested = True
-            self._cv.notify()
+        self._queue.put(None)
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
     # --- engine thread -----------------------------------------------------------------------
     def _take_work(self, pause: float) -> tuple[list[Entry], bool]:
-        with self._cv:
-            if not (self._incoming or self._shutdown_requested):
-                if self.controller.pending and pause == 0.0:
-                    pass  # keep negotiating: other ranks may be about to submit
-                else:
-                    self._cv.wait(pause if pause > 0 else IDLE_TICK_SECONDS)
-            new, self._incoming = self._incoming, []
-            return new, self._shutdown_requested
+        """New entries since the last round; blocks only when there is nothing to negotiate."""
+        q = self._queue
+        new: list[Entry] = []
+        if q.empty() and not (self.controller.pending and pause == 0.0):
+            try:
+                item = q.get(timeout=pause if pause > 0 else IDLE_TICK_SECONDS)
+                if item is not None:
+                    new.append(item)
+            except queue.Empty:
+                pass
+        while True:
+            try:
+                item = q.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                new.append(item)
+        return new, self._shutdown_requested
 
     def _run(self) -> None:
         pause = 0.0
@@ -131,7 +140,7 @@ class Engine:
                 self._complete(entry, result=entry.output)
 
     def _complete(self, entry: Entry, result=None, error: BaseException | None = None) -> None:
-        with self._cv:
+        with self._lock:
             self._in_flight.pop(entry.name, None)
         entry.handle._complete(result, error)
 
@@ -152,10 +161,9 @@ class Engine:
             f"{self.rank}. Look at rank(s) {others}'s output for the cause."))
 
     def _fail_everything(self, error: BaseException, reason: str, per_entry=None) -> None:
-        with self._cv:
+        with self._lock:
             self._stopped = reason
             entries = list(self._in_flight.values())
             self.controller.pending.clear()
-            self._incoming = []
         for entry in entries:
             self._complete(entry, error=per_entry(entry) if per_entry else error)

@@ -1,7 +1,7 @@
 """Async work handles and the entries the engine carries for them."""
 from __future__ import annotations
 
-import threading
+import _thread
 import time
 from typing import Any, Callable
 
@@ -19,57 +19,68 @@ class Handle:
     on the thread that waits.
     """
 
-    __slots__ = ("name", "_event", "_result", "_error", "_post", "_finished", "_engine_alive")
+    __slots__ = ("name", "_done", "_lock", "_result", "_error", "_post", "_engine_alive")
 
     def __init__(self, name: str, engine_alive: Callable[[], bool]) -> None:
         self.name = name
-        self._event = threading.Event()
+        self._done = False
+        self._lock = _thread.allocate_lock()   # held until completion: waiting = acquiring
+        self._lock.acquire()
         self._result: Any = None
         self._error: BaseException | None = None
-        self._post: list[Callable[[Any], Any]] = []
-        self._finished = False
+        self._post: list[Callable[[Any], Any]] | None = None
         self._engine_alive = engine_alive
 
     # --- engine side -------------------------------------------------------------------------
     def _complete(self, result: Any = None, error: BaseException | None = None) -> None:
+        if self._done:
+            return
         self._result, self._error = result, error
-        self._event.set()
+        self._done = True
+        self._lock.release()
 
     # --- user side ---------------------------------------------------------------------------
     def then(self, fn: Callable[[Any], Any]) -> "Handle":
         """Transform the result when it is waited for (adapters use this)."""
+        if self._post is None:
+            self._post = []
         self._post.append(fn)
         return self
 
     def poll(self) -> bool:
         """True once the operation has completed (successfully or not)."""
-        return self._event.is_set()
+        return self._done
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until done; return the result or raise the operation's error."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._event.wait(1.0 if deadline is None else
-                                   max(0.0, min(1.0, deadline - time.monotonic()))):
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"hvdlite operation {self.name!r} did not finish within "
-                                   f"{timeout} s.")
-            if not self._engine_alive() and not self._event.is_set():
-                from .errors import ShutdownError
-                raise ShutdownError(f"hvdlite's background thread is gone; operation "
-                                    f"{self.name!r} can never finish.")
+        if not self._done:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            # Bounded waits so a vanished background thread is noticed instead of hanging.
+            while not self._lock.acquire(True, 1.0 if deadline is None else
+                                         max(0.0, min(1.0, deadline - time.monotonic()))):
+                if self._done:
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"hvdlite operation {self.name!r} did not finish "
+                                       f"within {timeout} s.")
+                if not self._engine_alive():
+                    from .errors import ShutdownError
+                    raise ShutdownError(f"hvdlite's background thread is gone; operation "
+                                        f"{self.name!r} can never finish.")
+            else:
+                self._lock.release()   # let other waiters of the same handle through
         if self._error is not None:
             raise self._error
-        if not self._finished:
-            for fn in self._post:
+        if self._post:
+            post, self._post = self._post, None
+            for fn in post:
                 self._result = fn(self._result)
-            self._post.clear()
-            self._finished = True
         return self._result
 
     synchronize = wait
 
     def __repr__(self) -> str:
-        return f"<hvdlite.Handle {self.name!r} {'done' if self.poll() else 'pending'}>"
+        return f"<hvdlite.Handle {self.name!r} {'done' if self._done else 'pending'}>"
 
 
 class Entry:

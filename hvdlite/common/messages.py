@@ -6,8 +6,7 @@ execute) or an error response that names the tensor, what each rank sent and whi
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, NamedTuple
 
 ALLREDUCE = "allreduce"
 ALLGATHER = "allgather"
@@ -18,8 +17,7 @@ ERROR_MISMATCH = "mismatch"
 ERROR_STALL = "stall"
 
 
-@dataclasses.dataclass(frozen=True)
-class Request:
+class Request(NamedTuple):
     name: str
     kind: str
     dtype: str
@@ -33,12 +31,10 @@ class Request:
 
     def signature(self) -> tuple:
         """Everything that must match for a cached response to be reused."""
-        return (self.kind, self.dtype, self.shape, self.reduce_op, self.root, self.device,
-                self.prescale, self.postscale)
+        return self[1:9]
 
 
-@dataclasses.dataclass(frozen=True)
-class Response:
+class Response(NamedTuple):
     name: str
     kind: str
     dtype: str = ""

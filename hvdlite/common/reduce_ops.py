@@ -28,6 +28,8 @@ def resolve_op(op: "ReduceOp | int | None", average: "bool | None" = None) -> Re
 
     Horovod's rule: passing both is an error; neither means Average.
     """
+    if average is None and type(op) is ReduceOp:
+        return op
     if op is not None and average is not None:
         raise ValueError("The op parameter supersedes average; pass only one of them.")
     if op is None:

@@ -1,14 +1,20 @@
-"""Waiting without spinning a core.
+"""Waiting without spinning a core for long.
 
-MPI's blocking calls busy-poll, which would steal the CPU that training needs while a rank waits
-for slower peers.  The engine instead tests non-blocking operations, yielding first (a fast peer
-answers within microseconds) and then sleeping with exponential back-off up to a cap, so a long
-wait costs a few hundred wake-ups per second at most.
+MPI's blocking calls busy-poll for as long as they wait, which would steal the CPU that training
+needs while a rank waits for slower peers.  The engine instead tests non-blocking operations:
+for the first ``SPIN_SECONDS`` it tests between ``sched_yield`` calls (a peer that is nearly
+there answers within microseconds, and a sleep on Linux costs 50-100 us however short it is
+asked to be), then it sleeps with exponential back-off up to a cap, so a long wait costs at most a
+few thousand cheap wake-ups per second.
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable
+
+SPIN_SECONDS = 200e-6
+_yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 
 def wait_until(ready: Callable[[], bool], max_sleep: float,
@@ -18,16 +24,18 @@ def wait_until(ready: Callable[[], bool], max_sleep: float,
     if ready():
         return
     start = time.monotonic()
+    spin_until = start + SPIN_SECONDS
+    while True:
+        _yield()
+        if ready():
+            return
+        if time.monotonic() >= spin_until:
+            break
     next_slow = start + slow_every
-    sleep = 0.0
-    spins = 0
+    sleep = 20e-6
     while not ready():
-        if spins < 20:
-            spins += 1
-            time.sleep(0)  # yield the GIL and the core; the peer is usually nearly there
-            continue
-        sleep = min(max_sleep, max(sleep * 2, 10e-6))
         time.sleep(sleep)
+        sleep = min(max_sleep, sleep * 2)
         if on_slow is not None:
             now = time.monotonic()
             if now >= next_slow:
