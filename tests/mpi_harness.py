@@ -1,0 +1,104 @@
+"""Launch real multi-process MPI jobs from tests, never hanging.
+
+Every job runs as its own ``mpiexec`` in a new process group with a timeout; on timeout the whole
+group is killed and the test fails with the output so far, so a deadlock is a failure with a
+message rather than a stuck CI.  Worker scripts report per-case results as JSON, one file per rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+WORKERS = Path(__file__).resolve().parent / "workers"
+
+
+def mpiexec_path() -> str:
+    """The mpiexec next to this Python (the venv's MPICH) first, then PATH."""
+    here = Path(sys.executable).parent / "mpiexec"
+    if here.exists():
+        return str(here)
+    found = shutil.which("mpiexec") or shutil.which("mpirun")
+    if not found:
+        raise RuntimeError("no mpiexec found; `pip install mpich` provides one")
+    return found
+
+
+def base_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+                "TF_CPP_MIN_LOG_LEVEL": "2"})
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    for key in [k for k in env if k.startswith(("HVDLITE_", "HOROVOD_"))]:
+        del env[key]  # tests set the knobs they mean explicitly
+    env.update(extra or {})
+    return env
+
+
+@dataclasses.dataclass
+class JobResult:
+    returncode: int | None
+    stdout: str
+    stderr: str
+    timed_out: bool
+    results: list[dict]   # per-rank JSON reports, in rank order (missing ranks omitted)
+
+    @property
+    def output(self) -> str:
+        return f"--- stdout ---\n{self.stdout[-6000:]}\n--- stderr ---\n{self.stderr[-6000:]}"
+
+
+def run_job(np: int, argv: list[str], timeout: float = 120, env: dict | None = None,
+            cwd: str | os.PathLike | None = None) -> JobResult:
+    """Run ``mpiexec -n np <argv>``; ``argv[0]`` may be a worker script name under
+    tests/workers (run with this Python)."""
+    out_dir = tempfile.mkdtemp(prefix="hvdlite-test-")
+    first = argv[0]
+    if first.endswith(".py") and not os.path.isabs(first) and (WORKERS / first).exists():
+        argv = [sys.executable, str(WORKERS / first)] + list(argv[1:])
+    cmd = [mpiexec_path(), "-n", str(np)] + list(argv)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=base_env({"HVDLITE_TEST_OUT": out_dir, **(env or {})}),
+                            cwd=cwd or REPO, start_new_session=True)
+    timed_out = False
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+    results = []
+    for rank in range(np):
+        path = Path(out_dir) / f"rank{rank}.json"
+        if path.exists():
+            results.append(json.loads(path.read_text()))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return JobResult(None if timed_out else proc.returncode, stdout, stderr, timed_out, results)
+
+
+def check_job(job: JobResult, np: int, expect_success: bool = True) -> None:
+    """Fail with the job's output if it hung, failed, or not every rank reported."""
+    assert not job.timed_out, f"MPI job timed out (deadlock or hang?)\n{job.output}"
+    if expect_success:
+        assert job.returncode == 0, f"MPI job exited with {job.returncode}\n{job.output}"
+        assert len(job.results) == np, (f"only {len(job.results)} of {np} ranks reported "
+                                         f"results\n{job.output}")
+
+
+def case_failures(job: JobResult, case: str) -> list[str]:
+    """Messages of every rank that reported ``case`` as failed (or did not report it)."""
+    problems = []
+    for rank, report in enumerate(job.results):
+        if case not in report:
+            problems.append(f"rank {rank}: case not reported")
+        elif report[case] is not None:
+            problems.append(f"rank {rank}: {report[case]}")
+    return problems
