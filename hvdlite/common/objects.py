@@ -1,0 +1,44 @@
+"""Broadcast / allgather of arbitrary picklable Python objects (framework-neutral)."""
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import numpy as np
+
+from . import basics, ops
+
+
+def _dumps(obj: Any) -> np.ndarray:
+    buf = io.BytesIO()
+    try:
+        import cloudpickle  # lambdas and local classes, as Horovod allows
+        cloudpickle.dump(obj, buf)
+    except ImportError:
+        pickle.dump(obj, buf, protocol=pickle.HIGHEST_PROTOCOL)
+    return np.frombuffer(buf.getvalue(), dtype=np.uint8)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
+    """Return ``root_rank``'s ``obj`` on every rank (pickled; other ranks may pass None)."""
+    base = "broadcast_object" if name is None else f"broadcast_object.{name}"
+    payload = _dumps(obj) if basics.rank() == root_rank else np.empty(0, dtype=np.uint8)
+    length = ops.broadcast(np.array([payload.size], dtype=np.int64), root_rank,
+                           name=f"{base}.len")
+    data = payload if basics.rank() == root_rank else np.empty(int(length[0]), dtype=np.uint8)
+    data = ops.broadcast(data, root_rank, name=f"{base}.data")
+    return pickle.loads(data.tobytes())
+
+
+def allgather_object(obj: Any, name: str | None = None) -> list:
+    """List of every rank's ``obj``, in rank order."""
+    base = "allgather_object" if name is None else f"allgather_object.{name}"
+    payload = _dumps(obj)
+    sizes = ops.allgather(np.array([payload.size], dtype=np.int64), name=f"{base}.len")
+    data = ops.allgather(payload, name=f"{base}.data").tobytes()
+    out, offset = [], 0
+    for n in sizes.tolist():
+        out.append(pickle.loads(data[offset:offset + n]))
+        offset += n
+    return out

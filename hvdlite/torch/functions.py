@@ -1,0 +1,109 @@
+"""Broadcasting initial state: parameters, optimizer state, arbitrary objects."""
+from __future__ import annotations
+
+import collections.abc
+
+import torch
+
+from hvdlite.common.basics import rank
+from hvdlite.common.objects import allgather_object, broadcast_object
+
+from .mpi_ops import broadcast_async_, synchronize
+
+
+def broadcast_parameters(params, root_rank: int = 0) -> None:
+    """Overwrite every rank's tensors with ``root_rank``'s, in place.
+
+    ``params``: a ``state_dict()``, ``model.named_parameters()``, or a list of (name, tensor)
+    pairs.  Names must be the same on every rank.
+    """
+    if isinstance(params, collections.abc.Mapping):
+        items = sorted(params.items())
+    elif isinstance(params, collections.abc.Iterable):
+        items = list(params)
+        if any(not (isinstance(x, tuple) and len(x) == 2) for x in items):
+            raise ValueError("broadcast_parameters expects a dict or a list of (name, tensor) "
+                             "pairs, e.g. model.state_dict() or model.named_parameters().")
+    else:
+        raise ValueError(f"invalid params of type {type(params).__name__}")
+    handles = []
+    for name, p in items:
+        if p is None:
+            continue
+        if not isinstance(p, torch.Tensor):
+            raise ValueError(f"broadcast_parameters: {name!r} is a {type(p).__name__}, not a "
+                             f"tensor; broadcast it with broadcast_object.")
+        with torch.no_grad():
+            handles.append(broadcast_async_(p, root_rank, name=f"broadcast.param.{name}"))
+    for handle in handles:
+        synchronize(handle)
+
+
+def _create_lazy_state(optimizer: torch.optim.Optimizer) -> None:
+    """Run one step with zero gradients so lazily created state exists, without moving the
+    parameters (their values are restored)."""
+    saved = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                saved.append((p, p.detach().clone(), p.grad))
+                p.grad = torch.zeros_like(p)
+    if isinstance(optimizer, _distributed_cls()):
+        super(_distributed_cls(), optimizer).step()   # the wrapped optimizer's own step
+    else:
+        optimizer.step()
+    with torch.no_grad():
+        for p, value, grad in saved:
+            p.copy_(value)
+            p.grad = grad
+
+
+def _distributed_cls():
+    from .optimizer import _DistributedOptimizer
+    return _DistributedOptimizer
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
+    """Make every rank's optimizer state (per-parameter tensors such as momentum buffers, step
+    counters, and the hyper-parameters in ``param_groups``) equal to ``root_rank``'s.
+
+    Works before the first step too: state that optimizers create lazily is created first.
+    """
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    if not optimizer.state:
+        _create_lazy_state(optimizer)
+    state = optimizer.state_dict()
+    # Everything but the tensors travels as one pickled object from the root.
+    skeleton = {
+        "param_groups": state["param_groups"],
+        "state": {pid: {k: (("tensor", tuple(v.shape), str(v.dtype)) if torch.is_tensor(v)
+                            else ("value", v)) for k, v in s.items()}
+                  for pid, s in state["state"].items()},
+    }
+    skeleton = broadcast_object(skeleton if rank() == root_rank else None, root_rank,
+                                name="optimizer_state")
+    new_state = {}
+    handles = []
+    for pid, entries in sorted(skeleton["state"].items()):
+        local = state["state"].get(pid, {})
+        new_state[pid] = {}
+        for key, (kind, *info) in sorted(entries.items()):
+            if kind == "value":
+                new_state[pid][key] = info[0]
+                continue
+            shape, dtype = info
+            tensor = local.get(key)
+            if (not torch.is_tensor(tensor) or tuple(tensor.shape) != shape
+                    or str(tensor.dtype) != dtype):
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype.split(".")[-1]))
+            new_state[pid][key] = tensor
+            handles.append(broadcast_async_(tensor, root_rank,
+                                            name=f"broadcast.optimizer.{pid}.{key}"))
+    for handle in handles:
+        synchronize(handle)
+    optimizer.load_state_dict({"state": new_state, "param_groups": skeleton["param_groups"]})
+
+
+__all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
+           "allgather_object"]

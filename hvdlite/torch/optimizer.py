@@ -1,0 +1,226 @@
+"""DistributedOptimizer: averages gradients across ranks while backward is still running.
+
+A post-accumulate-grad hook on every parameter starts that gradient's allreduce the moment its
+gradient is complete, so communication overlaps the rest of the backward pass; ``step()`` waits
+for all of them and then runs the wrapped optimizer's own ``step``.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Iterable
+
+import torch
+
+from hvdlite.common.errors import HvdliteError
+from hvdlite.common.reduce_ops import ReduceOp
+
+from .compression import Compression
+from .mpi_ops import allreduce_async_
+
+_TOO_MANY_PASSES = ("Gradients of {name!r} were computed more than backward_passes_per_step="
+                    "{n} times before step()/synchronize(). Call optimizer.step() after each "
+                    "backward pass, or raise backward_passes_per_step to accumulate gradients "
+                    "locally.")
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Mixin placed before the user's optimizer class in a generated subclass."""
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
+                 gradient_predivide_factor, groups, sparse_as_dense):
+        super().__init__(params)
+        self._compression = compression
+        self._passes = backward_passes_per_step
+        self._op = op
+        self._predivide = gradient_predivide_factor
+        self._sparse_as_dense = sparse_as_dense
+        self._names = self._parameter_names(named_parameters)
+        self._group_of, self._groups = self._parameter_groups(groups)
+        self._delay = {p: backward_passes_per_step for p in self._names}
+        self._handles: dict = {}            # param -> (handle or None, ctx, wire tensor)
+        self._group_ready: dict = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                              for p in self._names if p.requires_grad]
+
+    # --- set-up ------------------------------------------------------------------------------
+    def _parameter_names(self, named_parameters) -> dict:
+        all_params = [p for group in self.param_groups for p in group["params"]]
+        if named_parameters is None:
+            return {p: f"allreduce.noname.{i}.{j}" for i, group in enumerate(self.param_groups)
+                    for j, p in enumerate(group["params"])}
+        named = list(named_parameters)
+        if any(not isinstance(pair, tuple) or len(pair) != 2 for pair in named):
+            raise ValueError("named_parameters should be a sequence of (name, parameter) "
+                             "pairs, usually model.named_parameters().")
+        names = [name for name, _ in named]
+        dups = sorted({n for n in names if names.count(n) > 1})
+        if dups:
+            raise ValueError(f"named_parameters contains duplicate names {dups}; each "
+                             f"parameter needs a unique name.")
+        by_param = {p: f"allreduce.{name}" for name, p in named}
+        unnamed = [i for i, p in enumerate(all_params) if p not in by_param]
+        if unnamed:
+            raise ValueError(f"named_parameters was given but {len(unnamed)} of the optimizer's "
+                             f"parameters are not in it (positions {unnamed[:10]}); pass "
+                             f"named_parameters for the same model the optimizer updates.")
+        return {p: by_param[p] for p in all_params}
+
+    def _parameter_groups(self, groups):
+        params = list(self._names)
+        if groups is None:
+            return {}, []
+        if isinstance(groups, int):
+            if groups <= 0:
+                raise ValueError("groups must be a positive int or a list of parameter lists")
+            chunks = [params[i::groups] for i in range(groups)]
+        else:
+            chunks = [list(g) for g in groups]
+            known = set(params)
+            if any(p not in known for g in chunks for p in g):
+                raise ValueError("groups contains a tensor that is not one of the optimizer's "
+                                 "parameters.")
+        group_of = {}
+        for gid, chunk in enumerate(chunks):
+            for p in chunk:
+                if p in group_of:
+                    raise ValueError(f"parameter {self._names[p]!r} appears in two groups.")
+                group_of[p] = gid
+        return group_of, chunks
+
+    # --- gradient hooks ----------------------------------------------------------------------
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if self._delay[p] <= 0:
+            raise HvdliteError(_TOO_MANY_PASSES.format(name=self._names[p], n=self._passes))
+        self._delay[p] -= 1
+        if self._delay[p] > 0:
+            self._handles[p] = (None, None, None)
+            return
+        gid = self._group_of.get(p)
+        if gid is None:
+            self._handles[p] = self._allreduce_grad_async(p)
+            return
+        # A group is submitted together once all its members are ready, so they are
+        # negotiated in the same round and fused into one collective.
+        self._handles[p] = (None, None, None)
+        ready = self._group_ready.setdefault(gid, set())
+        ready.add(p)
+        if len(ready) == len(self._groups[gid]):
+            for member in self._groups[gid]:
+                self._handles[member] = self._allreduce_grad_async(member)
+            del self._group_ready[gid]
+
+    def _allreduce_grad_async(self, p: torch.Tensor):
+        name = self._names[p]
+        if p.grad is None:
+            # No gradient on this rank (parameter unused in this step): still take part with
+            # zeros, because other ranks may have one and would otherwise wait forever.
+            p.grad = torch.zeros_like(p)
+        if p.grad.is_sparse:
+            if not self._sparse_as_dense:
+                raise HvdliteError(f"Gradient of {name!r} is sparse; pass sparse_as_dense=True "
+                                   f"to DistributedOptimizer to reduce it as a dense tensor.")
+            p.grad = p.grad.to_dense()
+        if self._op == ReduceOp.Average:
+            prescale, postscale = 1.0 / self._predivide, self._predivide
+        else:
+            prescale = postscale = 1.0
+        wire, ctx = self._compression.compress(p.grad)
+        if not wire.is_contiguous():
+            wire = wire.contiguous()
+        handle = allreduce_async_(wire, name=name, op=self._op, prescale_factor=prescale,
+                                  postscale_factor=postscale)
+        return handle, ctx, wire
+
+    # --- public API --------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for every gradient's allreduce and write the averaged gradients into ``.grad``.
+
+        Gradients whose hook did not fire (unused parameters, or fewer backward passes than
+        ``backward_passes_per_step``) are reduced now, so all ranks stay in step.
+        """
+        for p in self._names:
+            if p.requires_grad and self._handles.get(p, (None,))[0] is None:
+                self._handles[p] = self._allreduce_grad_async(p)
+        try:
+            for p, (handle, ctx, wire) in self._handles.items():
+                handle.wait()
+                result = self._compression.decompress(wire, ctx)
+                if result is not p.grad:
+                    p.grad.copy_(result)
+        finally:
+            self._handles.clear()
+            self._group_ready.clear()
+            for p in self._delay:
+                self._delay[p] = self._passes
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Inside this context ``step()`` does not synchronize; use it after calling
+        ``synchronize()`` yourself (e.g. to clip the averaged gradients)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "after optimizer.synchronize(); the gradients are reduced twice. "
+                              "Wrap step() in `with optimizer.skip_synchronize():`.")
+            self.synchronize()
+        self._synchronized = False
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        if any(h[0] is not None for h in self._handles.values()):
+            raise HvdliteError("optimizer.zero_grad() was called after loss.backward() but "
+                               "before optimizer.step() or optimizer.synchronize(); that would "
+                               "race with gradient reductions in flight. Call step() first.")
+        return super().zero_grad(set_to_none=set_to_none)
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
+                         compression=Compression.none, backward_passes_per_step: int = 1,
+                         op: ReduceOp = ReduceOp.Average, gradient_predivide_factor: float = 1.0,
+                         num_groups: int = 0, groups=None, sparse_as_dense: bool = False,
+                         process_set=None) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
+
+    Horovod-compatible arguments:
+      named_parameters: ``model.named_parameters()``; names identify gradients across ranks
+        (without it, parameters are named by position, which must then match on all ranks).
+      compression: ``Compression.none`` (default), ``Compression.fp16`` or ``Compression.bf16``.
+      backward_passes_per_step: backward passes to accumulate locally before reducing.
+      op: ``Average`` (default) or ``Sum`` (also Min/Max/Product).
+      gradient_predivide_factor: with Average, divide by this before the sum and by
+        size()/factor after it (helps fp16 range).
+      groups / num_groups: an int (split parameters into that many groups) or a list of lists
+        of parameters; each group is reduced together.
+      sparse_as_dense: reduce sparse gradients as dense tensors.
+    The result is an instance of the original optimizer's class (``isinstance`` holds) and
+    works with LR schedulers, ``state_dict()`` and ``load_state_dict()``.
+    """
+    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
+        raise NotImplementedError("process sets are not available in hvdlite yet.")
+    if op == ReduceOp.Adasum:
+        raise NotImplementedError("op=Adasum is not supported by hvdlite yet; use Average.")
+    if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
+        raise ValueError("gradient_predivide_factor is only supported with op=Average.")
+    if backward_passes_per_step < 1:
+        raise ValueError("backward_passes_per_step must be >= 1.")
+    if num_groups and groups is None:
+        groups = num_groups
+    cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
+    wrapped = cls(optimizer.param_groups, named_parameters, compression,
+                  backward_passes_per_step, op, gradient_predivide_factor, groups,
+                  sparse_as_dense)
+    wrapped.defaults = optimizer.defaults
+    if optimizer.state:
+        wrapped.load_state_dict(optimizer.state_dict())
+    return wrapped
