@@ -28,7 +28,10 @@ class MPIBackend:
     def execute(self, batch: list[tuple[Response, Entry]]) -> None:
         """Run one planned batch; on return every entry's ``output`` holds its result."""
         response, entry = batch[0]
-        if response.kind == ALLREDUCE:
+        if response.kind == ALLREDUCE and self.size == 1:
+            for response, entry in batch:   # nothing to exchange: copy (if needed) and scale
+                self._allreduce_alone(response, entry)
+        elif response.kind == ALLREDUCE:
             if len(batch) == 1:
                 self._allreduce_one(response, entry)
             else:
@@ -41,6 +44,15 @@ class MPIBackend:
             pass  # negotiation completing on every rank *is* the barrier
         else:
             raise ValueError(f"unknown operation {response.kind!r}")
+
+    def _allreduce_alone(self, response: Response, entry: Entry) -> None:
+        if entry.output is not entry.array:
+            np.copyto(entry.output.reshape(-1), entry.array.reshape(-1))
+        out = entry.output.reshape(-1)
+        if dtype_info(response.dtype).is_bool:
+            return
+        scale_in_place(out, response.prescale)
+        scale_in_place(out, self._postscale(response))
 
     def _allreduce_one(self, response: Response, entry: Entry) -> None:
         info = dtype_info(response.dtype)

@@ -22,9 +22,14 @@ from .messages import ALLREDUCE, ERROR_STALL, Response
 log = logging.getLogger("hvdlite")
 
 
+# Tensors this large gain nothing from batching (the transfer dwarfs the call overhead), so
+# they are reduced in place and skip the two copies through the fusion buffer.
+FUSE_BELOW_BYTES = 1 << 20
+
+
 def _fusion_key(item: tuple[Response, Entry]):
-    response, _ = item
-    if response.kind != ALLREDUCE:
+    response, entry = item
+    if response.kind != ALLREDUCE or entry.array.nbytes >= FUSE_BELOW_BYTES:
         return None
     return (response.dtype, response.reduce_op, response.prescale, response.postscale,
             response.device)

@@ -1,0 +1,116 @@
+"""Training throughput on synthetic data (samples/sec per rank and in total).
+
+    hvdlite run -np 2 python examples/pytorch_synthetic_benchmark.py --model mlp --batch-size 64
+
+Models need no download: ``mlp`` (~5.3M parameters, matmul-bound) and ``convnet`` (a small
+CNN on 32x32 images, ~1.2M parameters).  ``--no-distributed-optimizer`` runs the bare
+optimizer (for measuring hvdlite's overhead at one rank).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import timeit
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hvdlite.torch as hvd
+
+
+def build_model(name: str) -> tuple[nn.Module, tuple[int, ...], int]:
+    """(model, per-sample input shape, number of classes)."""
+    if name == "mlp":
+        return nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
+                             nn.Linear(2048, 10)), (512,), 10
+    if name == "convnet":
+        class ConvNet(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.c1 = nn.Conv2d(3, 32, 3, padding=1)
+                self.c2 = nn.Conv2d(32, 64, 3, padding=1)
+                self.c3 = nn.Conv2d(64, 128, 3, padding=1)
+                self.fc = nn.Linear(128 * 4 * 4, 512)
+                self.out = nn.Linear(512, 10)
+
+            def forward(self, x):
+                x = F.max_pool2d(F.relu(self.c1(x)), 2)
+                x = F.max_pool2d(F.relu(self.c2(x)), 2)
+                x = F.max_pool2d(F.relu(self.c3(x)), 2)
+                return self.out(F.relu(self.fc(x.flatten(1))))
+        return ConvNet(), (3, 32, 32), 10
+    raise ValueError(f"unknown model {name!r}; choose mlp or convnet")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="mlp", choices=["mlp", "convnet"])
+    p.add_argument("--batch-size", type=int, default=64, help="per-rank batch size")
+    p.add_argument("--num-warmup-batches", type=int, default=5)
+    p.add_argument("--num-batches-per-iter", type=int, default=10)
+    p.add_argument("--num-iters", type=int, default=5)
+    p.add_argument("--fp16-allreduce", action="store_true")
+    p.add_argument("--no-distributed-optimizer", action="store_true",
+                   help="use the bare optimizer (no gradient averaging)")
+    p.add_argument("--json", help="write the results to this file (rank 0)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    hvd.init()
+    torch.manual_seed(1234)
+    model, in_shape, classes = build_model(args.model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size(), momentum=0.9)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    if not args.no_distributed_optimizer:
+        compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
+        optimizer = hvd.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters(), compression=compression)
+    data = torch.randn(args.batch_size, *in_shape)
+    target = torch.randint(0, classes, (args.batch_size,))
+
+    def benchmark_step() -> None:
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(data), target)
+        loss.backward()
+        optimizer.step()
+
+    params = sum(p.numel() for p in model.parameters())
+    if hvd.rank() == 0:
+        print(f"model {args.model} ({params / 1e6:.2f}M parameters), batch size "
+              f"{args.batch_size}, {hvd.size()} rank(s), "
+              f"{'bare optimizer' if args.no_distributed_optimizer else 'DistributedOptimizer'}",
+              flush=True)
+    timeit.timeit(benchmark_step, number=args.num_warmup_batches)
+    rates = []
+    for i in range(args.num_iters):
+        seconds = timeit.timeit(benchmark_step, number=args.num_batches_per_iter)
+        rates.append(args.batch_size * args.num_batches_per_iter / seconds)
+        if hvd.rank() == 0:
+            print(f"iter #{i}: {rates[-1]:.1f} samples/sec per rank", flush=True)
+    per_rank = float(np.median(rates))
+    # A job is as fast as its slowest rank.
+    slowest = hvd.allreduce(torch.tensor(per_rank, dtype=torch.float64), op=hvd.Min,
+                            name="sps.min").item()
+    total = slowest * hvd.size()
+    if hvd.rank() == 0:
+        print(f"samples/sec per rank: {slowest:.1f} (median of {args.num_iters} iters, "
+              f"slowest rank); total on {hvd.size()} rank(s): {total:.1f}", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"model": args.model, "params": params, "ranks": hvd.size(),
+                           "batch_size": args.batch_size, "per_rank": slowest, "total": total,
+                           "distributed_optimizer": not args.no_distributed_optimizer}, f)
+    hvd.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
