@@ -33,7 +33,7 @@ setup(
         "tensorflow": ["tensorflow-cpu>=2.16"],
         "nccl": ["cupy-cuda12x>=13"],
         "examples": ["scikit-learn>=1.2"],
-        "test": ["pytest>=7", "scikit-learn>=1.2"],
+        "test": ["pytest>=7", "pytest-timeout>=2", "scikit-learn>=1.2"],
     },
     entry_points={"console_scripts": ["hvdlite = hvdlite.runner.launch:main"]},
     classifiers=[

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Create (or update) the project's virtual environment in .venv with everything the examples
+# and the test suite need: hvdlite itself (editable), numpy, mpi4py, the MPICH wheel (a working
+# mpiexec), PyTorch's CPU wheel, scikit-learn and pytest. Safe to run repeatedly.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+# torch is pinned: an unpinned torch pulls several GB of CUDA packages.
+TORCH_SPEC="${HVDLITE_TORCH_SPEC:-torch==2.13.0}"
+
+if [ ! -x .venv/bin/python ]; then
+  echo "[bootstrap] creating .venv with $($PYTHON --version)"
+  "$PYTHON" -m venv .venv
+fi
+stamp=".venv/.hvdlite-installed"
+want="$(cat setup.py scripts/bootstrap.sh | sha256sum | cut -c1-16) $TORCH_SPEC"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "[bootstrap] installing hvdlite and its test/example dependencies"
+  .venv/bin/python -m pip install --quiet --upgrade pip
+  .venv/bin/python -m pip install --quiet "$TORCH_SPEC" -e ".[test,examples]"
+  echo "$want" > "$stamp"
+fi
+# The venv's MPICH mpiexec must win over any other MPI on PATH (a foreign mpiexec fails
+# to launch it with a PMI error).
+export PATH="$PWD/.venv/bin:$PATH"
