@@ -1,0 +1,151 @@
+"""``hvdlite --check-build``: what this installation can do, in ``horovodrun --check-build`` form.
+
+Every mark comes from a real query: framework packages are looked up with
+``importlib.util.find_spec`` (nothing heavy is imported), controllers and tensor operations come
+from ``hvdlite.mpi_built()``/``nccl_built()``/``gloo_built()``/``ddl_built()``/``ccl_built()``,
+and the MPI library version is read from mpi4py without initializing MPI.
+"""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from typing import Sequence
+
+from . import mpi_flavor
+
+# (label, framework module, hvdlite adapter module)
+FRAMEWORKS = (("TensorFlow", "tensorflow", "hvdlite.tensorflow"),
+              ("PyTorch", "torch", "hvdlite.torch"))
+
+_LIBRARY_VERSION_SNIPPET = ("import mpi4py; mpi4py.rc.initialize = False; "
+                            "from mpi4py import MPI; print(MPI.Get_library_version())")
+
+
+def module_available(name: str) -> bool:
+    """True if ``name`` can be imported, without importing it."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def framework_available(framework: str, adapter: str) -> bool:
+    """True if the framework is installed and hvdlite ships its adapter."""
+    return module_available(framework) and module_available(adapter)
+
+
+def nccl_version_string(code: int) -> str:
+    """Format an NCCL version code (``major*10000 + minor*100 + patch``, or
+    ``major*1000 + minor*100 + patch`` before NCCL 2.9) as ``2.18.3``."""
+    if code >= 10000:
+        major, rest = divmod(code, 10000)
+    else:
+        major, rest = divmod(code, 1000)
+    minor, patch = divmod(rest, 100)
+    return f"{major}.{minor}.{patch}"
+
+
+def mpi_library_version() -> str | None:
+    """First line of ``MPI.Get_library_version()``, or None when mpi4py is unusable.
+
+    Read in a child process with ``mpi4py.rc.initialize = False`` unless mpi4py's MPI module is
+    already loaded here, so the check never initializes MPI in the caller.
+    """
+    if "mpi4py.MPI" in sys.modules:
+        text = sys.modules["mpi4py.MPI"].Get_library_version()
+    else:
+        try:
+            proc = subprocess.run([sys.executable, "-c", _LIBRARY_VERSION_SNIPPET],
+                                  capture_output=True, text=True, timeout=60, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if proc.returncode != 0:
+            return None
+        text = proc.stdout
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return " ".join(lines[0].split()) if lines else None
+
+
+def launcher_description(launcher: str | None = None
+                         ) -> tuple[str, mpi_flavor.MpiFlavor | None]:
+    """A line naming the MPI launcher ``hvdlite run`` would use, and its flavour."""
+    launcher = launcher or mpi_flavor.find_launcher()
+    if launcher is None:
+        return "not found (pip install mpich, or install your system's MPI)", None
+    try:
+        flavor = mpi_flavor.detect_flavor(mpi_flavor.launcher_version_text(launcher))
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{launcher} (cannot run --version: {exc})", None
+    if flavor is None:
+        return f"{launcher} (unrecognised MPI)", None
+    return f"{launcher} ({flavor.description})", flavor
+
+
+def _mark(flag: bool) -> str:
+    return "[X]" if flag else "[ ]"
+
+
+def _section(title: str, rows: Sequence[tuple[str, bool]]) -> list[str]:
+    return [f"{title}:"] + [f"    {_mark(flag)} {label}" for label, flag in rows] + [""]
+
+
+def _features() -> dict[str, object]:
+    import hvdlite
+    return {"version": hvdlite.__version__, "mpi": bool(hvdlite.mpi_built()),
+            "nccl": int(hvdlite.nccl_built() or 0), "gloo": bool(hvdlite.gloo_built()),
+            "ddl": bool(hvdlite.ddl_built()), "ccl": bool(hvdlite.ccl_built())}
+
+
+def format_report(features: dict[str, object], frameworks: Sequence[tuple[str, bool]],
+                  library: str | None, launcher: str,
+                  mismatch: str | None = None) -> str:
+    """Render the check-build text from already-gathered facts (pure; used by the tests)."""
+    nccl = int(features["nccl"])  # type: ignore[arg-type]
+    nccl_label = f"NCCL ({nccl_version_string(nccl)})" if nccl else "NCCL"
+    lines = [f"hvdlite v{features['version']}:", ""]
+    lines += _section("Available Frameworks", frameworks)
+    lines += _section("Available Controllers",
+                      [("MPI", bool(features["mpi"])), ("Gloo", bool(features["gloo"]))])
+    lines += _section("Available Tensor Operations",
+                      [(nccl_label, bool(nccl)), ("DDL", bool(features["ddl"])),
+                       ("CCL", bool(features["ccl"])), ("MPI", bool(features["mpi"])),
+                       ("Gloo", bool(features["gloo"]))])
+    lines.append(f"MPI library: {library or 'not available (pip install mpi4py)'}")
+    lines.append(f"MPI launcher: {launcher}")
+    if mismatch:
+        lines.append(f"WARNING: {mismatch}")
+    return "\n".join(lines) + "\n"
+
+
+def _mismatch(library: str | None, launcher_flavor: mpi_flavor.MpiFlavor | None) -> str | None:
+    if not library or launcher_flavor is None:
+        return None
+    library_flavor = mpi_flavor.detect_flavor(library)
+    if library_flavor is None:
+        return None
+    # MPICH and Intel MPI share the Hydra launcher protocol (and ABI); Open MPI shares neither.
+    library_ompi = library_flavor.kind == mpi_flavor.OPEN_MPI
+    if library_ompi == (launcher_flavor.kind == mpi_flavor.OPEN_MPI):
+        return None
+    return (f"mpi4py is built against {mpi_flavor.FLAVOR_NAMES[library_flavor.kind]} but the "
+            f"launcher is {mpi_flavor.FLAVOR_NAMES[launcher_flavor.kind]}; jobs will not start "
+            f"as one world. Put the matching mpiexec first (or use --mpiexec).")
+
+
+def check_build_report(launcher: str | None = None) -> str:
+    """Gather every fact and return the full check-build text (``launcher`` overrides the
+    launcher search, as ``--mpiexec`` does)."""
+    features = _features()
+    frameworks = [(label, framework_available(module, adapter))
+                  for label, module, adapter in FRAMEWORKS]
+    library = mpi_library_version() if features["mpi"] else None
+    launcher_line, flavor = launcher_description(launcher)
+    return format_report(features, frameworks, library, launcher_line, _mismatch(library, flavor))
+
+
+def main(launcher: str | None = None) -> int:
+    """Print the check-build report; always succeeds."""
+    sys.stdout.write(check_build_report(launcher))
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,355 @@
+"""``hvdlite run``: start a data-parallel job through the installed MPI launcher.
+
+The hvdlite equivalent of ``horovodrun``::
+
+    hvdlite run -np 4 -H host1:2,host2:2 --fusion-threshold-mb 32 python train.py
+
+The launcher (``mpiexec``/``mpirun``) is found and identified by :mod:`.mpi_flavor`; this module
+parses the command line, turns the tuning flags into ``HVDLITE_*`` environment variables for
+every rank, runs the job in its own process group and returns its exit status.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Mapping, Sequence, TypeVar
+
+from . import check_build, mpi_flavor
+from .mpi_flavor import Host, HostfileError, JobSpec
+
+Number = TypeVar("Number", int, float)
+
+# After forwarding Ctrl-C/SIGTERM, wait this long for the job to exit before SIGKILL.
+KILL_GRACE_SECONDS = 5.0
+LOG_LEVELS = ("trace", "debug", "info", "warning", "error", "fatal", "critical")
+INSTALL_HINT = ("install one with `pip install mpich` (or your system's MPI, e.g. "
+                "`apt-get install mpich` or `apt-get install openmpi-bin`)")
+
+
+class LaunchError(Exception):
+    """A problem that stops the job from starting; the message is shown to the user."""
+
+    exit_status = 1
+
+
+class UsageError(LaunchError):
+    """A mistake on the command line (exit status 2, like argparse's errors)."""
+
+    exit_status = 2
+
+
+# --- argument parsing ----------------------------------------------------------------------------
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative(cast: Callable[[str], Number]) -> Callable[[str], Number]:
+    """An argparse ``type`` that applies ``cast`` and rejects negative or non-finite values."""
+    def parse(text: str) -> Number:
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+        if not math.isfinite(value) or value < 0:
+            raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text}")
+        return value
+    parse.__name__ = cast.__name__
+    return parse
+
+
+def _add_launch_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-np", "-n", "--num-proc", dest="np", type=_positive_int, metavar="N",
+                        help="number of processes (default: the total slots of -H/--hostfile)")
+    hosts = parser.add_mutually_exclusive_group()
+    hosts.add_argument("-H", "--hosts", dest="hosts", metavar="HOST:SLOTS,...",
+                       help="hosts and their slots, e.g. host1:2,host2:2")
+    hosts.add_argument("--hostfile", "-hostfile", dest="hostfile", metavar="FILE",
+                       help="file with one 'host slots=N' or 'host:N' per line")
+    parser.add_argument("-x", dest="env", action="append", default=[], metavar="VAR[=VALUE]",
+                        help="export VAR (its current value, or VALUE) to every rank; repeatable")
+    parser.add_argument("--mpi-args", dest="mpi_args", default="", metavar='"ARGS"',
+                        help="extra arguments for the MPI launcher (use --mpi-args=\"...\" "
+                             "when they start with a dash and contain no space)")
+    parser.add_argument("--mpiexec", dest="mpiexec", metavar="PATH",
+                        help="MPI launcher to use instead of searching for one")
+    parser.add_argument("--verbose", action="store_true",
+                        help="print the MPI command (and the variables set) before running it")
+    parser.add_argument("--check-build", action="store_true",
+                        help="show the available frameworks, controllers and operations")
+
+
+def _add_knob_options(parser: argparse.ArgumentParser) -> None:
+    knobs = parser.add_argument_group("tuning (exported as HVDLITE_* variables)")
+    knobs.add_argument("--fusion-threshold-mb", type=_non_negative(float), metavar="MB",
+                       help="tensor fusion buffer size in MB (HVDLITE_FUSION_THRESHOLD)")
+    knobs.add_argument("--cycle-time-ms", type=_non_negative(float), metavar="MS",
+                       help="background cycle time in ms (HVDLITE_CYCLE_TIME)")
+    knobs.add_argument("--cache-capacity", type=_non_negative(int), metavar="N",
+                       help="response cache entries, 0 disables (HVDLITE_CACHE_CAPACITY)")
+    knobs.add_argument("--stall-check-seconds", "--stall-check-warning-time-seconds",
+                       dest="stall_check_seconds", type=_non_negative(float), metavar="S",
+                       help="warn about stalled tensors after S seconds")
+    knobs.add_argument("--stall-shutdown-seconds", "--stall-check-shutdown-time-seconds",
+                       dest="stall_shutdown_seconds", type=_non_negative(float), metavar="S",
+                       help="fail stalled operations after S seconds (0: never)")
+    knobs.add_argument("--no-stall-check", action="store_true",
+                       help="disable the stall check (HVDLITE_STALL_CHECK_DISABLE=1)")
+    knobs.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, metavar="LEVEL",
+                       help="hvdlite log level: " + ", ".join(LOG_LEVELS))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``hvdlite [run]`` argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="hvdlite run", allow_abbrev=False,
+        description="Launch an hvdlite (Horovod-compatible) job with the installed MPI.",
+        epilog="Example: hvdlite run -np 4 -H host1:2,host2:2 python train.py")
+    _add_launch_options(parser)
+    _add_knob_options(parser)
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="the program and its arguments, run on every rank")
+    return parser
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse ``hvdlite`` arguments; a leading ``run`` subcommand word is optional."""
+    argv = list(argv)
+    if argv[:1] == ["run"]:
+        argv = argv[1:]
+    args = build_parser().parse_args(argv)
+    if args.command[:1] == ["--"]:
+        args.command = args.command[1:]
+    return args
+
+
+# --- environment ---------------------------------------------------------------------------------
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def knob_env(args: argparse.Namespace) -> dict[str, str]:
+    """The ``HVDLITE_*`` variables that the tuning flags ask for (unset flags add nothing)."""
+    env: dict[str, str] = {}
+    if args.fusion_threshold_mb is not None:
+        env["HVDLITE_FUSION_THRESHOLD"] = str(int(round(args.fusion_threshold_mb * 1024 * 1024)))
+    if args.cycle_time_ms is not None:
+        env["HVDLITE_CYCLE_TIME"] = _number(args.cycle_time_ms)
+    if args.cache_capacity is not None:
+        env["HVDLITE_CACHE_CAPACITY"] = str(args.cache_capacity)
+    if args.stall_check_seconds is not None:
+        env["HVDLITE_STALL_CHECK_TIME_SECONDS"] = _number(args.stall_check_seconds)
+    if args.stall_shutdown_seconds is not None:
+        env["HVDLITE_STALL_SHUTDOWN_TIME_SECONDS"] = _number(args.stall_shutdown_seconds)
+    if args.no_stall_check:
+        env["HVDLITE_STALL_CHECK_DISABLE"] = "1"
+    if args.log_level is not None:
+        level = {"trace": "DEBUG", "fatal": "CRITICAL"}.get(args.log_level, args.log_level)
+        env["HVDLITE_LOG_LEVEL"] = level.upper()
+    return env
+
+
+def parse_env_args(items: Sequence[str], environ: Mapping[str, str]) -> dict[str, str]:
+    """Turn ``-x VAR`` / ``-x VAR=VALUE`` into ``{VAR: VALUE}``.
+
+    ``-x VAR`` takes VAR's value from ``environ`` and is an error when VAR is not set there.
+    """
+    env: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not name or not name.replace("_", "a").isalnum() or name[0].isdigit():
+            raise UsageError(f"-x {item!r}: {name!r} is not a valid variable name")
+        if not sep:
+            if name not in environ:
+                raise UsageError(f"-x {name}: {name} is not set in this environment "
+                                 f"(use -x {name}=VALUE)")
+            value = environ[name]
+        env[name] = value
+    return env
+
+
+def job_env(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, str]:
+    """Every variable the ranks must see: ``-x`` ones first, then the tuning flags (which win)."""
+    env = parse_env_args(args.env, environ)
+    env.update(knob_env(args))
+    return env
+
+
+# --- hosts and the command line ------------------------------------------------------------------
+def resolve_hosts(args: argparse.Namespace) -> tuple[list[Host] | None, bool]:
+    """The host list from ``-H`` or ``--hostfile`` (None for the local host) and whether it came
+    from a file."""
+    try:
+        if args.hosts:
+            return mpi_flavor.parse_hosts(args.hosts), False
+        if args.hostfile:
+            text = Path(args.hostfile).read_text()
+            return mpi_flavor.parse_hostfile_text(text, args.hostfile), True
+    except OSError as exc:
+        raise UsageError(f"cannot read hostfile {args.hostfile}: {exc.strerror}") from None
+    except HostfileError as exc:
+        raise UsageError(str(exc)) from None
+    return None, False
+
+
+def process_count(args: argparse.Namespace, hosts: list[Host] | None) -> int:
+    """``-np``, or the total number of slots when only hosts were given."""
+    if args.np is not None:
+        return args.np
+    if hosts:
+        return sum(host.slots for host in hosts)
+    raise UsageError("-np N is required (the number of processes to start)")
+
+
+def detect_launcher(explicit: str | None) -> tuple[str, mpi_flavor.MpiFlavor]:
+    """The launcher's path and flavour; LaunchError when there is none or it is unknown."""
+    launcher = explicit or mpi_flavor.find_launcher()
+    if launcher is None:
+        raise LaunchError(f"no MPI launcher (mpiexec/mpirun) found; {INSTALL_HINT}")
+    try:
+        text = mpi_flavor.launcher_version_text(launcher)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LaunchError(f"cannot run {launcher} --version ({exc}); {INSTALL_HINT}") from None
+    flavor = mpi_flavor.detect_flavor(text)
+    if flavor is None:
+        first = text.strip().splitlines()[0] if text.strip() else "no output"
+        raise LaunchError(f"{launcher} is not MPICH, Intel MPI or Open MPI ({first!r}); "
+                          f"{INSTALL_HINT}")
+    return launcher, flavor
+
+
+def _mpi_args(text: str) -> list[str]:
+    try:
+        return shlex.split(text)
+    except ValueError as exc:
+        raise UsageError(f"--mpi-args {text!r}: {exc}") from None
+
+
+def plan_job(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[JobSpec, bool]:
+    """The flavour-independent job description (every command-line mistake surfaces here) and
+    whether its hosts came from a hostfile."""
+    if not args.command:
+        raise UsageError("no command given; usage: hvdlite run -np N [options] command ...")
+    hosts, from_file = resolve_hosts(args)
+    spec = JobSpec(np=process_count(args, hosts), command=list(args.command), hosts=hosts,
+                   env=job_env(args, environ), mpi_args=_mpi_args(args.mpi_args))
+    return spec, from_file
+
+
+def place_hosts(spec: JobSpec, flavor: mpi_flavor.MpiFlavor, from_file: bool,
+                workdir: str) -> None:
+    """Move ``spec.hosts`` into a hostfile in ``workdir``, in the launcher's own format, when
+    the flavour needs one (see :func:`mpi_flavor.needs_hostfile`)."""
+    if spec.hosts and mpi_flavor.needs_hostfile(flavor, from_file):
+        path = Path(workdir) / "hostfile"
+        path.write_text(mpi_flavor.render_hostfile(flavor, spec.hosts))
+        spec.hostfile, spec.hosts = str(path), None
+
+
+# --- running -------------------------------------------------------------------------------------
+def _exit_status(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _kill_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _install_handlers(handler: Callable[[int, object], None]) -> dict:
+    """Install ``handler`` for SIGINT and SIGTERM (main thread only); returns the old ones."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def run_job(argv: Sequence[str], env: Mapping[str, str]) -> int:
+    """Run the launcher in its own process group and return the job's exit status.
+
+    SIGINT/SIGTERM received here are forwarded to the group (the MPI launcher then stops every
+    rank); if the job is still running :data:`KILL_GRACE_SECONDS` later, or a second signal
+    arrives, the group is killed.  A job ended by a signal returns 128 + the signal number.
+    """
+    try:
+        proc = subprocess.Popen(list(argv), env=dict(env), start_new_session=True)
+    except OSError as exc:
+        raise LaunchError(f"cannot start {argv[0]}: {exc.strerror}") from None
+    received: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        received.append(signum)
+        _kill_group(proc.pid, signum if len(received) == 1 else signal.SIGKILL)
+
+    previous = _install_handlers(forward)
+    try:
+        deadline = None
+        while proc.poll() is None:
+            if received and deadline is None:
+                deadline = time.monotonic() + KILL_GRACE_SECONDS
+            elif deadline is not None and time.monotonic() > deadline:
+                _kill_group(proc.pid, signal.SIGKILL)
+                deadline = float("inf")
+            try:
+                proc.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 + received[0] if received else _exit_status(proc.returncode)
+
+
+def _print_verbose(argv: Sequence[str], env: Mapping[str, str], flavor: mpi_flavor.MpiFlavor,
+                   path: str) -> None:
+    err = sys.stderr
+    print(f"hvdlite: MPI: {flavor.description}", file=err)
+    for name, value in env.items():
+        print(f"hvdlite: env {name}={value}", file=err)
+    print(f"hvdlite: PATH={path}", file=err)
+    print(f"hvdlite: {shlex.join(argv)}", file=err, flush=True)
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Build the MPI command for ``args`` and run it; returns the job's exit status."""
+    spec, from_file = plan_job(args, os.environ)
+    launcher, flavor = detect_launcher(args.mpiexec)
+    bin_dir = str(Path(sys.executable).parent)
+    with tempfile.TemporaryDirectory(prefix="hvdlite-run-") as workdir:
+        place_hosts(spec, flavor, from_file, workdir)
+        env = mpi_flavor.child_environment(os.environ, spec.env, bin_dir)
+        argv = mpi_flavor.build_command(launcher, flavor, spec, is_root=os.geteuid() == 0,
+                                        forward=mpi_flavor.open_mpi_forward(env))
+        if args.verbose:
+            _print_verbose(argv, spec.env, flavor, env["PATH"])
+        return run_job(argv, env)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``hvdlite`` / ``python -m hvdlite.runner``; returns the exit status."""
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as exc:  # argparse already printed the message (or --help)
+        return exc.code if isinstance(exc.code, int) else 2
+    if args.check_build:
+        return check_build.main(args.mpiexec)
+    try:
+        return launch(args)
+    except LaunchError as exc:
+        print(f"hvdlite: error: {exc}", file=sys.stderr)
+        return exc.exit_status

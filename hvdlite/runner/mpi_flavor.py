@@ -1,0 +1,278 @@
+"""Find the installed MPI launcher, tell which MPI it belongs to, and build its command line.
+
+Three launcher families are supported:
+
+* MPICH (Hydra process manager; ``mpiexec --version`` prints "HYDRA build details"),
+* Intel MPI (also Hydra-based; prints "Intel(R) MPI Library"),
+* Open MPI (prints "(Open MPI) X.Y.Z", or "(OpenRTE) X.Y.Z" before version 5).
+
+Everything here except :func:`find_launcher` and :func:`launcher_version_text` is pure, so the
+command construction can be unit-tested with fake ``--version`` text.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Mapping, Sequence
+
+MPICH = "mpich"
+INTEL_MPI = "intel"
+OPEN_MPI = "openmpi"
+
+FLAVOR_NAMES = {MPICH: "MPICH", INTEL_MPI: "Intel MPI", OPEN_MPI: "Open MPI"}
+
+# Open MPI does not forward the launcher's environment to remote hosts; these are passed along
+# with ``-x`` (when set) so remote ranks find the same Python and packages.
+OPEN_MPI_FORWARD = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH")
+
+
+class HostfileError(ValueError):
+    """A ``-H`` list or hostfile that cannot be parsed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MpiFlavor:
+    """Which MPI a launcher belongs to, and its version when it could be read."""
+
+    kind: str                        # MPICH, INTEL_MPI or OPEN_MPI
+    version: tuple[int, ...] | None = None
+
+    @property
+    def description(self) -> str:
+        """Human-readable name with the version, e.g. ``MPICH 4.2.1 (Hydra)``."""
+        name = FLAVOR_NAMES[self.kind]
+        if self.version:
+            name += " " + ".".join(str(part) for part in self.version)
+        return name if self.kind == OPEN_MPI else name + " (Hydra)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+    """One host and the number of processes (slots) it takes."""
+
+    name: str
+    slots: int = 1
+
+
+@dataclasses.dataclass
+class JobSpec:
+    """What to launch, independent of the MPI flavour.
+
+    ``hosts`` and ``hostfile`` are mutually exclusive; ``hostfile`` must already be in the
+    flavour's own format (see :func:`render_hostfile`).  ``env`` holds the variables every rank
+    must see (they are named on the command line; the values are also set in the launcher's
+    environment by :func:`child_environment`).
+    """
+
+    np: int
+    command: list[str]
+    hosts: list[Host] | None = None
+    hostfile: str | None = None
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    mpi_args: list[str] = dataclasses.field(default_factory=list)
+
+
+# --- finding and identifying the launcher --------------------------------------------------------
+def find_launcher(executable: str | None = None, path: str | None = None) -> str | None:
+    """Path of the MPI launcher to use, or None when there is none.
+
+    The ``mpiexec`` next to ``executable`` (default: this Python, i.e. the virtual environment's,
+    where the ``mpich`` wheel puts it) wins; otherwise ``mpiexec`` then ``mpirun`` on ``path``
+    (default: ``$PATH``).
+    """
+    bin_dir = Path(executable or sys.executable).parent
+    for name in ("mpiexec", "mpirun"):
+        candidate = bin_dir / name
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    for name in ("mpiexec", "mpirun"):
+        found = shutil.which(name, path=path)
+        if found:
+            return found
+    return None
+
+
+def launcher_version_text(launcher: str, timeout: float = 20.0) -> str:
+    """The combined stdout and stderr of ``launcher --version``."""
+    proc = subprocess.run([launcher, "--version"], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL, check=False)
+    return proc.stdout
+
+
+def _first_version(text: str, pattern: str) -> tuple[int, ...] | None:
+    match = re.search(pattern, text)
+    if not match:
+        return None
+    return tuple(int(part) for part in match.group(1).split("."))
+
+
+def detect_flavor(version_text: str) -> MpiFlavor | None:
+    """Identify the MPI from ``mpiexec --version`` (or ``MPI_Get_library_version``) text.
+
+    Returns None for text that matches none of the supported families.  Intel MPI is tested
+    first because its Hydra also prints Hydra build details.
+    """
+    if "Intel(R) MPI Library" in version_text:
+        return MpiFlavor(INTEL_MPI, _first_version(
+            version_text, r"(?:Version|Library)\s+(\d+(?:\.\d+)*)"))
+    if "Open MPI" in version_text or "OpenRTE" in version_text:
+        return MpiFlavor(OPEN_MPI, _first_version(
+            version_text, r"(?:\((?:Open MPI|OpenRTE)\)|Open MPI v)\s*(\d+(?:\.\d+)*)"))
+    if "HYDRA build details" in version_text or "MPICH" in version_text:
+        return MpiFlavor(MPICH, _first_version(
+            version_text, r"(?:MPICH Version|Version):\s+(\d+(?:\.\d+)*)"))
+    return None
+
+
+# --- hosts ---------------------------------------------------------------------------------------
+def _slots(text: str, where: str) -> int:
+    try:
+        slots = int(text)
+    except ValueError:
+        raise HostfileError(f"{where}: slot count {text!r} is not an integer") from None
+    if slots < 1:
+        raise HostfileError(f"{where}: slot count must be at least 1, got {slots}")
+    return slots
+
+
+def _host_colon_slots(item: str, where: str) -> Host:
+    name, sep, count = item.partition(":")
+    if not name:
+        raise HostfileError(f"{where}: empty host name in {item!r}")
+    return Host(name, _slots(count, where) if sep else 1)
+
+
+def parse_hosts(spec: str) -> list[Host]:
+    """Parse ``-H``/``--hosts``: ``host1:2,host2:4`` (a host without ``:N`` has one slot)."""
+    items = [item.strip() for item in spec.split(",") if item.strip()]
+    if not items:
+        raise HostfileError(f"-H {spec!r}: no hosts given")
+    return [_host_colon_slots(item, f"-H {spec!r}") for item in items]
+
+
+def _hostfile_line(line: str, where: str) -> Host:
+    fields = line.split()
+    if len(fields) == 1:
+        return _host_colon_slots(fields[0], where)
+    host = Host(fields[0])
+    for field in fields[1:]:
+        key, sep, value = field.partition("=")
+        if key == "slots" and sep:
+            host = Host(fields[0], _slots(value, where))
+        elif key != "max_slots":
+            raise HostfileError(f"{where}: unsupported field {field!r} (use 'host slots=N' "
+                                f"or 'host:N')")
+    return host
+
+
+def parse_hostfile_text(text: str, source: str = "hostfile") -> list[Host]:
+    """Parse a hostfile: one host per line as ``host``, ``host:N`` or ``host slots=N``.
+
+    ``#`` starts a comment; Open MPI's ``max_slots=M`` is accepted and ignored.
+    """
+    hosts = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if line:
+            hosts.append(_hostfile_line(line, f"{source}:{number}"))
+    if not hosts:
+        raise HostfileError(f"{source}: no hosts listed")
+    return hosts
+
+
+def render_hostfile(flavor: MpiFlavor, hosts: Sequence[Host]) -> str:
+    """The hostfile text in the launcher's own format (``host:N`` for Hydra, ``slots=N``
+    for Open MPI)."""
+    if flavor.kind == OPEN_MPI:
+        lines = [f"{host.name} slots={host.slots}" for host in hosts]
+    else:
+        lines = [f"{host.name}:{host.slots}" for host in hosts]
+    return "\n".join(lines) + "\n"
+
+
+def needs_hostfile(flavor: MpiFlavor, hosts_from_file: bool) -> bool:
+    """Whether the host list must be handed to the launcher as a file.
+
+    Hostfiles are always rewritten in the launcher's format; Intel MPI also gets ``-H`` lists as
+    a machine file, since its ``-hosts`` option takes no per-host slot counts.
+    """
+    return hosts_from_file or flavor.kind == INTEL_MPI
+
+
+def _host_list(hosts: Sequence[Host]) -> str:
+    return ",".join(f"{host.name}:{host.slots}" for host in hosts)
+
+
+# --- command construction ------------------------------------------------------------------------
+def _hydra_command(launcher: str, flavor: MpiFlavor, job: JobSpec) -> list[str]:
+    argv = [launcher, "-n", str(job.np)]
+    if job.hosts:
+        if flavor.kind == INTEL_MPI:
+            raise ValueError("Intel MPI takes hosts through a machine file; see needs_hostfile()")
+        argv += ["-hosts", _host_list(job.hosts)]
+    if job.hostfile:
+        argv += ["-machinefile" if flavor.kind == INTEL_MPI else "-f", job.hostfile]
+    for name, value in job.env.items():
+        argv += ["-genv", name, value]
+    return argv
+
+
+def _open_mpi_mapping(flavor: MpiFlavor) -> list[str]:
+    # Open MPI 5 (PRRTE) deprecates --oversubscribe in favour of a mapping qualifier.
+    if flavor.version and flavor.version[0] >= 5:
+        return ["--map-by", "slot:OVERSUBSCRIBE"]
+    return ["--oversubscribe", "--map-by", "slot"]
+
+
+def _open_mpi_command(launcher: str, flavor: MpiFlavor, job: JobSpec, is_root: bool,
+                      forward: Sequence[str]) -> list[str]:
+    argv = [launcher, "-np", str(job.np)]
+    if is_root:
+        argv.append("--allow-run-as-root")
+    argv += _open_mpi_mapping(flavor) + ["--bind-to", "none"]
+    if job.hosts:
+        argv += ["-H", _host_list(job.hosts)]
+    if job.hostfile:
+        argv += ["--hostfile", job.hostfile]
+    names = list(job.env) + [name for name in forward if name not in job.env]
+    for name in names:
+        argv += ["-x", name]
+    return argv
+
+
+def build_command(launcher: str, flavor: MpiFlavor, job: JobSpec, is_root: bool = False,
+                  forward: Sequence[str] = ()) -> list[str]:
+    """The full launcher command line for ``job``.
+
+    ``is_root`` adds Open MPI's ``--allow-run-as-root``; ``forward`` names extra variables that
+    Open MPI should export to the ranks (Hydra forwards the whole environment by itself).
+    """
+    if job.hosts and job.hostfile:
+        raise ValueError("give either hosts or a hostfile, not both")
+    if flavor.kind == OPEN_MPI:
+        argv = _open_mpi_command(launcher, flavor, job, is_root, forward)
+    else:
+        argv = _hydra_command(launcher, flavor, job)
+    return argv + list(job.mpi_args) + list(job.command)
+
+
+def open_mpi_forward(environ: Mapping[str, str]) -> list[str]:
+    """The :data:`OPEN_MPI_FORWARD` variables that are set in ``environ``."""
+    return [name for name in OPEN_MPI_FORWARD if environ.get(name)]
+
+
+def child_environment(base: Mapping[str, str], job_env: Mapping[str, str],
+                      bin_dir: str) -> dict[str, str]:
+    """The launcher's environment: ``base`` plus ``job_env``, with ``bin_dir`` first on PATH."""
+    env = dict(base)
+    env.update(job_env)
+    rest = [entry for entry in env.get("PATH", "").split(os.pathsep)
+            if entry and entry != bin_dir]
+    env["PATH"] = os.pathsep.join([bin_dir] + rest)
+    return env
