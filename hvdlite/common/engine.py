@@ -52,6 +52,7 @@ class Engine:
         self._in_flight: dict[str, Entry] = {}   # submitted, not completed
         self._shutdown_requested = False
         self._stopped: str | None = None        # why the engine stopped, once it has
+        self._stopped_cls: type[ShutdownError] = ShutdownError
         self._thread = threading.Thread(target=self._run, name="hvdlite-engine", daemon=True)
 
     # --- user threads ------------------------------------------------------------------------
@@ -67,7 +68,7 @@ class Engine:
     def submit(self, entry: Entry) -> Handle:
         with self._lock:
             if self._stopped is not None:
-                raise ShutdownError(self._stopped)
+                raise self._stopped_cls(self._stopped)
             if self._shutdown_requested:
                 raise ShutdownError("hvdlite is shutting down; no new operations are accepted.")
             if entry.name in self._in_flight:
@@ -168,6 +169,8 @@ class Engine:
     def _fail_everything(self, error: BaseException, reason: str, per_entry=None) -> None:
         with self._lock:
             self._stopped = reason
+            if isinstance(error, ShutdownError):
+                self._stopped_cls = type(error)
             entries = list(self._in_flight.values())
             self.controller.pending.clear()
         for entry in entries:

@@ -30,6 +30,13 @@ def _auto_name(kind: str) -> str:
         return f"{kind}.noname.{next(counter)}"
 
 
+def _contiguous(x) -> np.ndarray:
+    """``x`` as a C-contiguous array, copying only if needed (0-d stays 0-d, unlike
+    np.ascontiguousarray)."""
+    array = np.asarray(x)
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
+
+
 def _default_allocate(shape: tuple, dtype: np.dtype) -> np.ndarray:
     return np.empty(shape, dtype=dtype)
 
@@ -92,7 +99,7 @@ def _contiguous_in_place(array: np.ndarray, run: Callable[[np.ndarray], Handle])
     """In-place op on a possibly non-contiguous array: work on a contiguous copy, copy back."""
     if array.flags.c_contiguous:
         return run(array)
-    work = np.ascontiguousarray(array)
+    work = _contiguous(array)
 
     def copy_back(result: np.ndarray) -> np.ndarray:
         array[...] = result
@@ -116,8 +123,7 @@ def allreduce_async(array, average: bool | None = None, name: str | None = None,
     input before the reduction and ``postscale_factor`` the result after it (Average divides by
     size() on top).  Integer results are scaled in float64 and truncated toward zero.
     """
-    array = np.ascontiguousarray(array)
-    return submit(ALLREDUCE, array, name=name, reduce_op=resolve_op(op, average),
+    return submit(ALLREDUCE, _contiguous(array), name=name, reduce_op=resolve_op(op, average),
                   prescale_factor=prescale_factor, postscale_factor=postscale_factor)
 
 
@@ -150,7 +156,7 @@ def allreduce_(array: np.ndarray, average: bool | None = None, name: str | None 
 def allgather_async(array, name: str | None = None) -> Handle:
     """Start gathering every rank's ``array`` along the first dimension (which may differ per
     rank; the other dimensions must match).  A scalar counts as one row."""
-    return submit(ALLGATHER, np.ascontiguousarray(array), name=name)
+    return submit(ALLGATHER, _contiguous(array), name=name)
 
 
 def allgather(array, name: str | None = None) -> np.ndarray:
@@ -161,7 +167,7 @@ def allgather(array, name: str | None = None) -> np.ndarray:
 # --- broadcast -------------------------------------------------------------------------------
 def broadcast_async(array, root_rank: int, name: str | None = None) -> Handle:
     """Start broadcasting ``root_rank``'s ``array`` into a new array on every rank."""
-    return submit(BROADCAST, np.ascontiguousarray(array), name=name, root_rank=root_rank)
+    return submit(BROADCAST, _contiguous(array), name=name, root_rank=root_rank)
 
 
 def broadcast_async_(array: np.ndarray, root_rank: int, name: str | None = None) -> Handle:

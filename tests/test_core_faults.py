@@ -1,0 +1,98 @@
+"""Jobs that are meant to go wrong: a rank dies or stalls while the others wait on it.
+
+Each scenario is one real mpiexec launch of tests/workers/core_fault_worker.py under a timeout
+(shared by the tests of that scenario).  Ranks may be missing from ``results`` (a rank that died
+writes nothing after it died), so survivors are recognised by the cases they report.
+"""
+import functools
+import re
+import time
+
+import pytest
+
+from tests.mpi_harness import run_job
+
+STALL_WARN_ENV = {"HVDLITE_STALL_CHECK_TIME_SECONDS": "1"}
+STALL_SHUTDOWN_ENV = {"HVDLITE_STALL_CHECK_TIME_SECONDS": "1",
+                      "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "2"}
+ENVS = {"stall_warn": STALL_WARN_ENV, "stall_shutdown": STALL_SHUTDOWN_ENV}
+
+
+@functools.lru_cache(maxsize=None)
+def launch(scenario: str, np_: int, odd: int):
+    start = time.monotonic()
+    job = run_job(np_, ["core_fault_worker.py", scenario, str(odd)], timeout=60,
+                  env=ENVS.get(scenario, {}))
+    return job, time.monotonic() - start
+
+
+def reports_with(job, case):
+    return [rep for rep in job.results if case in rep]
+
+
+NPS = [2, 3]
+# (np, the misbehaving rank): the last rank, and rank 0 (the coordinator) too
+LAYOUTS = [pytest.param(2, 1, id="np2-odd1"), pytest.param(3, 2, id="np3-odd2"),
+           pytest.param(3, 0, id="np3-odd0")]
+
+
+@pytest.mark.parametrize("np_,odd", LAYOUTS)
+@pytest.mark.parametrize("scenario", ["raise", "exit"])
+def test_peer_exit_fails_waiters_fast(scenario, np_, odd):
+    """A rank raising (or ending its script) while the others wait on it: every other rank gets
+    RankExitedError within seconds (their pending async handles too), and mpiexec fails."""
+    job, wall = launch(scenario, np_, odd)
+    assert not job.timed_out, f"hung instead of failing fast\n{job.output}"
+    assert job.returncode not in (0, None), f"mpiexec exited {job.returncode}\n{job.output}"
+    survivors = reports_with(job, "wait_on_exited_rank")
+    assert len(survivors) == np_ - 1, f"{len(survivors)} survivors reported\n{job.output}"
+    for rep in survivors:
+        for case in ("warmup", "wait_on_exited_rank", "later_ops_fail"):
+            assert rep[case] is None, f"{case}: {rep[case]}\n{job.output}"
+    assert wall < 30, f"job took {wall:.1f} s"
+    caught = re.findall(r"\[fault-worker rank (\d+)\] caught RankExitedError after", job.stderr)
+    assert sorted(int(c) for c in caught) == [k for k in range(np_) if k != odd], job.output
+    assert "RankExitedError" in job.stderr
+    if scenario == "raise":
+        assert f"RuntimeError: deliberate failure on rank {odd}" in job.stderr, job.output
+
+
+@pytest.mark.parametrize("np_", NPS)
+def test_hard_exit_does_not_hang(np_):
+    """A rank leaving without any shutdown (os._exit) must not leave the job hanging."""
+    job, wall = launch("hard_exit", np_, np_ - 1)
+    assert not job.timed_out, f"hung after a rank vanished\n{job.output}"
+    assert job.returncode not in (0, None), job.output
+    assert wall < 30, f"job took {wall:.1f} s"
+
+
+@pytest.mark.parametrize("np_,odd", LAYOUTS)
+def test_stall_warning_then_correct_result(np_, odd):
+    job, _ = launch("stall_warn", np_, odd)
+    assert not job.timed_out, job.output
+    assert job.returncode == 0, job.output
+    assert len(job.results) == np_, job.output
+    for rep in job.results:
+        for case in ("warmup", "late_result_correct", "after"):
+            assert rep.get(case, "not reported") is None, f"{case}: {rep.get(case)}"
+    assert "Stall detected" in job.stderr, job.output
+    submitted = str([k for k in range(np_) if k != odd])
+    pattern = (rf"'late': submitted on ranks {re.escape(submitted)}.*missing on ranks "
+               rf"{re.escape(str([odd]))}")
+    assert re.search(pattern, job.stderr), job.output
+    # only rank 0 logs the stall report
+    assert not re.search(r"\[hvdlite rank [1-9]\d*\] WARNING: Stall detected", job.stderr)
+
+
+@pytest.mark.parametrize("np_,odd", LAYOUTS)
+def test_stall_shutdown_errors_then_job_continues(np_, odd):
+    job, wall = launch("stall_shutdown", np_, odd)
+    assert not job.timed_out, job.output
+    assert job.returncode == 0, job.output
+    assert len(job.results) == np_, job.output
+    for rep in job.results:
+        for case in ("warmup", "stalled_tensor_errors", "job_keeps_working"):
+            assert rep.get(case, "not reported") is None, f"{case}: {rep.get(case)}\n{job.output}"
+    assert "Stall detected" in job.stderr, job.output
+    caught = re.findall(r"\[fault-worker rank (\d+)\] caught StallError", job.stderr)
+    assert sorted(int(c) for c in caught) == [k for k in range(np_) if k != odd], job.output

@@ -1,0 +1,163 @@
+"""response_cache.ResponseCache (pure logic, no MPI)."""
+import pytest
+
+from hvdlite.common.messages import ALLGATHER, ALLREDUCE, ERROR_MISMATCH, Request, build_response
+from hvdlite.common.reduce_ops import ReduceOp
+from hvdlite.common.response_cache import ResponseCache
+
+
+def req(name, shape=(3,), dtype="float32", op=ReduceOp.Sum, cacheable=True):
+    return Request(name, ALLREDUCE, dtype, shape, int(op), cacheable=cacheable)
+
+
+def negotiated(request):
+    return build_response({0: request, 1: request})
+
+
+def put(cache, request):
+    return cache.put(negotiated(request), request)
+
+
+def test_empty_cache():
+    cache = ResponseCache(8)
+    assert len(cache) == 0 and cache.num_words == 0
+    assert cache.lookup(req("a")) == (None, None)
+
+
+def test_hit_returns_slot_and_response():
+    cache = ResponseCache(8)
+    a = req("a")
+    slot = put(cache, a)
+    assert slot == 0
+    assert cache.lookup(a) == (0, None)
+    assert cache.response(0) == negotiated(a)
+    assert len(cache) == 1
+
+
+def test_hit_for_an_equal_request_object():
+    cache = ResponseCache(8)
+    put(cache, req("a", shape=(2, 2)))
+    assert cache.lookup(req("a", shape=(2, 2))) == (0, None)
+
+
+@pytest.mark.parametrize("change", [dict(shape=(4,)), dict(dtype="float64"),
+                                    dict(op=ReduceOp.Max)])
+def test_stale_signature_reports_slot_to_invalidate(change):
+    cache = ResponseCache(8)
+    put(cache, req("b"))
+    put(cache, req("a"))
+    assert cache.lookup(req("a", **change)) == (None, 1)
+    assert cache.lookup(req("b")) == (0, None)
+
+
+def test_lookup_other_name_misses():
+    cache = ResponseCache(8)
+    put(cache, req("a"))
+    assert cache.lookup(req("z")) == (None, None)
+
+
+def test_error_and_uncacheable_responses_not_stored():
+    cache = ResponseCache(8)
+    bad = build_response({0: req("e", shape=(1,)), 1: req("e", shape=(2,))})
+    assert bad.error_kind == ERROR_MISMATCH
+    assert cache.put(bad, req("e", shape=(1,))) is None
+    auto = req("auto", cacheable=False)
+    assert cache.put(negotiated(auto), auto) is None
+    assert len(cache) == 0 and cache.lookup(req("e", shape=(1,))) == (None, None)
+
+
+def test_capacity_zero_disables():
+    cache = ResponseCache(0)
+    assert put(cache, req("a")) is None
+    assert len(cache) == 0 and cache.num_words == 0
+    assert cache.lookup(req("a")) == (None, None)
+
+
+def test_capacity_full_no_eviction():
+    cache = ResponseCache(2)
+    assert put(cache, req("a")) == 0
+    assert put(cache, req("b")) == 1
+    assert put(cache, req("c")) is None
+    assert len(cache) == 2
+    assert cache.lookup(req("c")) == (None, None)
+    assert cache.lookup(req("a")) == (0, None) and cache.lookup(req("b")) == (1, None)
+
+
+def test_erase_then_reuse_lowest_free_slot():
+    cache = ResponseCache(8)
+    for i, name in enumerate("abcd"):
+        assert put(cache, req(name)) == i
+    cache.erase(2)
+    cache.erase(0)
+    assert len(cache) == 2
+    assert cache.lookup(req("a")) == (None, None) and cache.lookup(req("c")) == (None, None)
+    assert put(cache, req("x")) == 0
+    assert put(cache, req("y")) == 2
+    assert put(cache, req("z")) == 4
+    assert cache.lookup(req("y")) == (2, None)
+    assert cache.response(2).name == "y"
+
+
+def test_erase_twice_is_harmless():
+    cache = ResponseCache(4)
+    put(cache, req("a"))
+    put(cache, req("b"))
+    cache.erase(0)
+    cache.erase(0)
+    assert len(cache) == 1
+    assert put(cache, req("c")) == 0
+    assert put(cache, req("d")) == 2
+
+
+def test_full_cache_accepts_again_after_erase():
+    cache = ResponseCache(2)
+    put(cache, req("a"))
+    put(cache, req("b"))
+    cache.erase(1)
+    assert put(cache, req("c")) == 1
+    assert put(cache, req("d")) is None
+
+
+def test_reput_same_name_replaces_entry():
+    cache = ResponseCache(8)
+    put(cache, req("a", shape=(3,)))
+    put(cache, req("b"))
+    slot = put(cache, req("a", shape=(5,)))
+    assert slot == 0, "the old entry's slot is freed first and is the lowest"
+    assert len(cache) == 2
+    assert cache.lookup(req("a", shape=(5,))) == (0, None)
+    assert cache.lookup(req("a", shape=(3,))) == (None, 0)
+    assert cache.response(0).shape == (5,)
+
+
+def test_signature_is_the_own_request_not_the_response():
+    """allgather responses carry rank 0's shape; each rank must match against its own."""
+    mine = Request("g", ALLGATHER, "int32", (5, 2))
+    response = build_response({0: Request("g", ALLGATHER, "int32", (1, 2)), 1: mine})
+    cache = ResponseCache(4)
+    slot = cache.put(response, mine)
+    assert cache.lookup(mine) == (slot, None)
+    assert cache.lookup(Request("g", ALLGATHER, "int32", (1, 2))) == (None, slot)
+
+
+@pytest.mark.parametrize("n,words", [(1, 1), (63, 1), (64, 1), (65, 2), (128, 2), (129, 3)])
+def test_num_words(n, words):
+    cache = ResponseCache(1000)
+    for i in range(n):
+        assert put(cache, req(f"t{i}")) == i
+    assert cache.num_words == words
+
+
+def test_num_words_same_for_same_history():
+    """Ranks apply identical puts/erases, so they agree on the bit-vector length."""
+    def history():
+        cache = ResponseCache(100)
+        for i in range(70):
+            put(cache, req(f"t{i}"))
+        for s in (69, 3, 68):
+            cache.erase(s)
+        put(cache, req("new"))
+        return cache.num_words, len(cache)
+    assert history() == history()
+    words, n = history()
+    assert n == 68 and words >= 2   # slot 67 is still in use

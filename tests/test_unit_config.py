@@ -1,0 +1,89 @@
+"""config.Config.from_env: defaults, HVDLITE_ over HOROVOD_ aliases, bad values (pure logic)."""
+import pytest
+
+from hvdlite.common.config import Config, env_value
+
+
+def test_defaults_from_empty_environment():
+    cfg = Config.from_env({})
+    assert cfg.fusion_threshold == 128 * 1024 * 1024
+    assert cfg.cache_capacity == 1024
+    assert cfg.cycle_time_ms == 1.0
+    assert cfg.stall_check_enabled is True
+    assert cfg.stall_check_seconds == 60.0
+    assert cfg.stall_shutdown_seconds == 0.0
+    assert cfg.log_level == "WARNING"
+    assert cfg == Config()
+
+
+@pytest.mark.parametrize("knob,field,raw,value", [
+    ("FUSION_THRESHOLD", "fusion_threshold", "4096", 4096),
+    ("FUSION_THRESHOLD", "fusion_threshold", "0", 0),
+    ("CACHE_CAPACITY", "cache_capacity", "0", 0),
+    ("CACHE_CAPACITY", "cache_capacity", "7", 7),
+    ("CYCLE_TIME", "cycle_time_ms", "2.5", 2.5),
+    ("STALL_CHECK_TIME_SECONDS", "stall_check_seconds", "1", 1.0),
+    ("STALL_SHUTDOWN_TIME_SECONDS", "stall_shutdown_seconds", "2.5", 2.5),
+    ("LOG_LEVEL", "log_level", "debug", "DEBUG"),
+])
+@pytest.mark.parametrize("prefix", ["HVDLITE_", "HOROVOD_"])
+def test_each_knob_under_both_prefixes(knob, field, raw, value, prefix):
+    cfg = Config.from_env({prefix + knob: raw})
+    assert getattr(cfg, field) == value
+    assert type(getattr(cfg, field)) is type(value)
+
+
+@pytest.mark.parametrize("knob,field,ours,theirs,value", [
+    ("FUSION_THRESHOLD", "fusion_threshold", "1024", "2048", 1024),
+    ("CACHE_CAPACITY", "cache_capacity", "0", "100", 0),
+    ("STALL_CHECK_TIME_SECONDS", "stall_check_seconds", "5", "30", 5.0),
+    ("STALL_SHUTDOWN_TIME_SECONDS", "stall_shutdown_seconds", "9", "1", 9.0),
+    ("LOG_LEVEL", "log_level", "error", "debug", "ERROR"),
+])
+def test_hvdlite_spelling_wins_over_horovod(knob, field, ours, theirs, value):
+    env = {"HOROVOD_" + knob: theirs, "HVDLITE_" + knob: ours}
+    assert getattr(Config.from_env(env), field) == value
+    assert env_value(knob, env) == ours
+
+
+def test_env_value_unset():
+    assert env_value("FUSION_THRESHOLD", {}) is None
+    assert env_value("FUSION_THRESHOLD", {"OTHER_FUSION_THRESHOLD": "1"}) is None
+
+
+def test_reads_os_environ_by_default(monkeypatch):
+    for key in ("HVDLITE_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD",
+                "HVDLITE_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "333")
+    monkeypatch.setenv("HVDLITE_CACHE_CAPACITY", "5")
+    cfg = Config.from_env()
+    assert cfg.fusion_threshold == 333 and cfg.cache_capacity == 5
+
+
+@pytest.mark.parametrize("raw,enabled", [("1", False), ("true", False), ("yes", False),
+                                         ("0", True), ("false", True), ("off", True)])
+def test_stall_check_disable_flag(raw, enabled):
+    assert Config.from_env({"HVDLITE_STALL_CHECK_DISABLE": raw}).stall_check_enabled is enabled
+    assert Config.from_env({"HOROVOD_STALL_CHECK_DISABLE": raw}).stall_check_enabled is enabled
+
+
+@pytest.mark.parametrize("knob", ["FUSION_THRESHOLD", "CACHE_CAPACITY", "CYCLE_TIME",
+                                  "STALL_CHECK_TIME_SECONDS", "STALL_SHUTDOWN_TIME_SECONDS"])
+@pytest.mark.parametrize("raw", ["abc", "12MB", "-1", "1..2"])
+@pytest.mark.parametrize("prefix", ["HVDLITE_", "HOROVOD_"])
+def test_bad_values_raise(knob, raw, prefix):
+    with pytest.raises(ValueError) as info:
+        Config.from_env({prefix + knob: raw})
+    assert knob in str(info.value), f"error does not name the knob: {info.value}"
+
+
+def test_bad_hvdlite_value_not_hidden_by_good_alias():
+    with pytest.raises(ValueError):
+        Config.from_env({"HVDLITE_FUSION_THRESHOLD": "lots", "HOROVOD_FUSION_THRESHOLD": "64"})
+
+
+def test_config_is_immutable():
+    cfg = Config.from_env({})
+    with pytest.raises(Exception):
+        cfg.fusion_threshold = 1

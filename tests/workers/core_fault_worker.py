@@ -1,0 +1,155 @@
+"""Faulty jobs: a rank that dies or stalls while the others wait on it.
+
+argv[1] is the scenario, argv[2] (optional, default: the last rank; -1 works too) the rank
+that misbehaves:
+  raise         the last rank raises an exception while the others wait on an allreduce
+  exit          the last rank's script simply ends while the others wait on an allreduce
+  hard_exit     the last rank leaves with os._exit(3) (no hvdlite shutdown at all)
+  stall_warn    the last rank submits 3 s late (run with HVDLITE_STALL_CHECK_TIME_SECONDS=1)
+  stall_shutdown  the last rank never submits one tensor (stall check 1 s, shutdown 2 s)
+
+Survivors report their cases and then re-raise what they caught, so that mpiexec exits non-zero
+whichever rank it hears from first.  Every rank prints a marker line to stderr too, so the pytest
+side can assert on the text even if a rank is killed before its JSON is written.
+"""
+import os
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import hvdlite as hvd
+from core_refs import check_exact
+from _report import Reporter
+
+SCENARIO = sys.argv[1]
+hvd.init()
+RANK, SIZE = hvd.rank(), hvd.size()
+ODD = int(sys.argv[2]) % SIZE if len(sys.argv) > 2 else SIZE - 1   # the faulty rank
+world = MPI.COMM_WORLD
+r = Reporter(RANK)
+
+
+def say(msg):
+    print(f"[fault-worker rank {RANK}] {msg}", file=sys.stderr, flush=True)
+
+
+def warm_up():
+    got = hvd.allreduce(np.full(3, RANK + 1.0), op=hvd.Sum, name="warmup")
+    check_exact("warmup", got, np.full(3, float(sum(range(1, SIZE + 1)))))
+
+
+r.case("warmup", warm_up)
+
+
+def survivor_waits():
+    """Wait on an allreduce the last rank never joins; must fail fast with RankExitedError."""
+    start = time.monotonic()
+    pending = [hvd.allreduce_async(np.ones(3), name="pending.a"),
+               hvd.allgather_async(np.ones((2, 2)), name="pending.b"),
+               hvd.broadcast_async_(np.ones(5), 0, name="pending.c")]
+    caught = None
+    try:
+        hvd.allreduce(np.ones(4), name="wait_on_exited_rank")
+    except Exception as exc:  # noqa: BLE001
+        caught = exc
+    elapsed = time.monotonic() - start
+    say(f"caught {type(caught).__name__} after {elapsed:.2f} s: {caught}")
+    others = []
+    for h in pending:
+        try:
+            h.wait(timeout=10)
+            others.append(None)
+        except Exception as exc:  # noqa: BLE001
+            others.append(exc)
+
+    def check():
+        assert isinstance(caught, hvd.RankExitedError), f"got {caught!r}"
+        assert isinstance(caught, hvd.ShutdownError) and isinstance(caught, hvd.HvdliteError)
+        assert str(ODD) in str(caught), f"message does not name rank {ODD}: {caught}"
+        assert elapsed < 10.0, f"took {elapsed:.1f} s to notice"
+        for h, exc in zip(pending, others):
+            assert isinstance(exc, hvd.RankExitedError), f"{h.name}: got {exc!r}"
+            assert h.name in str(exc), f"error does not name the tensor: {exc}"
+
+    def later_ops_fail():
+        try:
+            hvd.allreduce(np.ones(2), name="after_exit")
+        except hvd.HvdliteError as exc:
+            say(f"later op raised {type(exc).__name__}")
+        else:
+            raise AssertionError("an op after the peer exited succeeded")
+
+    r.case("wait_on_exited_rank", check)
+    r.case("later_ops_fail", later_ops_fail)
+    r.write()
+    if caught is not None:
+        raise caught
+
+
+if SCENARIO in ("raise", "exit", "hard_exit"):
+    if RANK == ODD:
+        time.sleep(0.5)   # let the others start waiting first
+        r.write()
+        if SCENARIO == "raise":
+            say("raising now")
+            raise RuntimeError(f"deliberate failure on rank {RANK}")
+        if SCENARIO == "hard_exit":
+            say("os._exit now")
+            os._exit(3)
+        say("ending normally now")
+        sys.exit(0)
+    survivor_waits()
+
+elif SCENARIO == "stall_warn":
+    def late_submit():
+        if RANK == ODD:
+            time.sleep(3.0)
+        xs = [np.arange(5, dtype=np.int32) * (k + 1) for k in range(SIZE)]
+        got = hvd.allreduce(xs[RANK], op=hvd.Sum, name="late")
+        check_exact("late", got, sum(xs).astype(np.int32))
+
+    r.case("late_result_correct", late_submit)
+    r.case("after", warm_up)
+    r.write()
+    hvd.shutdown()
+
+elif SCENARIO == "stall_shutdown":
+    def stalled():
+        done_tag = 77
+        if RANK != ODD:
+            start = time.monotonic()
+            caught = None
+            try:
+                hvd.allreduce_async(np.ones(3), name="stalled").wait()
+            except Exception as exc:  # noqa: BLE001
+                caught = exc
+            elapsed = time.monotonic() - start
+            say(f"caught {type(caught).__name__} after {elapsed:.2f} s: {caught}")
+            world.send(True, dest=ODD, tag=done_tag)
+            assert isinstance(caught, hvd.StallError), f"got {caught!r}"
+            assert isinstance(caught, hvd.HvdliteError)
+            assert "stalled" in str(caught), str(caught)
+            assert str([ODD]) in str(caught), f"missing ranks not named: {caught}"
+            assert 1.5 <= elapsed < 15.0, f"StallError after {elapsed:.1f} s"
+        else:
+            # never submit 'stalled'; wait (without spinning) until the others gave up on it
+            for source in [k for k in range(SIZE) if k != ODD]:
+                while not world.iprobe(source=source, tag=done_tag):
+                    time.sleep(0.01)
+                world.recv(source=source, tag=done_tag)
+
+    def after_stall():
+        xs = [np.arange(4, dtype=np.float64) + k for k in range(SIZE)]
+        got = hvd.allreduce(xs[RANK], op=hvd.Sum, name="after_stall")
+        check_exact("after_stall", got, sum(xs))
+        got = hvd.allreduce(xs[RANK], op=hvd.Max, name="stalled")   # the name is free again
+        check_exact("stalled name reused", got, xs[SIZE - 1])
+
+    r.case("stalled_tensor_errors", stalled)
+    r.case("job_keeps_working", after_stall)
+    r.write()
+    hvd.shutdown()
+else:
+    raise SystemExit(f"unknown scenario {SCENARIO!r}")

@@ -1,0 +1,246 @@
+"""Repeated training-like steps with the same tensor names (the response cache's steady state),
+names whose shape/dtype/op/scale/kind/root change between steps (cache invalidation), and batches
+that fuse or split.  Run under several HVDLITE_FUSION_THRESHOLD / HVDLITE_CACHE_CAPACITY settings:
+every configuration must give the numpy reference results.
+
+argv[1]: configuration name (a key of core_cases.STEADY_CONFIGS).
+"""
+import sys
+
+import numpy as np
+
+import hvdlite as hvd
+from hvdlite.common import basics
+import core_cases as cc
+from core_refs import allreduce_expected, attempt, check_array, check_exact, noncontiguous
+from _report import Reporter
+
+CONFIG = sys.argv[1]
+hvd.init()
+RANK, SIZE = hvd.rank(), hvd.size()
+r = Reporter(RANK)
+OP = {name: getattr(hvd, name) for name in cc.OPS}
+
+
+def inp(tag, rank, dtype, op, shape):
+    return cc.op_input(tag, rank, dtype, op, shape)
+
+
+def run_allreduces(specs, step, in_place=False, order=None):
+    """specs: list of (name, dtype, op, shape, pre, post); all async, then wait; check all."""
+    inputs = {s[0]: [inp(f"{s[0]}@{step}", k, s[1], s[2], s[3]) for k in range(SIZE)]
+              for s in specs}
+    handles = {}
+    arrays = {}
+    for s in (order or specs):
+        name, dtype, op, shape, pre, post = s
+        x = inputs[name][RANK].copy()
+        arrays[name] = x
+        fn = hvd.allreduce_async_ if in_place else hvd.allreduce_async
+        handles[name] = attempt(lambda: fn(x, name=name, op=OP[op], prescale_factor=pre,
+                                           postscale_factor=post))
+    got = {n: (h if isinstance(h, Exception) else attempt(h.wait)) for n, h in handles.items()}
+    for name, dtype, op, shape, pre, post in specs:
+        exp = allreduce_expected(inputs[name], dtype, op, SIZE, pre, post)
+        check_array(f"step {step} {name}", got[name], exp)
+        if in_place:
+            check_array(f"step {step} {name} (array)", arrays[name], exp)
+
+
+def config_applied():
+    cfg = basics.engine().config
+    env = cc.STEADY_CONFIGS[CONFIG]
+    want_fusion = int(env.get("HVDLITE_FUSION_THRESHOLD",
+                              env.get("HOROVOD_FUSION_THRESHOLD", 128 * 1024 * 1024)))
+    want_cache = int(env.get("HVDLITE_CACHE_CAPACITY", env.get("HOROVOD_CACHE_CAPACITY", 1024)))
+    assert cfg.fusion_threshold == want_fusion, (cfg.fusion_threshold, want_fusion)
+    assert cfg.cache_capacity == want_cache, (cfg.cache_capacity, want_cache)
+
+
+def same_names_mixed():
+    dtypes = ["float32", "float64", "int32", "float16", "int64", "bfloat16"]
+    ops = ["Sum", "Average", "Max", "Min"]
+    sizes = [1, 10, 100, 1000, 3000]
+    specs = []
+    for i in range(30):
+        pre, post = ((0.5, 2.0) if i % 7 == 0 else (1.0, 1.0))
+        specs.append((f"smm.{i}", dtypes[i % len(dtypes)], ops[i % len(ops)],
+                      (sizes[i % len(sizes)],), pre, post))
+    for step in range(8):
+        run_allreduces(specs, step)
+
+
+def many_steps_cached():
+    specs = [(f"msc.{i}", "float32", "Sum", (i + 1, 3), 1.0, 1.0) for i in range(16)]
+    for step in range(40):
+        run_allreduces(specs, step, in_place=True)
+
+
+def shape_change():
+    shapes = [(4,), (4,), (6,), (6,), (2, 3), (4,), (0,), (4,), ()]
+    for step, shape in enumerate(shapes):
+        run_allreduces([("sc.w", "int64", "Sum", shape, 1.0, 1.0)], step)
+        b = [inp(f"sc.b@{step}", k, "float32", "Sum", shape) for k in range(SIZE)]
+        check_exact(f"step {step} broadcast", attempt(lambda: hvd.broadcast(b[RANK], 0,
+                                                                               name="sc.b")),
+                    b[0])
+
+
+def shape_change_one_rank_first_dim():
+    for step in range(8):
+        def rows(k):
+            return 2 if k != SIZE - 1 else (step * 5) % 4   # only the last rank's rows change
+        xs = [inp(f"scg@{step}", k, "int32", "Sum", (rows(k), 3)) for k in range(SIZE)]
+        got = attempt(lambda: hvd.allgather(xs[RANK], name="scg"))
+
+        def rows0(k):
+            return (step % 3) if k == 0 else 1     # only rank 0's rows change
+        ys = [inp(f"scg0@{step}", k, "uint16", "Sum", (rows0(k),)) for k in range(SIZE)]
+        got0 = attempt(lambda: hvd.allgather(ys[RANK], name="scg0"))
+        check_exact(f"step {step}", got, np.concatenate(xs))
+        check_exact(f"step {step} (rank 0 changes)", got0, np.concatenate(ys))
+
+
+def dtype_change():
+    for step, dtype in enumerate(["float32", "float32", "int64", "float16", "int64", "bool",
+                                  "float32"]):
+        op = "Max" if dtype == "bool" else "Sum"
+        run_allreduces([("dc", dtype, op, (5,), 1.0, 1.0)], step)
+
+
+def op_change():
+    for step, op in enumerate(["Sum", "Sum", "Max", "Min", "Average", "Product", "Sum"]):
+        run_allreduces([("oc", "int32", op, (6,), 1.0, 1.0), ("oc2", "float64", op, (3,),
+                                                               1.0, 1.0)], step)
+
+
+def scale_change():
+    factors = [(1.0, 1.0), (1.0, 1.0), (0.5, 1.0), (0.5, 2.0), (0.5, 2.0), (1.0, 1.0), (3.0, 0.5)]
+    for step, (pre, post) in enumerate(factors):
+        run_allreduces([("scl.i", "int16", "Sum", (6,), pre, post),
+                        ("scl.f", "float32", "Average", (6,), pre, post)], step)
+
+
+def kind_change():
+    for step, kind in enumerate(["allreduce", "allreduce", "broadcast", "broadcast", "allgather",
+                                 "allreduce", "allgather"]):
+        xs = [inp(f"kc@{step}", k, "float64", "Sum", (3,)) for k in range(SIZE)]
+        if kind == "allreduce":
+            got = attempt(lambda: hvd.allreduce(xs[RANK], op=hvd.Sum, name="kc"))
+            check_array(f"step {step}", got, allreduce_expected(xs, "float64", "Sum", SIZE))
+        elif kind == "broadcast":
+            got = attempt(lambda: hvd.broadcast(xs[RANK], SIZE - 1, name="kc"))
+            check_exact(f"step {step}", got, xs[SIZE - 1])
+        else:
+            got = attempt(lambda: hvd.allgather(xs[RANK], name="kc"))
+            check_exact(f"step {step}", got, np.concatenate(xs))
+
+
+def root_change():
+    for step, root in enumerate([0, 0, 1, SIZE - 1, SIZE - 1, 0]):
+        xs = [inp(f"rc@{step}", k, "int8", "Sum", (4,)) for k in range(SIZE)]
+        y = xs[RANK].copy()
+        got = attempt(lambda: hvd.broadcast_(y, root, name="rc"))
+        check_exact(f"step {step} root {root}", got, xs[root])
+
+
+def large_and_small():
+    sizes = [10, 2000, 5, 1500, 100000, 3, 1024, 1023, 1, 700, 700]
+    specs = [(f"las.{i}", "float32", "Sum", (n,), 1.0, 1.0) for i, n in enumerate(sizes)]
+    specs += [(f"las.d{i}", "float64", "Sum", (n,), 1.0, 1.0) for i, n in enumerate(sizes[:4])]
+    for step in range(3):
+        run_allreduces(specs, step)
+        run_allreduces(specs, step + 100, in_place=True)
+
+
+def fused_scaled():
+    """Same-key groups with scale factors (these fuse), next to unscaled ones of the same dtype
+    (a different fusion key), in-place and out-of-place."""
+    specs = []
+    for i in range(16):
+        dtype = ["float32", "int32"][i % 2]
+        op = ["Sum", "Average"][(i // 2) % 2]
+        pre, post = [(0.5, 3.0), (1.0, 1.0), (2.5, 0.25), (0.5, 3.0)][(i // 4) % 4]
+        specs.append((f"fs.{i}", dtype, op, (i % 5 + 1, 3), pre, post))
+    for step in range(3):
+        run_allreduces(specs, step)
+        run_allreduces(specs, step + 50, in_place=True)
+
+
+def inplace_and_noncontiguous_fused():
+    for step in range(4):
+        xs = [[inp(f"inc{i}@{step}", k, "float32", "Sum", (6, 4)) for k in range(SIZE)]
+              for i in range(6)]
+        views, handles = [], []
+        for i in range(6):
+            x = xs[i][RANK]
+            if i % 2 == 0:
+                view = noncontiguous(x)[0]       # Fortran-ordered copy: not C-contiguous
+                assert not view.flags.c_contiguous
+                views.append(view)
+                handles.append(hvd.allreduce_async_(view, op=hvd.Sum, name=f"inc.{i}"))
+            else:
+                views.append(None)
+                handles.append(hvd.allreduce_async(x, op=hvd.Sum, name=f"inc.{i}"))
+        got = [attempt(h.wait) for h in handles]
+        for i in range(6):
+            exp = allreduce_expected(xs[i], "float32", "Sum", SIZE)
+            check_array(f"step {step} tensor {i}", got[i], exp)
+            if views[i] is not None:
+                assert got[i] is views[i]
+                assert np.array_equal(views[i], exp.exact)
+
+
+def unnamed():
+    for step in range(3):
+        xs = [[inp(f"un{i}@{step}", k, "int32", "Sum", (i + 1,)) for k in range(SIZE)]
+              for i in range(10)]
+        handles = [hvd.allreduce_async(xs[i][RANK], op=hvd.Sum) for i in range(10)]
+        for i, h in enumerate(handles):
+            check_array(f"step {step} tensor {i}", attempt(h.wait),
+                        allreduce_expected(xs[i], "int32", "Sum", SIZE))
+
+
+def more_names_than_cache():
+    specs = [(f"mntc.{i}", "int64", "Max", (i + 1,), 1.0, 1.0) for i in range(10)]
+    for step in range(5):
+        run_allreduces(specs, step)
+        for s in specs[::3]:   # some names also alone, synchronously
+            xs = [inp(f"{s[0]}#{step}", k, "int64", "Max", s[3]) for k in range(SIZE)]
+            got = attempt(lambda: hvd.allreduce(xs[RANK], op=hvd.Max, name=s[0]))
+            check_array(f"step {step} {s[0]} alone", got,
+                        allreduce_expected(xs, "int64", "Max", SIZE))
+
+
+def out_of_order_repeated():
+    specs = [(f"oor.{i}", ["float32", "int32", "uint8"][i % 3], ["Sum", "Max", "Min"][i % 3],
+              (i % 4 + 1,), 1.0, 1.0) for i in range(20)]
+    for step in range(6):
+        rng = np.random.default_rng([step, RANK])
+        order = [specs[i] for i in rng.permutation(len(specs))]
+        run_allreduces(specs, step, order=order)
+
+
+CASES = {
+    "config_applied": config_applied,
+    "steady.same_names_mixed": same_names_mixed,
+    "steady.many_steps_cached": many_steps_cached,
+    "steady.shape_change": shape_change,
+    "steady.shape_change_one_rank_first_dim": shape_change_one_rank_first_dim,
+    "steady.dtype_change": dtype_change,
+    "steady.op_change": op_change,
+    "steady.scale_change": scale_change,
+    "steady.kind_change": kind_change,
+    "steady.root_change": root_change,
+    "steady.large_and_small": large_and_small,
+    "steady.fused_scaled": fused_scaled,
+    "steady.inplace_and_noncontiguous_fused": inplace_and_noncontiguous_fused,
+    "steady.unnamed": unnamed,
+    "steady.more_names_than_cache": more_names_than_cache,
+    "steady.out_of_order_repeated": out_of_order_repeated,
+}
+assert list(CASES) == cc.STEADY_CASES
+for name, fn in CASES.items():
+    r.case(name, fn)
+r.write()
+hvd.shutdown()
