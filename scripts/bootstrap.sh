@@ -1,23 +1,24 @@
 #!/usr/bin/env bash
 # Create (or update) the project's virtual environment in .venv with everything the examples
 # and the test suite need: hvdlite itself (editable), numpy, mpi4py, the MPICH wheel (a working
-# mpiexec), PyTorch's CPU wheel, scikit-learn and pytest. Safe to run repeatedly.
+# mpiexec), PyTorch's CPU wheel, TensorFlow CPU, scikit-learn and pytest. Safe to run repeatedly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 # torch is pinned: an unpinned torch pulls several GB of CUDA packages.
 TORCH_SPEC="${HVDLITE_TORCH_SPEC:-torch==2.13.0}"
+TF_SPEC="${HVDLITE_TF_SPEC:-tensorflow-cpu==2.21.0}"
 
 if [ ! -x .venv/bin/python ]; then
   echo "[bootstrap] creating .venv with $($PYTHON --version)"
   "$PYTHON" -m venv .venv
 fi
 stamp=".venv/.hvdlite-installed"
-want="$(cat setup.py scripts/bootstrap.sh | sha256sum | cut -c1-16) $TORCH_SPEC"
+want="$(cat setup.py scripts/bootstrap.sh | sha256sum | cut -c1-16) $TORCH_SPEC $TF_SPEC"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[bootstrap] installing hvdlite and its test/example dependencies"
   .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet "$TORCH_SPEC" -e ".[test,examples]"
+  .venv/bin/python -m pip install --quiet "$TORCH_SPEC" "$TF_SPEC" -e ".[test,examples]"
   echo "$want" > "$stamp"
 fi
 # The venv's MPICH mpiexec must win over any other MPI on PATH (a foreign mpiexec fails

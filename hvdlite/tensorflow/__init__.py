@@ -1,0 +1,45 @@
+"""TensorFlow 2 adapter with Horovod's API: ``import hvdlite.tensorflow as hvd``.
+
+A Horovod TF2 script runs after changing ``import horovod.tensorflow as hvd`` to this import.
+Ops work eagerly and inside ``tf.function`` (see :mod:`hvdlite.tensorflow.mpi_ops` for how
+unnamed ops are named in graphs).  Keras users import :mod:`hvdlite.tensorflow.keras`.
+"""
+from hvdlite.common.basics import (init, shutdown, is_initialized, size, rank, local_size,
+                                   local_rank, cross_size, cross_rank, is_homogeneous,
+                                   mpi_threads_supported, mpi_built, mpi_enabled, gloo_built,
+                                   gloo_enabled, nccl_built, ddl_built, ccl_built, cuda_built,
+                                   rocm_built)
+from hvdlite.common.errors import (HvdliteError, HorovodInternalError, ShutdownError,
+                                   RankExitedError, TensorMismatchError, DuplicateNameError,
+                                   UnsupportedDtypeError, StallError)
+from hvdlite.common.reduce_ops import ReduceOp, Average, Sum, Adasum, Min, Max, Product
+from hvdlite.common.objects import broadcast_object, allgather_object
+
+from .compression import Compression
+from .mpi_ops import (allreduce, grouped_allreduce, allgather, broadcast, broadcast_variables,
+                      barrier, size_op, rank_op, local_size_op, local_rank_op, cross_size_op,
+                      cross_rank_op)
+from .gradient_tape import DistributedGradientTape
+
+
+def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="",
+                         device_sparse="", compression=Compression.none, sparse_as_dense=False,
+                         backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
+                         average_aggregated_gradients=False, num_groups=0, groups=None,
+                         process_set=None, scale_local_gradients=True):
+    """Wrap a Keras optimizer (TF2 has no other kind) so that gradients are averaged across
+    ranks before they are applied; see :func:`hvdlite.tensorflow.keras.DistributedOptimizer`."""
+    from .keras import DistributedOptimizer as _keras_distributed
+    return _keras_distributed(optimizer, name=name, device_dense=device_dense,
+                              device_sparse=device_sparse, compression=compression,
+                              sparse_as_dense=sparse_as_dense,
+                              backward_passes_per_step=backward_passes_per_step,
+                              average_aggregated_gradients=average_aggregated_gradients, op=op,
+                              gradient_predivide_factor=gradient_predivide_factor,
+                              num_groups=num_groups, groups=groups, process_set=process_set)
+
+
+def broadcast_global_variables(root_rank):
+    """TF1 graph-mode API: not available in TF2 eager execution (same as Horovod)."""
+    raise RuntimeError("hvd.broadcast_global_variables() does not support eager execution; use "
+                       "hvd.broadcast_variables(model.variables, root_rank) instead.")

@@ -1,0 +1,177 @@
+"""Keras 3 adapter with Horovod's API: ``import hvdlite.tensorflow.keras as hvd``.
+
+A Horovod Keras script runs after changing ``import horovod.tensorflow.keras as hvd`` (or
+``horovod.keras``) to this import::
+
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.01 * hvd.size()))
+    model.compile(optimizer=opt, loss=...)
+    model.fit(x, y, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                               hvd.callbacks.MetricAverageCallback()],
+              verbose=1 if hvd.rank() == 0 else 0)
+
+On a machine with a GPU, Keras may XLA-compile the train step (``jit_compile="auto"``); hvdlite's
+collectives are Python nodes that XLA cannot compile, so pass ``jit_compile=False`` to
+``model.compile`` there (CPU-only machines never use XLA by default).
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from hvdlite.common.basics import (init, shutdown, is_initialized, size, rank, local_size,
+                                   local_rank, cross_size, cross_rank, is_homogeneous,
+                                   mpi_threads_supported, mpi_built, mpi_enabled, gloo_built,
+                                   gloo_enabled, nccl_built, ddl_built, ccl_built, cuda_built,
+                                   rocm_built)
+from hvdlite.common.errors import (HvdliteError, HorovodInternalError, ShutdownError,
+                                   RankExitedError, TensorMismatchError, DuplicateNameError,
+                                   UnsupportedDtypeError, StallError)
+from hvdlite.common.reduce_ops import ReduceOp, Average, Sum, Adasum, Min, Max, Product
+from hvdlite.common.objects import broadcast_object, allgather_object
+
+from ..compression import Compression
+from ..gradient_tape import make_allreduce_grads_fn
+from ..mpi_ops import (allreduce as _tf_allreduce, allgather as _tf_allgather,
+                       broadcast as _tf_broadcast, broadcast_variables, barrier)
+from . import callbacks
+
+
+class _DistributedOptimizer:
+    """Mixin placed before the user's optimizer class in a generated subclass: ``apply``
+    (which ``apply_gradients`` and ``model.fit`` go through) averages the gradients first."""
+
+    def _hvd_setup(self, allreduce_grads, backward_passes_per_step: int,
+                   average_aggregated_gradients: bool) -> None:
+        self._hvd_allreduce_grads = allreduce_grads
+        self._hvd_passes = int(backward_passes_per_step)
+        self._hvd_average_aggregated = bool(average_aggregated_gradients)
+        self._hvd_aggregated = None
+        self._hvd_counter = None
+
+    @tf.autograph.experimental.do_not_convert
+    def build(self, variables):
+        super().build(variables)
+        if getattr(self, "_hvd_passes", 1) > 1 and self._hvd_aggregated is None:
+            self._hvd_aggregated = [self.add_variable_from_reference(v, name="hvd_aggregated")
+                                    for v in variables]
+            self._hvd_counter = self.add_variable(shape=(), dtype="int64", initializer="zeros",
+                                                  name="hvd_backward_passes")
+
+    @tf.autograph.experimental.do_not_convert
+    def apply(self, grads, trainable_variables=None):
+        grads = list(grads)
+        if self._hvd_passes <= 1:
+            return super().apply(self._hvd_allreduce_grads(grads), trainable_variables)
+        if trainable_variables is None:
+            variables = list(self._trainable_variables)
+        else:
+            variables = list(trainable_variables)
+            if not self.built:
+                self.build(variables)
+                self.built = True
+        index = {id(v): i for i, v in enumerate(self._trainable_variables)}
+        for g, v in zip(grads, variables):
+            if g is not None:
+                self._hvd_aggregated[index[id(v)]].assign_add(tf.convert_to_tensor(g))
+        self._hvd_counter.assign_add(1)
+        passes = self._hvd_passes
+        mixin_super = super(_DistributedOptimizer, self)
+
+        def update():
+            aggregated = [tf.convert_to_tensor(self._hvd_aggregated[index[id(v)]])
+                          for v in variables]
+            if self._hvd_average_aggregated:
+                aggregated = [a / tf.cast(passes, a.dtype) for a in aggregated]
+            mixin_super.apply(self._hvd_allreduce_grads(aggregated), variables)
+            for v in variables:
+                acc = self._hvd_aggregated[index[id(v)]]
+                acc.assign(tf.zeros_like(acc))
+            return tf.constant(True)
+
+        tf.cond(tf.equal(tf.math.floormod(tf.convert_to_tensor(self._hvd_counter), passes), 0),
+                update, lambda: tf.constant(False))
+
+
+def _distributed_class(base):
+    # Same name and module as the wrapped class: a saved model records the plain optimizer and
+    # loads without hvdlite (as with Horovod).
+    return type(base.__name__, (_DistributedOptimizer, base),
+                {"__module__": base.__module__, "__qualname__": base.__qualname__})
+
+
+def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                         compression=Compression.none, sparse_as_dense=False,
+                         gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
+                         average_aggregated_gradients=False, num_groups=0, groups=None,
+                         process_set=None, scale_local_gradients=True):
+    """Return a copy of the Keras optimizer ``optimizer`` (built from its config, as Horovod
+    does) whose gradients are averaged across ranks before being applied.
+
+    ``backward_passes_per_step=N`` accumulates gradients locally for N calls of
+    ``apply``/``apply_gradients`` and allreduces + applies on every N-th (summed, or averaged
+    over the N passes with ``average_aggregated_gradients=True``).  ``compression``,
+    ``sparse_as_dense``, ``op`` and ``gradient_predivide_factor`` are as in
+    :func:`hvdlite.tensorflow.DistributedGradientTape`.  ``num_groups``/``groups`` are accepted
+    for compatibility (all gradients already travel as one fused group).
+    """
+    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
+        raise NotImplementedError("process sets are not available in hvdlite yet")
+    if backward_passes_per_step < 1:
+        raise ValueError("backward_passes_per_step must be >= 1")
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ValueError("the optimizer is already a DistributedOptimizer")
+    if num_groups and groups is not None:
+        raise ValueError("pass at most one of num_groups and groups")
+    base = optimizer.__class__
+    cls = _distributed_class(base)
+    try:
+        new = cls.from_config(optimizer.get_config())
+    except Exception:  # noqa: BLE001 - custom optimizers without a usable config
+        new = optimizer
+        new.__class__ = cls
+    label = name or f"Distributed{base.__name__}"
+    new._hvd_setup(make_allreduce_grads_fn(f"DistributedOptimizer.{label}", compression,
+                                           sparse_as_dense, op, gradient_predivide_factor),
+                   backward_passes_per_step, average_aggregated_gradients)
+    return new
+
+
+def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0,
+              op=None, compression=Compression.none):
+    """Allreduce a tensor-like value (Horovod Keras: returns a numpy array)."""
+    return _tf_allreduce(tf.convert_to_tensor(value), average=average, name=name, op=op,
+                         prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                         compression=compression).numpy()
+
+
+def allgather(value, name=None):
+    """Allgather a tensor-like value (returns a numpy array)."""
+    return _tf_allgather(tf.convert_to_tensor(value), name=name).numpy()
+
+
+def broadcast(value, root_rank, name=None):
+    """Broadcast a tensor-like value from ``root_rank`` (returns a numpy array)."""
+    return _tf_broadcast(tf.convert_to_tensor(value), root_rank, name=name).numpy()
+
+
+def broadcast_global_variables(root_rank):
+    raise RuntimeError("broadcast_global_variables is a TF1 API; use "
+                       "hvd.callbacks.BroadcastGlobalVariablesCallback(root_rank) or "
+                       "hvd.broadcast_variables(model.variables, root_rank).")
+
+
+def load_model(filepath, custom_optimizers=None, custom_objects=None,
+               compression=Compression.none):
+    """Load a saved Keras model whose optimizer (and its state) is turned into a
+    :func:`DistributedOptimizer` in place."""
+    import keras
+    objects = dict(custom_objects or {})
+    for opt_cls in custom_optimizers or []:
+        objects[opt_cls.__name__] = opt_cls
+    model = keras.models.load_model(filepath, custom_objects=objects or None)
+    opt = getattr(model, "optimizer", None)
+    if opt is not None and not isinstance(opt, _DistributedOptimizer):
+        base = opt.__class__
+        opt.__class__ = _distributed_class(base)
+        opt._hvd_setup(make_allreduce_grads_fn(f"DistributedOptimizer.Distributed{base.__name__}",
+                                               compression), 1, False)
+    return model
