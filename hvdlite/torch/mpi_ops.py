@@ -52,8 +52,10 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
     same on every rank (unnamed ops must be issued in the same order on every rank).
     """
     _no_process_sets(process_set)
+    what = f"allreduce of {name or 'unnamed tensor'}"
+    check_tensor(tensor, what)   # before allocating: empty_like fails on e.g. sparse tensors
     output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-    return _submit(ALLREDUCE, tensor, output, f"allreduce of {name or 'unnamed tensor'}",
+    return _submit(ALLREDUCE, tensor, output, what,
                    name=name, reduce_op=resolve_op(op, average),
                    prescale_factor=prescale_factor, postscale_factor=postscale_factor)
 
@@ -155,8 +157,10 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
                     process_set=None) -> Handle:
     """Start broadcasting ``root_rank``'s ``tensor`` into a new tensor on every rank."""
     _no_process_sets(process_set)
+    what = f"broadcast of {name or 'unnamed tensor'}"
+    check_tensor(tensor, what)   # before allocating: empty_like fails on e.g. sparse tensors
     output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-    return _submit(BROADCAST, tensor, output, f"broadcast of {name or 'unnamed tensor'}",
+    return _submit(BROADCAST, tensor, output, what,
                    name=name, root_rank=root_rank)
 
 

@@ -1,0 +1,470 @@
+"""hvdlite.torch error handling on every rank: each case provokes an error that every rank must
+see (as the documented exception type), then checks that a following collective still works."""
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+torch.set_num_threads(1)
+
+import hvdlite.torch as hvd  # noqa: E402
+import torch_cases as C  # noqa: E402
+
+hvd.init()
+from mpi4py import MPI  # noqa: E402
+
+COMM = MPI.COMM_WORLD
+RANK, SIZE = hvd.rank(), hvd.size()
+r = C.synced_reporter(RANK, COMM)
+
+
+def expect(exc_type, fn, *args, **kwargs):
+    """Call ``fn``; it must raise ``exc_type``; return the exception."""
+    try:
+        fn(*args, **kwargs)
+    except exc_type as exc:
+        return exc
+    except Exception as exc:  # noqa: BLE001
+        raise AssertionError(f"expected {exc_type.__name__}, got {type(exc).__name__}: {exc}")
+    raise AssertionError(f"expected {exc_type.__name__}, nothing was raised")
+
+
+def follow_up(case):
+    """A named and an unnamed collective right after the error must work."""
+    res = hvd.allreduce(torch.tensor([float(RANK), 1.0]), op=hvd.Sum, name=case + ".followup")
+    assert res.tolist() == [float(sum(range(SIZE))), float(SIZE)], res
+    res = hvd.allgather(torch.full((RANK + 1,), RANK, dtype=torch.int32))
+    assert res.tolist() == [k for k in range(SIZE) for _ in range(k + 1)], res
+
+
+def mismatch(case, fn, *args, **kwargs):
+    exc = expect(hvd.TensorMismatchError, fn, *args, **kwargs)
+    assert isinstance(exc, hvd.HvdliteError)
+    assert "ismatch" in str(exc), str(exc)
+    follow_up(case)
+    return exc
+
+
+# --- error classes -----------------------------------------------------------------------------
+def error_classes(case):
+    assert hvd.HorovodInternalError is hvd.HvdliteError
+    for cls in (hvd.TensorMismatchError, hvd.DuplicateNameError, hvd.UnsupportedDtypeError):
+        assert issubclass(cls, hvd.HvdliteError), cls
+        assert issubclass(cls, hvd.HorovodInternalError), cls
+
+
+# --- mismatches across ranks -------------------------------------------------------------------
+def odd(value_rank0, value_others):
+    return value_rank0 if RANK == 0 else value_others
+
+
+def m_allreduce_shape(case):
+    exc = mismatch(case, hvd.allreduce, torch.ones(RANK + 2), name=case)
+    assert "shape" in str(exc), str(exc)
+
+
+def m_allreduce_dtype(case):
+    exc = mismatch(case, hvd.allreduce, torch.ones(4, dtype=odd(torch.float32, torch.float64)),
+                   name=case)
+    assert "dtype" in str(exc), str(exc)
+
+
+def m_allreduce_op(case):
+    mismatch(case, hvd.allreduce, torch.ones(4), name=case, op=odd(hvd.Sum, hvd.Max))
+
+
+def m_allreduce_prescale(case):
+    mismatch(case, hvd.allreduce, torch.ones(4), name=case, prescale_factor=odd(1.0, 2.0))
+
+
+def m_allreduce_unnamed(case):
+    mismatch(case, hvd.allreduce, torch.ones(3, odd(1, 2)))
+
+
+def m_allreduce_async(case):
+    handle = hvd.allreduce_async(torch.ones(odd(5, 6)), name=case)
+    mismatch(case, hvd.synchronize, handle)
+    assert hvd.poll(handle) is True
+
+
+def m_allreduce_inplace(case):
+    t = torch.ones(4, dtype=odd(torch.int32, torch.int64))
+    mismatch(case, hvd.allreduce_, t, name=case)
+
+
+def m_broadcast_shape(case):
+    mismatch(case, hvd.broadcast, torch.ones(odd(2, 3)), 0, name=case)
+
+
+def m_broadcast_root(case):
+    exc = mismatch(case, hvd.broadcast, torch.ones(3), odd(0, 1), name=case)
+    assert "root" in str(exc), str(exc)
+
+
+def m_broadcast_dtype(case):
+    mismatch(case, hvd.broadcast_, torch.ones(3, dtype=odd(torch.float16, torch.bfloat16)), 0,
+             name=case)
+
+
+def m_allgather_trailing(case):
+    mismatch(case, hvd.allgather, torch.ones(2, RANK + 1), name=case)
+
+
+def m_allgather_ndim(case):
+    mismatch(case, hvd.allgather, torch.ones(odd((2, 3), (2, 3, 1))), name=case)
+
+
+def m_allgather_dtype(case):
+    mismatch(case, hvd.allgather, torch.ones(2, dtype=odd(torch.uint8, torch.int8)), name=case)
+
+
+def m_kind(case):
+    t = torch.ones(3)
+    if RANK == 0:
+        mismatch(case, hvd.allreduce, t, name=case)
+    else:
+        mismatch(case, hvd.broadcast, t, 0, name=case)
+
+
+def m_then_same_name_ok(case):
+    mismatch(case, hvd.allreduce, torch.ones(odd(2, 3)), name=case, op=hvd.Sum)
+    res = hvd.allreduce(torch.full((3,), float(RANK + 1)), name=case, op=hvd.Sum)
+    assert res.tolist() == [float(sum(range(1, SIZE + 1)))] * 3, res
+
+
+def m_optimizer(case):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, odd(4, 5)), nn.Tanh(), nn.Linear(odd(4, 5), 2))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    model(torch.ones(2, 3)).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    mismatch(case, opt.step)
+    # the failed step must not have applied anything, and the optimizer must be usable again
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    opt.zero_grad()
+
+
+# --- duplicate names in flight -----------------------------------------------------------------
+def pending_on_every_rank(case, attempts):
+    """Check ``attempts`` (functions submitting name N while N is in flight) deterministically.
+
+    A tensor cannot complete before every rank submitted it, so: every rank but 1 submits
+    ``case.a`` and rank 1 submits ``case.b``; each rank makes its duplicate attempts on the name
+    it knows to be pending (the rank still missing will submit only after the barrier)."""
+    mine = case + (".b" if RANK == 1 else ".a")
+    x = torch.full((4,), float(RANK))
+    first = hvd.allreduce_async(x, op=hvd.Sum, name=mine)
+    errors = []
+    for attempt in attempts:
+        try:
+            attempt(mine)
+        except hvd.DuplicateNameError as exc:
+            errors.append(exc)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(AssertionError(f"{type(exc).__name__}: {exc}"))
+        else:
+            errors.append(AssertionError("no DuplicateNameError"))
+    COMM.Barrier()
+    other = hvd.allreduce_async(x, op=hvd.Sum, name=case + (".a" if RANK == 1 else ".b"))
+    expected = [float(sum(range(SIZE)))] * 4
+    results = [hvd.synchronize(first).tolist(), hvd.synchronize(other).tolist()]
+    for err in errors:
+        if not isinstance(err, hvd.DuplicateNameError):
+            raise err
+        assert isinstance(err, hvd.HvdliteError) and mine in str(err), str(err)
+    assert results == [expected, expected], results
+    follow_up(case)
+
+
+def dup_allreduce(case):
+    pending_on_every_rank(case, [
+        lambda n: hvd.allreduce_async(torch.ones(4), name=n),
+        lambda n: hvd.allreduce_async_(torch.ones(4), name=n),
+        lambda n: hvd.allreduce(torch.ones(4), name=n),
+    ])
+
+
+def dup_across_kinds(case):
+    pending_on_every_rank(case, [
+        lambda n: hvd.broadcast_async(torch.ones(4), 0, name=n),
+        lambda n: hvd.broadcast_async_(torch.ones(4), 0, name=n),
+        lambda n: hvd.allgather_async(torch.ones(4), name=n),
+    ])
+
+
+def dup_after_completion(case):
+    for i in range(3):
+        res = hvd.synchronize(hvd.allreduce_async(torch.full((2,), float(i)), name=case,
+                                                  op=hvd.Sum))
+        assert res.tolist() == [float(i * SIZE)] * 2
+
+
+# --- unsupported tensors -----------------------------------------------------------------------
+def unsupported(case, fn, *args, **kwargs):
+    exc = expect(hvd.UnsupportedDtypeError, fn, *args, **kwargs)
+    assert isinstance(exc, hvd.HvdliteError)
+    follow_up(case)
+
+
+def u_dtype(case):
+    dt = getattr(torch, case.split(".")[1])
+    t = torch.ones(3, dtype=dt)
+    unsupported(case, hvd.allreduce, t, name=case)
+    unsupported(case + ".inplace", hvd.allreduce_, t, name=case + ".inplace", op=hvd.Sum)
+
+
+def u_complex_broadcast(case):
+    unsupported(case, hvd.broadcast, torch.ones(3, dtype=torch.complex64), 0, name=case)
+    unsupported(case + ".inplace", hvd.broadcast_, torch.ones(3, dtype=torch.complex128), 0)
+
+
+def u_complex_allgather(case):
+    unsupported(case, hvd.allgather, torch.ones(3, dtype=torch.complex64), name=case)
+
+
+def u_bool_average(case):
+    unsupported(case, hvd.allreduce, torch.ones(3, dtype=torch.bool), name=case)
+    unsupported(case + ".explicit", hvd.allreduce, torch.ones(3, dtype=torch.bool),
+                op=hvd.Average)
+
+
+def u_non_cpu(case):
+    # no GPU here: the meta device stands in for any non-CPU device
+    t = torch.ones(3, device="meta")
+    unsupported(case, hvd.allreduce, t, name=case)
+    unsupported(case + ".bc", hvd.broadcast, t, 0, name=case + ".bc")
+    unsupported(case + ".ag", hvd.allgather, t, name=case + ".ag")
+
+
+def u_sparse_inplace_allgather(case):
+    t = torch.ones(3).to_sparse()
+    unsupported(case, hvd.allreduce_, t, name=case)
+    unsupported(case + ".bc", hvd.broadcast_, t, 0, name=case + ".bc")
+    unsupported(case + ".ag", hvd.allgather, t, name=case + ".ag")
+
+
+def u_sparse_out_of_place(case):
+    t = torch.ones(3).to_sparse()
+    unsupported(case, hvd.allreduce, t, name=case)
+    unsupported(case + ".async", hvd.allreduce_async, t, name=case + ".async")
+    unsupported(case + ".bc", hvd.broadcast, t, 0, name=case + ".bc")
+    unsupported(case + ".bc_async", hvd.broadcast_async, t, 0, name=case + ".bc_async")
+
+
+# --- bad arguments (raised locally, before anything is sent) -----------------------------------
+def a_average_and_op(case):
+    expect(ValueError, hvd.allreduce, torch.ones(2), average=True, op=hvd.Sum)
+    follow_up(case)
+
+
+def a_root_out_of_range(case):
+    for root in (SIZE, -1):
+        expect(ValueError, hvd.broadcast, torch.ones(2), root, name=f"{case}.{root}")
+    follow_up(case)
+
+
+def a_not_a_tensor(case):
+    expect(TypeError, hvd.allreduce, [1.0, 2.0], name=case)
+    follow_up(case)
+
+
+def a_predivide_with_sum(case):
+    model = nn.Linear(2, 2)
+    expect(ValueError, hvd.DistributedOptimizer,
+           torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+           op=hvd.Sum, gradient_predivide_factor=2.0)
+    follow_up(case)
+
+
+def a_bpps_zero(case):
+    model = nn.Linear(2, 2)
+    expect(ValueError, hvd.DistributedOptimizer, torch.optim.SGD(model.parameters(), lr=0.1),
+           named_parameters=model.named_parameters(), backward_passes_per_step=0)
+    follow_up(case)
+
+
+# --- optimizer misuse --------------------------------------------------------------------------
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+
+
+def data(step=0):
+    g = torch.Generator().manual_seed(C.seed_of("errors.data", RANK, step))
+    return torch.randn(3, 4, generator=g), torch.randn(3, 2, generator=g)
+
+
+def params_same_on_all_ranks(model):
+    blob = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+    gathered = COMM.allgather(blob)
+    assert all(g == gathered[0] for g in gathered), "parameters differ between ranks"
+
+
+def o_zero_grad_in_flight(case):
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    x, y = data()
+    F.mse_loss(model(x), y).backward()
+    expect(hvd.HvdliteError, opt.zero_grad)
+    assert all(p.grad is not None for p in model.parameters()), "zero_grad cleared gradients"
+    opt.step()      # the reductions in flight complete normally
+    opt.zero_grad()
+    x, y = data(1)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    params_same_on_all_ranks(model)
+    follow_up(case)
+
+
+def too_many_passes(case, bpps):
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   backward_passes_per_step=bpps)
+    before = copy.deepcopy(model)
+    x, y = data()
+    for _ in range(bpps):
+        F.mse_loss(model(x), y).backward()
+    exc = expect(hvd.HvdliteError, lambda: F.mse_loss(model(x), y).backward())
+    assert "backward_passes_per_step" in str(exc), str(exc)
+    # recover: drain what is in flight, start over from identical parameters
+    opt.synchronize()
+    opt.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before.parameters()))
+    for step in range(2):
+        opt.zero_grad()
+        for _ in range(bpps):
+            x, y = data(step + 1)
+            F.mse_loss(model(x), y).backward()
+        opt.step()
+    params_same_on_all_ranks(model)
+    follow_up(case)
+
+
+def o_duplicate_named(case):
+    model = make_model()
+    named = [("same", p) for p in model.parameters()]
+    exc = expect(ValueError, hvd.DistributedOptimizer,
+                 torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=named)
+    assert "same" in str(exc), str(exc)
+    follow_up(case)
+
+
+def o_named_missing(case):
+    model = make_model()
+    named = list(model.named_parameters())[:-1]
+    expect(ValueError, hvd.DistributedOptimizer, torch.optim.SGD(model.parameters(), lr=0.1),
+           named_parameters=named)
+    follow_up(case)
+
+
+def o_named_not_pairs(case):
+    model = make_model()
+    expect(ValueError, hvd.DistributedOptimizer, torch.optim.SGD(model.parameters(), lr=0.1),
+           named_parameters=list(model.parameters()))
+    follow_up(case)
+
+
+class EmbedModel(nn.Module):
+    def __init__(self, sparse):
+        super().__init__()
+        torch.manual_seed(3)
+        self.emb = nn.Embedding(10, 4, sparse=sparse)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, idx):
+        return self.out(self.emb(idx)).squeeze(-1)
+
+
+def embed_data(k, step):
+    g = torch.Generator().manual_seed(C.seed_of("embed", k, step))
+    return torch.randint(0, 10, (5,), generator=g), torch.randn(5, generator=g)
+
+
+def o_sparse_without_flag(case):
+    model = EmbedModel(sparse=True)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    idx, y = embed_data(RANK, 0)
+    exc = expect(hvd.HvdliteError, lambda: F.mse_loss(model(idx), y).backward())
+    assert "sparse" in str(exc), str(exc)
+    follow_up(case)
+    del opt
+
+
+def o_sparse_as_dense(case):
+    model = EmbedModel(sparse=True)
+    ref = EmbedModel(sparse=False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   sparse_as_dense=True)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        idx, y = embed_data(RANK, step)
+        opt.zero_grad()
+        F.mse_loss(model(idx), y).backward()
+        opt.step()
+        ref_opt.zero_grad()   # reference: average of every rank's loss (equal-size shards)
+        sum(F.mse_loss(ref(i), t) for i, t in (embed_data(k, step) for k in range(SIZE))) \
+            .div(SIZE).backward()
+        ref_opt.step()
+    params_same_on_all_ranks(model)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-5)
+    follow_up(case)
+
+
+CASES = {
+    "error_classes": error_classes,
+    "mismatch.allreduce_shape": m_allreduce_shape,
+    "mismatch.allreduce_dtype": m_allreduce_dtype,
+    "mismatch.allreduce_op": m_allreduce_op,
+    "mismatch.allreduce_prescale": m_allreduce_prescale,
+    "mismatch.allreduce_unnamed_shape": m_allreduce_unnamed,
+    "mismatch.allreduce_async": m_allreduce_async,
+    "mismatch.allreduce_inplace_dtype": m_allreduce_inplace,
+    "mismatch.broadcast_shape": m_broadcast_shape,
+    "mismatch.broadcast_root": m_broadcast_root,
+    "mismatch.broadcast_dtype": m_broadcast_dtype,
+    "mismatch.allgather_trailing_shape": m_allgather_trailing,
+    "mismatch.allgather_ndim": m_allgather_ndim,
+    "mismatch.allgather_dtype": m_allgather_dtype,
+    "mismatch.kind_allreduce_vs_broadcast": m_kind,
+    "mismatch.then_same_name_ok": m_then_same_name_ok,
+    "mismatch.optimizer_param_shapes": m_optimizer,
+    "duplicate.allreduce_in_flight": dup_allreduce,
+    "duplicate.across_kinds": dup_across_kinds,
+    "duplicate.after_completion_ok": dup_after_completion,
+    "unsupported.complex64": u_dtype,
+    "unsupported.complex128": u_dtype,
+    "unsupported.complex_broadcast": u_complex_broadcast,
+    "unsupported.complex_allgather": u_complex_allgather,
+    "unsupported.uint16": u_dtype,
+    "unsupported.uint32": u_dtype,
+    "unsupported.uint64": u_dtype,
+    "unsupported.bool_average": u_bool_average,
+    "unsupported.non_cpu_device": u_non_cpu,
+    "unsupported.sparse_inplace_and_allgather": u_sparse_inplace_allgather,
+    "unsupported.sparse_out_of_place": u_sparse_out_of_place,
+    "args.average_and_op": a_average_and_op,
+    "args.broadcast_root_out_of_range": a_root_out_of_range,
+    "args.not_a_tensor": a_not_a_tensor,
+    "args.predivide_with_sum": a_predivide_with_sum,
+    "args.bpps_zero": a_bpps_zero,
+    "optimizer.zero_grad_in_flight": o_zero_grad_in_flight,
+    "optimizer.too_many_backward_passes": lambda c: too_many_passes(c, 1),
+    "optimizer.too_many_backward_passes_bpps2": lambda c: too_many_passes(c, 2),
+    "optimizer.duplicate_named_parameters": o_duplicate_named,
+    "optimizer.named_parameters_missing_param": o_named_missing,
+    "optimizer.named_parameters_not_pairs": o_named_not_pairs,
+    "optimizer.sparse_grad_without_sparse_as_dense": o_sparse_without_flag,
+    "optimizer.sparse_as_dense": o_sparse_as_dense,
+}
+assert list(CASES) == C.ERROR_CASES
+for case, fn in CASES.items():
+    r.case(case, fn, case)
+r.write()
+hvd.shutdown()

@@ -1,0 +1,431 @@
+"""hvdlite.torch.DistributedOptimizer end to end on every rank.
+
+Each case trains a small MLP on this rank's shard of a global batch and compares the result with
+(a) every other rank's parameters, bit for bit (via mpi4py, independently of hvdlite), and
+(b) a single-process reference trained inside this worker on the whole global batch (the mean loss
+over the full batch equals the average of the per-rank mean losses, the shards having equal size).
+"""
+import copy
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+torch.set_num_threads(1)
+
+import hvdlite.torch as hvd  # noqa: E402
+import torch_cases as C  # noqa: E402
+
+hvd.init()
+from mpi4py import MPI  # noqa: E402
+
+COMM = MPI.COMM_WORLD
+RANK, SIZE = hvd.rank(), hvd.size()
+r = C.synced_reporter(RANK, COMM)
+B = 4                      # rows per rank per step
+IN, HID, OUT = 6, 8, 3
+STEPS = 5
+
+
+class MLP(nn.Module):
+    def __init__(self, extra: bool = False):
+        super().__init__()
+        self.fc1 = nn.Linear(IN, HID)
+        self.fc2 = nn.Linear(HID, OUT)
+        if extra:
+            self.extra = nn.Linear(IN, OUT)          # used only where use_extra=True
+            self.never = nn.Parameter(torch.ones(2))  # used nowhere
+
+    def forward(self, x, use_extra=False):
+        y = self.fc2(torch.tanh(self.fc1(x)))
+        if use_extra:
+            y = y + self.extra(x)
+        return y
+
+
+def make_model(seed=0, dtype=torch.float32, extra=False):
+    torch.manual_seed(seed)
+    return MLP(extra).to(dtype)
+
+
+def batch(case, step, dtype=torch.float32, rows=None):
+    g = torch.Generator().manual_seed(C.seed_of(case, "batch", step))
+    rows = SIZE * B if rows is None else rows
+    x = torch.randn(rows, IN, generator=g, dtype=torch.float64).to(dtype)
+    y = torch.randn(rows, OUT, generator=g, dtype=torch.float64).to(dtype)
+    return x, y
+
+
+def shard(t, k=None):
+    k = RANK if k is None else k
+    return t[k * B:(k + 1) * B]
+
+
+def bits(t):
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def same_on_all_ranks(model):
+    for name, p in model.named_parameters():
+        gathered = COMM.allgather(bits(p))
+        assert all(g == gathered[0] for g in gathered), f"parameter {name!r} differs between ranks"
+
+
+def close_to(model, ref, tol, what="parameter"):
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.detach().double(), q.detach().double(), rtol=0, atol=tol,
+                                   msg=lambda m, name=name: f"{what} {name!r}: {m}")
+
+
+def moved(model, init, names=None):
+    """Guard against vacuous comparisons: training must actually have changed the params."""
+    init_params = dict(init.named_parameters())
+    for name, p in model.named_parameters():
+        if names is None or name in names:
+            assert not torch.equal(p, init_params[name]), f"{name!r} never changed"
+
+
+def sgd(model, lr=0.1, momentum=0.9):
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+
+
+def train_dist(case, model, opt, steps=STEPS, micro=1, dtype=torch.float32, clip=None,
+               sched=None, use_extra=False, lrs=None, check_grads=None):
+    for step in range(steps):
+        x, y = batch(case, step, dtype)
+        xs, ys = shard(x), shard(y)
+        opt.zero_grad()
+        for xm, ym in zip(xs.chunk(micro), ys.chunk(micro)):
+            loss = F.mse_loss(model(xm, use_extra) if use_extra else model(xm), ym) / micro
+            loss.backward()
+        if clip is not None or check_grads is not None:
+            opt.synchronize()
+            if check_grads is not None:
+                check_grads(model)
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
+        if lrs is not None:
+            lrs.append(opt.param_groups[0]["lr"])
+        if sched is not None:
+            sched.step()
+
+
+def train_ref(case, model, opt, steps=STEPS, dtype=torch.float32, loss_mul=1.0, clip=None,
+              sched=None, lrs=None, loss_fn=None):
+    for step in range(steps):
+        x, y = batch(case, step, dtype)
+        opt.zero_grad()
+        loss = (loss_fn(model, x, y) if loss_fn else F.mse_loss(model(x), y)) * loss_mul
+        loss.backward()
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            if step == 0:
+                assert norm > clip, "test set-up: clipping would not be active"
+        opt.step()
+        if lrs is not None:
+            lrs.append(opt.param_groups[0]["lr"])
+        if sched is not None:
+            sched.step()
+
+
+def standard(case, make_opt=sgd, dist_kwargs=None, tol=1e-5, dtype=torch.float32,
+             loss_mul=1.0, micro=1, named=True, check_grads=None):
+    model = make_model(dtype=dtype)
+    init = copy.deepcopy(model)
+    ref = copy.deepcopy(model)
+    opt = hvd.DistributedOptimizer(make_opt(model),
+                                   named_parameters=model.named_parameters() if named else None,
+                                   **(dist_kwargs or {}))
+    train_dist(case, model, opt, micro=micro, dtype=dtype, check_grads=check_grads)
+    train_ref(case, ref, make_opt(ref), dtype=dtype, loss_mul=loss_mul)
+    same_on_all_ranks(model)
+    moved(model, init)
+    close_to(model, ref, tol)
+
+
+# --- cases -------------------------------------------------------------------------------------
+def isinstance_and_api(case):
+    model = make_model()
+    base = sgd(model)
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    assert isinstance(opt, torch.optim.SGD) and isinstance(opt, torch.optim.Optimizer)
+    assert type(opt).__name__ == "SGD", type(opt).__name__
+    assert opt.param_groups[0]["lr"] == 0.1 and opt.param_groups[0]["momentum"] == 0.9
+    assert opt.defaults["lr"] == base.defaults["lr"]
+    assert [p for g in opt.param_groups for p in g["params"]] == list(model.parameters())
+    assert callable(opt.synchronize) and callable(opt.skip_synchronize)
+    train_dist(case, model, opt, steps=2)
+    sd = opt.state_dict()
+    assert set(sd) == {"state", "param_groups"} and len(sd["state"]) == 4
+    opt.load_state_dict(sd)
+    same_on_all_ranks(model)
+
+
+def bpps2_partial(case):
+    model = make_model()
+    ref = copy.deepcopy(model)
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters(),
+                                   backward_passes_per_step=2)
+    half = B // 2
+    for step in range(3):
+        x, y = batch(case, step)
+        opt.zero_grad()
+        # only one of the two micro-batches: step() reduces what was accumulated so far
+        (F.mse_loss(model(shard(x)[:half]), shard(y)[:half]) / 2).backward()
+        opt.step()
+    ref_opt = sgd(ref)
+    for step in range(3):
+        x, y = batch(case, step)
+        xf = torch.cat([shard(x, k)[:half] for k in range(SIZE)])
+        yf = torch.cat([shard(y, k)[:half] for k in range(SIZE)])
+        ref_opt.zero_grad()
+        (F.mse_loss(ref(xf), yf) / 2).backward()
+        ref_opt.step()
+    same_on_all_ranks(model)
+    close_to(model, ref, 1e-5)
+
+
+def compression(case):
+    comp = case.split(".")[1]
+    wire = torch.float16 if comp == "fp16" else torch.bfloat16
+
+    def check_grads(model):
+        for name, p in model.named_parameters():
+            assert p.grad.dtype == torch.float32
+            assert torch.equal(p.grad, p.grad.to(wire).float()), \
+                f"averaged gradient of {name!r} did not travel as {comp}"
+    standard(case, dist_kwargs={"compression": getattr(hvd.Compression, comp)},
+             tol=1e-3 if comp == "fp16" else 5e-3, check_grads=check_grads)
+
+
+def groups_list(case):
+    model = make_model()
+    init, ref = copy.deepcopy(model), copy.deepcopy(model)
+    groups = [[model.fc1.weight, model.fc2.weight], [model.fc1.bias]]   # fc2.bias on its own
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters(),
+                                   groups=groups)
+    train_dist(case, model, opt)
+    train_ref(case, ref, sgd(ref))
+    same_on_all_ranks(model)
+    moved(model, init)
+    close_to(model, ref, 1e-5)
+
+
+def unused_rank0_only(case):
+    model = make_model(extra=True)
+    init, ref = copy.deepcopy(model), copy.deepcopy(model)
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+    train_dist(case, model, opt, use_extra=(RANK == 0))
+
+    def loss_fn(m, x, y):   # average over ranks of each rank's loss; only rank 0 uses `extra`
+        return sum(F.mse_loss(m(shard(x, k), k == 0), shard(y, k)) for k in range(SIZE)) / SIZE
+    train_ref(case, ref, sgd(ref), loss_fn=loss_fn)
+    same_on_all_ranks(model)
+    moved(model, init, names={"fc1.weight", "fc2.weight", "extra.weight", "extra.bias"})
+    assert torch.equal(model.never, init.never), "a parameter used nowhere moved"
+    close_to(model, ref, 1e-5)
+
+
+def unused_everywhere(case):
+    model = make_model(extra=True)
+    init, ref = copy.deepcopy(model), copy.deepcopy(model)
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+    train_dist(case, model, opt, use_extra=False)
+    train_ref(case, ref, sgd(ref))
+    same_on_all_ranks(model)
+    for name in ("extra.weight", "extra.bias", "never"):
+        assert torch.equal(dict(model.named_parameters())[name],
+                           dict(init.named_parameters())[name]), f"unused {name!r} moved"
+    close_to(model, ref, 1e-5)
+
+
+def unused_in_group(case):
+    model = make_model(extra=True)
+    init, ref = copy.deepcopy(model), copy.deepcopy(model)
+    # a group whose member `extra.weight` gets a gradient on rank 0 only
+    groups = [[model.extra.weight, model.fc1.weight], [model.fc2.weight, model.extra.bias]]
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters(),
+                                   groups=groups)
+    train_dist(case, model, opt, use_extra=(RANK == 0))
+
+    def loss_fn(m, x, y):
+        return sum(F.mse_loss(m(shard(x, k), k == 0), shard(y, k)) for k in range(SIZE)) / SIZE
+    train_ref(case, ref, sgd(ref), loss_fn=loss_fn)
+    same_on_all_ranks(model)
+    moved(model, init, names={"fc1.weight", "extra.weight"})
+    close_to(model, ref, 1e-5)
+
+
+class TransposedLinear(nn.Module):
+    """A layer whose weight parameter is a non-contiguous (transposed) tensor, so its gradient
+    is non-contiguous too."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.w = nn.Parameter(torch.randn(OUT, IN).t())      # (IN, OUT), strides (1, IN)
+        self.b = nn.Parameter(torch.randn(OUT))
+
+    def forward(self, x, use_extra=False):
+        return torch.tanh(x @ self.w) + self.b
+
+
+def noncontiguous_parameter(case):
+    for compression in (hvd.Compression.none, hvd.Compression.fp16):
+        model = TransposedLinear()
+        assert not model.w.is_contiguous()
+        init, ref = copy.deepcopy(model), copy.deepcopy(model)
+        opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters(),
+                                       compression=compression)
+        train_dist(case, model, opt)
+        train_ref(case, ref, sgd(ref))
+        same_on_all_ranks(model)
+        moved(model, init)
+        close_to(model, ref, 1e-5 if compression is hvd.Compression.none else 1e-3)
+
+
+def frozen_parameter(case):
+    model = make_model()
+    model.fc1.weight.requires_grad_(False)
+    init, ref = copy.deepcopy(model), copy.deepcopy(model)
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters(),
+                                   groups=2)
+    train_dist(case, model, opt)
+    train_ref(case, ref, sgd(ref))
+    same_on_all_ranks(model)
+    assert torch.equal(model.fc1.weight, init.fc1.weight), "a frozen parameter moved"
+    moved(model, init, names={"fc1.bias", "fc2.weight", "fc2.bias"})
+    close_to(model, ref, 1e-5)
+
+
+def clip_grad_norm(case):
+    model = make_model()
+    init, ref = copy.deepcopy(model), copy.deepcopy(model)
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_dist(case, model, opt, clip=0.05)
+    assert not [w for w in caught if "synchron" in str(w.message)], \
+        [str(w.message) for w in caught]
+    train_ref(case, ref, sgd(ref), clip=0.05)
+    same_on_all_ranks(model)
+    moved(model, init)
+    close_to(model, ref, 1e-5)
+
+
+def steplr(case):
+    model = make_model()
+    ref = copy.deepcopy(model)
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    ref_opt = sgd(ref)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
+    lrs, ref_lrs = [], []
+    train_dist(case, model, opt, steps=6, sched=sched, lrs=lrs)
+    train_ref(case, ref, ref_opt, steps=6, sched=ref_sched, lrs=ref_lrs)
+    assert lrs == ref_lrs == [0.1, 0.1, 0.05, 0.05, 0.025, 0.025], (lrs, ref_lrs)
+    same_on_all_ranks(model)
+    close_to(model, ref, 1e-5)
+
+
+def broadcast_then_train(case):
+    model = make_model(seed=100 + RANK)          # different initial parameters on every rank
+    ref = make_model(seed=100)                   # rank 0's
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    close_to(model, ref, 0.0, "broadcast parameter")
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+    train_dist(case, model, opt)
+    train_ref(case, ref, sgd(ref))
+    same_on_all_ranks(model)
+    close_to(model, ref, 1e-5)
+
+
+def wrap_existing_state(case):
+    model = make_model()
+    ref = copy.deepcopy(model)
+    base, ref_opt = sgd(model), sgd(ref)
+    for m, o in ((model, base), (ref, ref_opt)):     # two identical local steps everywhere
+        for step in range(2):
+            x, y = batch(case, 100 + step)
+            o.zero_grad()
+            F.mse_loss(m(x), y).backward()
+            o.step()
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    assert len(opt.state_dict()["state"]) == 4, "existing momentum buffers were dropped"
+    for p in model.parameters():
+        assert torch.equal(opt.state[p]["momentum_buffer"], base.state[p]["momentum_buffer"])
+    train_dist(case, model, opt)
+    train_ref(case, ref, ref_opt)
+    same_on_all_ranks(model)
+    close_to(model, ref, 1e-5)
+
+
+def double_sync_warns(case):
+    model = make_model()
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+    x, y = batch(case, 0)
+    F.mse_loss(model(shard(x)), shard(y)).backward()
+    opt.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    assert any("skip_synchronize" in str(w.message) for w in caught), \
+        "step() after synchronize() without skip_synchronize() did not warn"
+    same_on_all_ranks(model)
+
+
+def zero_grad_then_train(case):
+    model = make_model()
+    ref = copy.deepcopy(model)
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+    train_dist(case, model, opt, steps=2)
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    train_dist(case, model, opt, steps=2)
+    opt.zero_grad(set_to_none=False)
+    assert all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())
+    ref_opt = sgd(ref)
+    train_ref(case, ref, ref_opt, steps=2)
+    train_ref(case, ref, ref_opt, steps=2)
+    same_on_all_ranks(model)
+    close_to(model, ref, 1e-5)
+
+
+CASES = {
+    "isinstance_and_api": isinstance_and_api,
+    "sgd_momentum.basic": standard,
+    "sgd_momentum.no_named_parameters": lambda c: standard(c, named=False),
+    "sgd_momentum.float64": lambda c: standard(c, dtype=torch.float64, tol=1e-12),
+    "bpps2": lambda c: standard(c, dist_kwargs={"backward_passes_per_step": 2}, micro=2),
+    "bpps2_partial_step": bpps2_partial,
+    "compression.fp16": compression,
+    "compression.bf16": compression,
+    "op_sum": lambda c: standard(c, dist_kwargs={"op": hvd.Sum}, loss_mul=SIZE),
+    "predivide_factor": lambda c: standard(c, dist_kwargs={"gradient_predivide_factor": 2.0}),
+    "groups_int": lambda c: standard(c, dist_kwargs={"groups": 2}),
+    "groups_list": groups_list,
+    "num_groups": lambda c: standard(c, dist_kwargs={"num_groups": 3}),
+    "unused_param_rank0_only": unused_rank0_only,
+    "unused_param_everywhere": unused_everywhere,
+    "unused_param_in_group": unused_in_group,
+    "noncontiguous_parameter": noncontiguous_parameter,
+    "frozen_parameter_with_groups": frozen_parameter,
+    "clip_grad_norm": clip_grad_norm,
+    "steplr_scheduler": steplr,
+    "adam": lambda c: standard(c, make_opt=lambda m: torch.optim.Adam(m.parameters(), lr=0.01),
+                               tol=2e-5),
+    "broadcast_parameters_then_train": broadcast_then_train,
+    "wrap_optimizer_with_existing_state": wrap_existing_state,
+    "step_without_skip_after_synchronize_warns": double_sync_warns,
+    "zero_grad_after_step_then_train": zero_grad_then_train,
+}
+assert list(CASES) == C.OPTIMIZER_CASES
+for case, fn in CASES.items():
+    r.case(case, fn, case)
+r.write()
+hvd.shutdown()
