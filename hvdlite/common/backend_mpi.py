@@ -73,21 +73,18 @@ class MPIBackend:
     def _allreduce_fused(self, batch: list[tuple[Response, Entry]]) -> None:
         response = batch[0][0]
         info = dtype_info(response.dtype)
-        total = sum(e.array.size for _, e in batch)
-        buf = self._fusion.view(total * info.itemsize, info.np_dtype)
-        offset = 0
-        for _, entry in batch:
-            n = entry.array.size
-            np.copyto(buf[offset:offset + n], entry.array.reshape(-1))
-            offset += n
+        sizes = [e.array.size for _, e in batch]
+        buf = self._fusion.view(sum(sizes) * info.itemsize, info.np_dtype)
+        # One C-level pass packs every input (ravel of a contiguous array is a view).
+        np.concatenate([e.array.ravel() for _, e in batch], out=buf)
         scale_in_place(buf, response.prescale)
         self.comm.Allreduce(self._MPI.IN_PLACE, [buf, mpi_datatype(info)],
                             op=mpi_reduce_op(info, ReduceOp(response.reduce_op)))
         scale_in_place(buf, self._postscale(response))
         offset = 0
-        for _, entry in batch:
-            n = entry.array.size
-            np.copyto(entry.output.reshape(-1), buf[offset:offset + n])
+        copyto = np.copyto
+        for (_, entry), n in zip(batch, sizes):
+            copyto(entry.output.ravel(), buf[offset:offset + n])
             offset += n
 
     def _allgather(self, response: Response, entry: Entry) -> None:

@@ -77,7 +77,9 @@ def dtype_info(dtype, what: str = "tensor") -> DtypeInfo:
             f"hvdlite does not support dtype {name!r} for {what}. Supported dtypes: "
             f"{', '.join(SUPPORTED_DTYPES)}. Cast the tensor (e.g. complex -> two real tensors, "
             f"object/str -> use broadcast_object/allgather_object).")
-    return _info_by_name(name)
+    info = _info_by_name(name)
+    _by_dtype[dtype] = info
+    return info
 
 
 def check_reduce_op(info: DtypeInfo, op: ReduceOp, name: str) -> None:

@@ -29,15 +29,14 @@ FUSE_BELOW_BYTES = 1 << 20
 
 def _fusion_key(item: tuple[Response, Entry]):
     response, entry = item
-    if response.kind != ALLREDUCE or entry.array.nbytes >= FUSE_BELOW_BYTES:
+    if response.kind != ALLREDUCE or entry.nbytes >= FUSE_BELOW_BYTES:
         return None
     return (response.dtype, response.reduce_op, response.prescale, response.postscale,
             response.device)
 
 
 def _nbytes(item: tuple[Response, Entry]) -> int:
-    array = item[1].array
-    return 0 if array is None else array.nbytes
+    return item[1].nbytes
 
 
 class Engine:
@@ -142,8 +141,16 @@ class Engine:
                 runnable.append((response, entry))
         for batch in plan_batches(runnable, _fusion_key, _nbytes, self.config.fusion_threshold):
             self.backend.execute(batch)
-            for _, entry in batch:
-                self._complete(entry, result=entry.output)
+            self._complete_batch([entry for _, entry in batch])
+
+    def _complete_batch(self, entries: list[Entry]) -> None:
+        """Complete successful entries with one lock round-trip for the whole batch."""
+        in_flight = self._in_flight
+        with self._lock:
+            for entry in entries:
+                in_flight.pop(entry.request.name, None)
+        for entry in entries:
+            entry.handle._complete(entry.output, None)
 
     def _complete(self, entry: Entry, result=None, error: BaseException | None = None) -> None:
         with self._lock:

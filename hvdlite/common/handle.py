@@ -87,7 +87,7 @@ class Entry:
     """One submitted operation, as the engine sees it."""
 
     __slots__ = ("request", "array", "output", "allocate", "handle", "submitted_at",
-                 "slot", "sent", "next_stall_report")
+                 "slot", "sent", "next_stall_report", "nbytes")
 
     def __init__(self, request: Request, array: np.ndarray | None, output: np.ndarray | None,
                  allocate: Callable[[tuple, np.dtype], np.ndarray] | None, handle: Handle) -> None:
@@ -100,6 +100,7 @@ class Entry:
         self.slot: int | None = None   # response-cache slot announced for this entry
         self.sent = False              # full request already delivered to the coordinator
         self.next_stall_report = 0.0
+        self.nbytes = 0 if array is None else array.nbytes
 
     @property
     def name(self) -> str:

@@ -64,24 +64,26 @@ def submit(kind: str, array: np.ndarray | None, *, name: str | None = None,
         entry = Entry(request, None, None, None, engine.new_handle(name))
         return engine.submit(entry)
 
-    what = f"{kind} of {name!r}"
-    info = dtype_info(dtype if dtype is not None else array.dtype, what)
-    for label, arr in (("input", array), ("output", output)):
-        if arr is not None and not arr.flags.c_contiguous:
-            raise ValueError(f"{what}: the {label} array is not contiguous; pass a contiguous "
-                             f"array (np.ascontiguousarray) or use the out-of-place operation.")
-    if output is not None and not output.flags.writeable:
-        raise ValueError(f"{what}: the output array is read-only.")
+    info = dtype_info(dtype if dtype is not None else array.dtype, kind)
+    if not array.flags.c_contiguous:
+        raise ValueError(f"{kind} of {name!r}: the input array is not contiguous; pass a "
+                         f"contiguous array (np.ascontiguousarray) or use the out-of-place "
+                         f"operation.")
+    if output is not None and output is not array:
+        out_flags = output.flags
+        if not out_flags.c_contiguous or not out_flags.writeable:
+            raise ValueError(f"{kind} of {name!r}: the output array must be contiguous and "
+                             f"writable.")
     if array.dtype != info.np_dtype:
         in_place = output is array
         array = array.view(info.np_dtype)
         output = array if in_place else (None if output is None else output.view(info.np_dtype))
     if kind == ALLREDUCE:
         check_reduce_op(info, reduce_op, name)
-    if kind == BROADCAST and not 0 <= root_rank < basics.size():
-        raise ValueError(f"{what}: root_rank={root_rank} is out of range for a job of "
-                         f"{basics.size()} ranks.")
-    shape = tuple(int(d) for d in array.shape)
+    elif kind == BROADCAST and not 0 <= root_rank < basics.size():
+        raise ValueError(f"{kind} of {name!r}: root_rank={root_rank} is out of range for a job "
+                         f"of {basics.size()} ranks.")
+    shape = array.shape
     if kind == ALLGATHER and not shape:
         shape = (1,)
         array = array.reshape(1)
@@ -89,7 +91,7 @@ def submit(kind: str, array: np.ndarray | None, *, name: str | None = None,
                       int(reduce_op) if kind == ALLREDUCE else -1,
                       root_rank if kind == BROADCAST else -1, device,
                       float(prescale_factor), float(postscale_factor), cacheable)
-    if kind != ALLGATHER and output is None:
+    if output is None and kind != ALLGATHER:
         output = np.empty_like(array)
     entry = Entry(request, array, output, allocate or _default_allocate, engine.new_handle(name))
     return engine.submit(entry)
