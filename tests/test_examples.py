@@ -1,0 +1,63 @@
+"""The examples, run for real under mpiexec on a short schedule.
+
+The digits examples must reach their accuracy bar (they exit non-zero below --min-accuracy);
+the PyTorch one is also checked to write a checkpoint and resume from it.  The synthetic
+benchmarks must report a positive throughput in their JSON output.
+"""
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.mpi_harness import REPO, run_job
+
+EXAMPLES = REPO / "examples"
+
+
+def _run(np_, script, args, timeout=300):
+    job = run_job(np_, [sys.executable, str(EXAMPLES / script), *args], timeout=timeout)
+    assert not job.timed_out, f"{script} timed out\n{job.output}"
+    assert job.returncode == 0, f"{script} exited {job.returncode}\n{job.output}"
+    return job
+
+
+def _accuracy(stdout: str) -> float:
+    found = re.findall(r"test accuracy:? ([0-9.]+)", stdout)
+    assert found, f"no test accuracy printed:\n{stdout[-3000:]}"
+    return float(found[-1])
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_pytorch_digits_trains_checkpoints_and_resumes(np_, tmp_path):
+    ckpt = tmp_path / "digits.pt"
+    job = _run(np_, "pytorch_digits.py", ["--epochs", "20", "--min-accuracy", "0.95",
+                                          "--checkpoint", str(ckpt)])
+    assert _accuracy(job.stdout) >= 0.95
+    assert job.stdout.count("epoch ") == 20, "progress must be printed once per epoch (rank 0)"
+    assert ckpt.exists(), "rank 0 did not write the checkpoint"
+    resumed = _run(np_, "pytorch_digits.py", ["--epochs", "22", "--resume",
+                                              "--min-accuracy", "0.95", "--checkpoint", str(ckpt)])
+    assert "epochs 20..21" in resumed.stdout, resumed.stdout[-2000:]
+    assert resumed.stdout.count("epoch ") == 2
+    assert _accuracy(resumed.stdout) >= 0.95
+
+
+@pytest.mark.parametrize("script,extra", [
+    ("pytorch_synthetic_benchmark.py", ["--model", "mlp"]),
+    ("pytorch_synthetic_benchmark.py", ["--model", "convnet", "--fp16-allreduce"]),
+    ("tensorflow2_synthetic_benchmark.py", ["--model", "mlp"]),
+])
+def test_synthetic_benchmarks_report_throughput(script, extra, tmp_path):
+    out = tmp_path / "result.json"
+    _run(2, script, [*extra, "--batch-size", "16", "--num-warmup-batches", "1",
+                     "--num-batches-per-iter", "2", "--num-iters", "2", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["ranks"] == 2 and result["total"] > 0, result
+
+
+@pytest.mark.parametrize("script", ["keras_digits.py", "tensorflow2_digits.py"])
+def test_tensorflow_digits_reach_accuracy(script):
+    job = _run(2, script, ["--min-accuracy", "0.95"])
+    assert _accuracy(job.stdout) >= 0.95
