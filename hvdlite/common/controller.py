@@ -124,14 +124,15 @@ class Controller:
     def run_round(self, new_entries: list[Entry], shutdown: bool) -> RoundOutcome:
         MPI = self._MPI
         invalid_here: set[int] = set()
+        cfg = self.config
+        check_after = cfg.stall_check_seconds if cfg.stall_check_enabled else float("inf")
+        pending, lookup = self.pending, self.cache.lookup
         for entry in new_entries:
-            self.pending[entry.name] = entry
-            entry.slot, stale = self.cache.lookup(entry.request)
+            pending[entry.request.name] = entry
+            entry.slot, stale = lookup(entry.request)
             if stale is not None:
                 invalid_here.add(stale)
-            cfg = self.config
-            entry.next_stall_report = entry.submitted_at + (
-                cfg.stall_check_seconds if cfg.stall_check_enabled else float("inf"))
+            entry.next_stall_report = entry.submitted_at + check_after
         now = time.monotonic()
         want_stall = self.stall_due(now)
 
@@ -164,10 +165,11 @@ class Controller:
             for entry in self.pending.values():
                 if entry.slot in invalid_set:
                     entry.slot = None   # now negotiated in full, like a new tensor
+        response_of, pop, ready = self.cache.response, pending.pop, outcome.ready
         for slot in _bits(result[:nw]):
             if slot not in invalid_set:
-                response = self.cache.response(slot)
-                outcome.ready.append((response, self.pending.pop(response.name)))
+                response = response_of(slot)
+                ready.append((response, pop(response.name)))
 
         slow = invalid or any_flags & (F_UNSENT | F_SHUTDOWN | F_STALL)
         if slow:

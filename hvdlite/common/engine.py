@@ -7,6 +7,7 @@ agreed order through the backend (fusing small allreduces), and complete the han
 from __future__ import annotations
 
 import logging
+import operator
 import queue
 import threading
 
@@ -27,12 +28,16 @@ log = logging.getLogger("hvdlite")
 FUSE_BELOW_BYTES = 1 << 20
 
 
+_fusion_fields = operator.itemgetter(2, 4, 6, 7, 8)   # dtype, op, device, pre/postscale
+assert Response._fields[2:9] == ("dtype", "shape", "reduce_op", "root", "device", "prescale",
+                                 "postscale")
+
+
 def _fusion_key(item: tuple[Response, Entry]):
     response, entry = item
     if response.kind != ALLREDUCE or entry.nbytes >= FUSE_BELOW_BYTES:
         return None
-    return (response.dtype, response.reduce_op, response.prescale, response.postscale,
-            response.device)
+    return _fusion_fields(response)
 
 
 def _nbytes(item: tuple[Response, Entry]) -> int:

@@ -64,7 +64,8 @@ def submit(kind: str, array: np.ndarray | None, *, name: str | None = None,
         entry = Entry(request, None, None, None, engine.new_handle(name))
         return engine.submit(entry)
 
-    info = dtype_info(dtype if dtype is not None else array.dtype, kind)
+    array_dtype = array.dtype
+    info = dtype_info(dtype if dtype is not None else array_dtype, kind)
     if not array.flags.c_contiguous:
         raise ValueError(f"{kind} of {name!r}: the input array is not contiguous; pass a "
                          f"contiguous array (np.ascontiguousarray) or use the out-of-place "
@@ -74,7 +75,7 @@ def submit(kind: str, array: np.ndarray | None, *, name: str | None = None,
         if not out_flags.c_contiguous or not out_flags.writeable:
             raise ValueError(f"{kind} of {name!r}: the output array must be contiguous and "
                              f"writable.")
-    if array.dtype != info.np_dtype:
+    if array_dtype is not info.np_dtype and array_dtype != info.np_dtype:
         in_place = output is array
         array = array.view(info.np_dtype)
         output = array if in_place else (None if output is None else output.view(info.np_dtype))
@@ -90,10 +91,13 @@ def submit(kind: str, array: np.ndarray | None, *, name: str | None = None,
     request = Request(name, kind, info.name, shape,
                       int(reduce_op) if kind == ALLREDUCE else -1,
                       root_rank if kind == BROADCAST else -1, device,
-                      float(prescale_factor), float(postscale_factor), cacheable)
+                      prescale_factor if type(prescale_factor) is float else float(prescale_factor),
+                      postscale_factor if type(postscale_factor) is float
+                      else float(postscale_factor), cacheable)
     if output is None and kind != ALLGATHER:
         output = np.empty_like(array)
-    entry = Entry(request, array, output, allocate or _default_allocate, engine.new_handle(name))
+    entry = Entry(request, array, output, allocate or _default_allocate,
+                  Handle(name, engine.alive))
     return engine.submit(entry)
 
 
@@ -133,8 +137,12 @@ def allreduce_async_(array: np.ndarray, average: bool | None = None, name: str |
                      op: ReduceOp | None = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0) -> Handle:
     """In-place variant of :func:`allreduce_async`: the result overwrites ``array``."""
-    _check_writable(array, "allreduce_")
+    flags = array.flags
     reduce_op = resolve_op(op, average)
+    if flags.c_contiguous and flags.writeable:   # the common case, without extra layers
+        return submit(ALLREDUCE, array, name=name, output=array, reduce_op=reduce_op,
+                      prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+    _check_writable(array, "allreduce_")
     return _contiguous_in_place(array, lambda a: submit(
         ALLREDUCE, a, name=name, output=a, reduce_op=reduce_op,
         prescale_factor=prescale_factor, postscale_factor=postscale_factor))
