@@ -4,14 +4,7 @@
 ``hvdlite.tensorflow`` are the framework adapters with Horovod's names.
 """
 from .version import __version__
-from .common.basics import (init, shutdown, is_initialized, size, rank, local_size, local_rank,
-                            cross_size, cross_rank, is_homogeneous, mpi_threads_supported,
-                            mpi_built, mpi_enabled, gloo_built, gloo_enabled, nccl_built,
-                            ddl_built, ccl_built, cuda_built, rocm_built)
-from .common.errors import (HvdliteError, HorovodInternalError, NotInitializedError,
-                            ShutdownError, RankExitedError, TensorMismatchError,
-                            DuplicateNameError, UnsupportedDtypeError, StallError)
-from .common.reduce_ops import ReduceOp, Average, Sum, Adasum, Min, Max, Product
+from .common.public import *  # noqa: F401,F403 - lifecycle, topology, errors, ops
 from .common.handle import Handle
 from .common.ops import (allreduce, allreduce_, allreduce_async, allreduce_async_, allgather,
                          allgather_async, broadcast, broadcast_, broadcast_async,

@@ -4,16 +4,7 @@ A Horovod TF2 script runs after changing ``import horovod.tensorflow as hvd`` to
 Ops work eagerly and inside ``tf.function`` (see :mod:`hvdlite.tensorflow.mpi_ops` for how
 unnamed ops are named in graphs).  Keras users import :mod:`hvdlite.tensorflow.keras`.
 """
-from hvdlite.common.basics import (init, shutdown, is_initialized, size, rank, local_size,
-                                   local_rank, cross_size, cross_rank, is_homogeneous,
-                                   mpi_threads_supported, mpi_built, mpi_enabled, gloo_built,
-                                   gloo_enabled, nccl_built, ddl_built, ccl_built, cuda_built,
-                                   rocm_built)
-from hvdlite.common.errors import (HvdliteError, HorovodInternalError, ShutdownError,
-                                   RankExitedError, TensorMismatchError, DuplicateNameError,
-                                   UnsupportedDtypeError, StallError)
-from hvdlite.common.reduce_ops import ReduceOp, Average, Sum, Adasum, Min, Max, Product
-from hvdlite.common.objects import broadcast_object, allgather_object
+from hvdlite.common.public import *  # noqa: F401,F403 - the shared, framework-neutral API
 
 from .compression import Compression
 from .mpi_ops import (allreduce, grouped_allreduce, allgather, broadcast, broadcast_variables,
