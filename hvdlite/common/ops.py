@@ -97,7 +97,7 @@ def submit(kind: str, array: np.ndarray | None, *, name: str | None = None,
     if output is None and kind != ALLGATHER:
         output = np.empty_like(array)
     entry = Entry(request, array, output, allocate or _default_allocate,
-                  Handle(name, engine.alive))
+                  engine.new_handle(name))
     return engine.submit(entry)
 
 

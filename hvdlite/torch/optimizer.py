@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Iterable
 
 import torch
 
