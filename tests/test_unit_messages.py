@@ -8,7 +8,8 @@ from hvdlite.common.reduce_ops import ReduceOp
 
 def ar(name="t", dtype="float32", shape=(3,), op=ReduceOp.Sum, pre=1.0, post=1.0, device=-1,
        cacheable=True):
-    return Request(name, ALLREDUCE, dtype, shape, int(op), -1, device, pre, post, cacheable)
+    return Request(name, ALLREDUCE, dtype, shape, int(op), -1, device, pre, post,
+                   cacheable=cacheable)
 
 
 def bc(name="t", dtype="float32", shape=(3,), root=0):

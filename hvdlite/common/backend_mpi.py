@@ -6,17 +6,20 @@ import numpy as np
 from .dtypes import dtype_info, mpi_datatype, mpi_reduce_op, scale_in_place
 from .fusion import FusionBuffer
 from .handle import Entry
-from .messages import ALLGATHER, ALLREDUCE, BARRIER, BROADCAST, Response
+from .messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCESCATTER,
+                       Response, split_rows)
 from .reduce_ops import ReduceOp
 
 
 class MPIBackend:
-    def __init__(self, comm) -> None:
+    def __init__(self, comm, global_ranks: list[int] | None = None) -> None:
         from mpi4py import MPI
         self._MPI = MPI
         self.comm = comm
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
+        # Roots arrive as global ranks; MPI wants the rank in this process set's communicator.
+        self._local_rank_of = {g: i for i, g in enumerate(global_ranks or range(self.size))}
         self._fusion = FusionBuffer()
 
     def _postscale(self, response: Response) -> float:
@@ -24,6 +27,15 @@ class MPIBackend:
         if response.reduce_op == ReduceOp.Average:
             factor *= 1.0 / self.size
         return factor
+
+    def _reduce(self, buf: np.ndarray, response: Response, info, segments=None) -> None:
+        """In-place reduction of ``buf`` across the set (Adasum or an MPI reduction)."""
+        if response.reduce_op == ReduceOp.Adasum:
+            from .adasum import adasum_allreduce_
+            adasum_allreduce_(self.comm, buf, [buf.size] if segments is None else segments)
+        else:
+            self.comm.Allreduce(self._MPI.IN_PLACE, [buf, mpi_datatype(info)],
+                                op=mpi_reduce_op(info, ReduceOp(response.reduce_op)))
 
     def execute(self, batch: list[tuple[Response, Entry]]) -> None:
         """Run one planned batch; on return every entry's ``output`` holds its result."""
@@ -40,6 +52,10 @@ class MPIBackend:
             self._allgather(response, entry)
         elif response.kind == BROADCAST:
             self._broadcast(response, entry)
+        elif response.kind == ALLTOALL:
+            self._alltoall(response, entry)
+        elif response.kind == REDUCESCATTER:
+            self._reducescatter(response, entry)
         elif response.kind == BARRIER:
             pass  # negotiation completing on every rank *is* the barrier
         else:
@@ -58,16 +74,17 @@ class MPIBackend:
         info = dtype_info(response.dtype)
         src = entry.array.reshape(-1)
         out = entry.output.reshape(-1)
-        mpi_type, mpi_op = mpi_datatype(info), mpi_reduce_op(info, ReduceOp(response.reduce_op))
         if entry.output is entry.array:   # in place: no copy at all
             scale_in_place(out, response.prescale)
-            self.comm.Allreduce(self._MPI.IN_PLACE, [out, mpi_type], op=mpi_op)
-        elif response.prescale == 1.0:
-            self.comm.Allreduce([src, mpi_type], [out, mpi_type], op=mpi_op)
+            self._reduce(out, response, info)
+        elif response.prescale == 1.0 and response.reduce_op != ReduceOp.Adasum:
+            op = mpi_reduce_op(info, ReduceOp(response.reduce_op))
+            mpi_type = mpi_datatype(info)
+            self.comm.Allreduce([src, mpi_type], [out, mpi_type], op=op)
         else:
             np.copyto(out, src)
             scale_in_place(out, response.prescale)
-            self.comm.Allreduce(self._MPI.IN_PLACE, [out, mpi_type], op=mpi_op)
+            self._reduce(out, response, info)
         scale_in_place(out, self._postscale(response))
 
     def _allreduce_fused(self, batch: list[tuple[Response, Entry]]) -> None:
@@ -78,8 +95,7 @@ class MPIBackend:
         # One C-level pass packs every input (ravel of a contiguous array is a view).
         np.concatenate([e.array.ravel() for _, e in batch], out=buf)
         scale_in_place(buf, response.prescale)
-        self.comm.Allreduce(self._MPI.IN_PLACE, [buf, mpi_datatype(info)],
-                            op=mpi_reduce_op(info, ReduceOp(response.reduce_op)))
+        self._reduce(buf, response, info, segments=sizes)
         scale_in_place(buf, self._postscale(response))
         offset = 0
         copyto = np.copyto
@@ -102,6 +118,55 @@ class MPIBackend:
     def _broadcast(self, response: Response, entry: Entry) -> None:
         info = dtype_info(response.dtype)
         out = entry.output.reshape(-1)
-        if self.rank == response.root and entry.output is not entry.array:
+        root = self._local_rank_of[response.root]
+        if self.rank == root and entry.output is not entry.array:
             np.copyto(out, entry.array.reshape(-1))
-        self.comm.Bcast([out, mpi_datatype(info)], root=response.root)
+        self.comm.Bcast([out, mpi_datatype(info)], root=root)
+
+    def _alltoall(self, response: Response, entry: Entry) -> None:
+        """Rows ``splits[r][j]`` of rank r go to rank j; the result is the received rows in
+        rank order, plus how many came from each rank."""
+        info = dtype_info(response.dtype)
+        row_shape = tuple(response.shape[1:])
+        row = int(np.prod(row_shape, dtype=np.int64))
+        mine = response.splits[self.rank]
+        received = [splits[self.rank] for splits in response.splits]
+        out = entry.allocate((sum(received),) + row_shape, info.np_dtype)
+        send_counts = [n * row for n in mine]
+        recv_counts = [n * row for n in received]
+        mpi_type = mpi_datatype(info)
+        self.comm.Alltoallv([entry.array.reshape(-1), (send_counts, _displacements(send_counts)),
+                             mpi_type],
+                            [out.reshape(-1), (recv_counts, _displacements(recv_counts)),
+                             mpi_type])
+        entry.output = (out, np.array(received, dtype=np.int32))
+
+    def _reducescatter(self, response: Response, entry: Entry) -> None:
+        """Reduce across ranks; rank r keeps its share of the rows (see ``split_rows``)."""
+        info = dtype_info(response.dtype)
+        row_shape = tuple(response.shape[1:])
+        row = int(np.prod(row_shape, dtype=np.int64))
+        rows = split_rows(response.shape[0], self.size)
+        out = entry.allocate((rows[self.rank],) + row_shape, info.np_dtype)
+        src = entry.array.reshape(-1)
+        if response.prescale != 1.0:
+            src = src.copy()
+            scale_in_place(src, response.prescale)
+        flat = out.reshape(-1)
+        if self.size == 1:
+            np.copyto(flat, src)
+        else:
+            self.comm.Reduce_scatter([src, mpi_datatype(info)], [flat, mpi_datatype(info)],
+                                     [n * row for n in rows],
+                                     op=mpi_reduce_op(info, ReduceOp(response.reduce_op)))
+        if not info.is_bool:
+            scale_in_place(flat, self._postscale(response))
+        entry.output = out
+
+
+def _displacements(counts: list[int]) -> list[int]:
+    out, total = [], 0
+    for n in counts:
+        out.append(total)
+        total += n
+    return out

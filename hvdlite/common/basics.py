@@ -9,6 +9,7 @@ import threading
 
 from .config import Config
 from .errors import NotInitializedError
+from .process_sets import ProcessSet, check_ranks, global_process_set, resolve_ranks
 
 log = logging.getLogger("hvdlite")
 
@@ -25,6 +26,10 @@ class _State:
         self.cross_rank, self.cross_size = cross_rank, cross_size
         self.homogeneous = homogeneous
         self.threads_multiple = threads_multiple
+        # process_set_id -> (set, its engine or None where this rank is not a member, its comm)
+        self.sets: dict[int, tuple[ProcessSet, object, object]] = {
+            0: (global_process_set, engine, None)}
+        self.next_set_id = 1
 
 
 _state: _State | None = None
@@ -48,12 +53,20 @@ def init(comm=None, process_sets=None) -> None:
     """Initialize hvdlite: set up the topology and start the background thread.
 
     ``comm`` may be an mpi4py communicator (default ``MPI.COMM_WORLD``) or a list of world ranks
-    to run on, as in Horovod.  Calling ``init()`` again while initialized does nothing.
+    to run on, as in Horovod.  ``process_sets`` is a list of :class:`ProcessSet` to register
+    now (every rank passes the same list), or ``"dynamic"`` to allow :func:`add_process_set` /
+    :func:`remove_process_set` later (as does ``HVDLITE_DYNAMIC_PROCESS_SETS=1``).  Calling
+    ``init()`` again while initialized does nothing.
     """
     global _state, _atexit_registered
-    if process_sets:
-        raise NotImplementedError("process sets are not available in hvdlite yet; "
-                                  "call hvd.init() without process_sets.")
+    dynamic = isinstance(process_sets, str)
+    if dynamic and process_sets != "dynamic":
+        raise ValueError(f"init(process_sets={process_sets!r}): pass a list of ProcessSet "
+                         f"objects or the string 'dynamic'.")
+    static = [] if dynamic or process_sets is None else list(process_sets)
+    if any(not isinstance(ps, ProcessSet) for ps in static):
+        raise TypeError("init(process_sets=...) expects ProcessSet objects, e.g. "
+                        "[hvd.ProcessSet([0, 1])].")
     with _lock:
         if _state is not None:
             return
@@ -75,6 +88,9 @@ def init(comm=None, process_sets=None) -> None:
         cross_rank, cross_size = cross.Get_rank(), cross.Get_size()
         local_sizes = world.allgather(local_size)
         config = world.bcast(Config.from_env() if rank == 0 else None, root=0)
+        if dynamic and not config.dynamic_process_sets:
+            import dataclasses
+            config = dataclasses.replace(config, dynamic_process_sets=True)
         own = Config.from_env()
         local.Free()
         cross.Free()
@@ -83,9 +99,12 @@ def init(comm=None, process_sets=None) -> None:
             log.info("using rank 0's settings %s (this rank's environment says %s)", config, own)
         engine = Engine(world.Dup(), config)
         engine.start()
+        global_process_set._ranks = list(range(world.Get_size()))
         _state = _State(world, engine, config, local_rank, local_size, cross_rank, cross_size,
                         len(set(local_sizes)) == 1,
                         MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+        for ps in static:
+            _register(_state, ps)
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True
@@ -102,12 +121,150 @@ def shutdown() -> None:
         state, _state = _state, None
     if state is None:
         return
+    for set_id, (ps, set_engine, set_comm) in sorted(state.sets.items(), reverse=True):
+        if set_id != 0:
+            _stop_set(ps, set_engine, set_comm)
     state.engine.shutdown()
     try:
         state.engine.comm.Free()
         state.world.Free()
     except Exception:  # noqa: BLE001 - MPI may already be finalized at interpreter exit
         pass
+
+
+def _stop_set(ps: ProcessSet, set_engine, set_comm) -> None:
+    ps.process_set_id = None
+    if set_engine is not None:
+        set_engine.shutdown()
+        try:
+            set_engine.comm.Free()
+        except Exception:  # noqa: BLE001 - MPI may already be finalized at interpreter exit
+            pass
+
+
+# --- process sets ------------------------------------------------------------------------------
+def _register(state: _State, process_set: ProcessSet) -> ProcessSet:
+    """Collective over all ranks: give ``process_set`` an id, a communicator and an engine."""
+    from mpi4py import MPI
+    from .engine import Engine
+    if process_set.process_set_id is not None:
+        raise ValueError(f"{process_set!r} is already registered.")
+    comm = process_set.mpi_comm
+    mine = None if comm is not None and comm == MPI.COMM_NULL else resolve_ranks(
+        process_set, state.world)
+    every = state.world.allgather(mine)
+    if comm is None:   # a list of ranks: every rank must pass the same one
+        if len({tuple(r) for r in every}) > 1:
+            listing = "; ".join(f"rank {i}: {r}" for i, r in enumerate(every))
+            raise ValueError(f"add_process_set / init(process_sets=...) was called with "
+                             f"different ranks on different processes ({listing}); every rank "
+                             f"must register the same process sets in the same order.")
+        candidates = [check_ranks(mine, state.size)]
+    else:              # communicators (e.g. from Split): each distinct one becomes a set
+        candidates = sorted({tuple(r) for r in every if r is not None})
+    known = {tuple(ps.ranks): ps for ps, _, _ in state.sets.values()}
+    for ranks in candidates:
+        if tuple(ranks) in known:
+            raise ValueError(f"a process set with ranks {list(ranks)} is already registered "
+                             f"({known[tuple(ranks)]!r}); use that one.")
+    for ranks in candidates:
+        ranks = list(ranks)
+        group = state.world.Get_group().Incl(ranks)
+        set_comm = state.world.Create(group)
+        group.Free()
+        set_id = state.next_set_id
+        state.next_set_id += 1
+        if mine is not None and list(mine) == ranks:
+            target = process_set
+        else:
+            target = ProcessSet(ranks)
+        target._ranks = ranks
+        target.process_set_id = set_id
+        set_engine = None
+        if set_comm != MPI.COMM_NULL:
+            set_engine = Engine(set_comm, state.config, ranks)
+            set_engine.start()
+        state.sets[set_id] = (target, set_engine, set_comm)
+    return process_set
+
+
+def add_process_set(process_set: ProcessSet | list[int]) -> ProcessSet:
+    """Register a new process set at run time; collective over all ranks (each passes the same
+    ranks).  Needs ``HVDLITE_DYNAMIC_PROCESS_SETS=1`` or ``hvd.init(process_sets="dynamic")``.
+    Returns the registered :class:`ProcessSet`."""
+    state = _get("hvd.add_process_set()")
+    if not state.config.dynamic_process_sets:
+        raise ValueError("add_process_set() needs dynamic process sets: set "
+                         "HVDLITE_DYNAMIC_PROCESS_SETS=1 (or HOROVOD_DYNAMIC_PROCESS_SETS=1) or "
+                         "call hvd.init(process_sets='dynamic'); or pass the sets to "
+                         "hvd.init(process_sets=[...]).")
+    if not isinstance(process_set, ProcessSet):
+        process_set = ProcessSet(process_set)
+    with _lock:
+        return _register(state, process_set)
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Deregister a process set added at run time; collective over all ranks.  Ranks may pass
+    different sets (e.g. each its own part of a ``comm.Split``): every set named by some rank is
+    removed.  Operations still pending in a removed set fail.  Returns True if this rank's set
+    was registered and is now removed."""
+    state = _get("hvd.remove_process_set()")
+    if not state.config.dynamic_process_sets:
+        raise ValueError("remove_process_set() needs dynamic process sets (set "
+                         "HVDLITE_DYNAMIC_PROCESS_SETS=1 or call "
+                         "hvd.init(process_sets='dynamic')).")
+    set_id = process_set.process_set_id
+    every = state.world.allgather(set_id)
+    if 0 in every:
+        raise ValueError(f"the global process set cannot be removed (ranks "
+                         f"{[r for r, i in enumerate(every) if i == 0]} tried to).")
+    with _lock:
+        removed = [state.sets.pop(i) for i in sorted({i for i in every if i is not None})
+                   if i in state.sets]
+    for found in removed:
+        _stop_set(*found)
+    return set_id is not None and any(ps is process_set or ps.process_set_id is None
+                                      and ps._ranks == process_set._ranks
+                                      for ps, _, _ in removed)
+
+
+def process_set_engine(process_set: ProcessSet | None, what: str):
+    """(engine, member global ranks) for an operation on ``process_set`` (None = global)."""
+    state = _get(what)
+    if process_set is None or process_set.process_set_id == 0:
+        return state.engine, None
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"{what}: process_set must be a hvd.ProcessSet, got "
+                        f"{type(process_set).__name__}.")
+    set_id = process_set.process_set_id
+    found = state.sets.get(set_id) if set_id is not None else None
+    if found is None:
+        raise ValueError(f"{what}: {process_set!r} is not registered (never added, or "
+                         f"removed); register it with hvd.init(process_sets=[...]) or "
+                         f"hvd.add_process_set().")
+    registered, set_engine, _ = found
+    if set_engine is None:
+        raise ValueError(f"{what}: rank {state.rank} is not a member of process set "
+                         f"{set_id} (ranks {registered.ranks}); only its members may run "
+                         f"operations on it.")
+    return set_engine, registered.ranks
+
+
+def get_process_set_ids_and_ranks() -> dict[int, list[int]]:
+    """Every registered process set's id and global ranks (Horovod's helper)."""
+    state = _get("hvd.get_process_set_ids_and_ranks()")
+    return {set_id: ps.ranks for set_id, (ps, _, _) in sorted(state.sets.items())}
+
+
+def comm_process_set(comm) -> ProcessSet:
+    """The registered process set whose ranks are those of the mpi4py communicator ``comm``."""
+    state = _get("hvd.comm_process_set()")
+    ranks = resolve_ranks(ProcessSet(comm), state.world)
+    for ps, _, _ in state.sets.values():
+        if ps.ranks == ranks:
+            return ps
+    raise ValueError(f"no registered process set has the ranks {ranks} of this communicator.")
 
 
 def is_initialized() -> bool:

@@ -54,6 +54,7 @@ class Config:
     stall_check_seconds: float = DEFAULT_STALL_CHECK_SECONDS
     stall_shutdown_seconds: float = 0.0  # 0 = never turn a stall into an error
     log_level: str = "WARNING"
+    dynamic_process_sets: bool = False   # allow add_process_set / remove_process_set
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Config":
@@ -66,4 +67,5 @@ class Config:
                 "STALL_CHECK_TIME_SECONDS", DEFAULT_STALL_CHECK_SECONDS, environ),
             stall_shutdown_seconds=_number("STALL_SHUTDOWN_TIME_SECONDS", 0.0, environ),
             log_level=(env_value("LOG_LEVEL", environ) or "WARNING").upper(),
+            dynamic_process_sets=_flag("DYNAMIC_PROCESS_SETS", environ),
         )

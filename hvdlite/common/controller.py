@@ -12,6 +12,15 @@ One *round* is what every rank's background thread does together:
 Ranks take part in rounds while they have pending work, and every ``IDLE_TICK_SECONDS`` when idle,
 so the coordinator always learns within a bounded time who is missing what, and a rank that
 shuts down is noticed by the others.  Waiting never spins (see :mod:`waiting`).
+
+Grouped operations are announced through the cache only when every member hits it, and the
+coordinator releases a group's responses together, so a group always executes in one round.
+A rank that called ``join()`` announces every cached reduction as ready and stands in for tensors
+it never submitted with the reduction's identity; the join completes in the first round in which
+every rank has joined.
+
+One controller serves one process set (its own communicator); messages name ranks by their
+global rank.
 """
 from __future__ import annotations
 
@@ -24,7 +33,9 @@ import numpy as np
 from .config import Config
 from .errors import StallError
 from .handle import Entry
-from .messages import ERROR_STALL, Request, Response, build_response
+from .dtypes import dtype_info, reduction_identity
+from .messages import ERROR_STALL, JOIN, REDUCING_KINDS, Request, Response, build_response
+from .reduce_ops import ReduceOp
 from .response_cache import ResponseCache
 from .waiting import wait_until
 
@@ -38,6 +49,7 @@ F_UNSENT = 1 << 0      # some rank has requests the coordinator has not seen
 F_SHUTDOWN = 1 << 1    # some rank is shutting down
 F_STALL = 1 << 2       # some rank wants a stall report
 F_IDLE = 1 << 3        # some rank has nothing pending (so waiting on it is not a livelock)
+F_JOINED = 1 << 4      # some rank has called join()
 _ALL_ONES = 0xFFFFFFFFFFFFFFFF
 
 
@@ -59,22 +71,37 @@ def _bits(words: Iterable[int]) -> list[int]:
 
 
 class RoundOutcome:
-    __slots__ = ("ready", "shutdown_ranks", "progress", "everyone_busy")
+    __slots__ = ("ready", "shutdown_ranks", "progress", "everyone_busy", "joined")
 
     def __init__(self) -> None:
         self.ready: list[tuple[Response, Entry | None]] = []  # in execution order
         self.shutdown_ranks: tuple[int, ...] = ()
         self.progress = False
         self.everyone_busy = False
+        self.joined: tuple[Entry, int] | None = None   # (join entry, last rank to join)
+
+
+def _stand_in(response: Response) -> Entry:
+    """What a joined rank contributes to a reduction it never submitted: the identity."""
+    from .handle import Handle
+    info = dtype_info(response.dtype)
+    array = reduction_identity(info, ReduceOp(response.reduce_op), response.shape)
+    request = Request(response.name, response.kind, response.dtype, response.shape,
+                      response.reduce_op, response.root, response.device, response.prescale,
+                      response.postscale, cacheable=response.cacheable)
+    return Entry(request, array, array, None, Handle(response.name, lambda: True))
 
 
 class Controller:
-    def __init__(self, comm, config: Config) -> None:
+    def __init__(self, comm, config: Config, global_ranks: list[int] | None = None) -> None:
         from mpi4py import MPI
         self._MPI = MPI
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        # Global rank of each member (messages and errors name ranks by their global rank).
+        self.global_ranks = list(global_ranks) if global_ranks else list(range(self.size))
+        self.label = self.global_ranks[self.rank]
         self.config = config
         self.max_sleep = max(config.cycle_time_ms, 0.01) / 1000.0
         self.cache = ResponseCache(config.cache_capacity)
@@ -82,6 +109,19 @@ class Controller:
         self._table: dict[str, dict[int, Request]] = {}   # coordinator: full requests by name
         self._outbox = []                                  # unfinished isend requests
         self._bufs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._group_done: dict[str, list[Response]] = {}  # coordinator: finished members
+        # join() state; the round counter is identical on every rank (rounds are collective)
+        self.rounds = 0
+        self.join_entry: Entry | None = None
+        self._join_round = -1
+        self._join_unsent = False
+        self._someone_joined = False                       # as of the last round
+        self._joined_ranks: set[int] = set()               # coordinator: who has joined
+
+    @property
+    def busy(self) -> bool:
+        """Work is pending here (a joined rank keeps running rounds for the others)."""
+        return bool(self.pending) or self.join_entry is not None
 
     def _buffers(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         bufs = self._bufs.get(n)
@@ -107,10 +147,10 @@ class Controller:
         if int(waited) % max(1, int(cfg.stall_check_seconds)) == 0:
             log.warning("rank %d has waited %.0f s for the other ranks to join %s; pending here: "
                         "%s. Some rank is not responding (stopped, or stuck outside Python).",
-                        self.rank, waited, what, names)
+                        self.label, waited, what, names)
         if cfg.stall_shutdown_seconds > 0 and waited >= cfg.stall_shutdown_seconds:
             raise StallError(
-                f"rank {self.rank} gave up after {waited:.0f} s waiting for the other ranks to "
+                f"rank {self.label} gave up after {waited:.0f} s waiting for the other ranks to "
                 f"join {what} (HVDLITE_STALL_SHUTDOWN_TIME_SECONDS="
                 f"{cfg.stall_shutdown_seconds:g}); pending here: {names}.")
 
@@ -127,20 +167,35 @@ class Controller:
         cfg = self.config
         check_after = cfg.stall_check_seconds if cfg.stall_check_enabled else float("inf")
         pending, lookup = self.pending, self.cache.lookup
+        grouped = False
         for entry in new_entries:
+            if entry.request.kind == JOIN:
+                self.join_entry, self._join_round, self._join_unsent = entry, self.rounds, True
+                continue
             pending[entry.request.name] = entry
             entry.slot, stale = lookup(entry.request)
             if stale is not None:
                 invalid_here.add(stale)
             entry.next_stall_report = entry.submitted_at + check_after
+            grouped = grouped or entry.group is not None
+        if grouped:   # a group is announced through the cache only if all its members hit
+            for entry in new_entries:
+                if entry.group is not None and entry.slot is not None and any(
+                        m.slot is None for m in entry.group):
+                    for member in entry.group:
+                        member.slot = None
+        if self._someone_joined:
+            self._route_unjoinable()
         now = time.monotonic()
         want_stall = self.stall_due(now)
 
         nw = self.cache.num_words
         ready_here = _pack((e.slot for e in self.pending.values() if e.slot is not None), nw)
+        if self.join_entry is not None:   # stand in for every cached reduction
+            ready_here = [a | b for a, b in zip(ready_here, _pack(self._reducible_slots(), nw))]
         stale_here = _pack(invalid_here, nw)
         flags = 0
-        if any(e.slot is None and not e.sent for e in self.pending.values()):
+        if self._join_unsent or any(e.slot is None and not e.sent for e in self.pending.values()):
             flags |= F_UNSENT
         if shutdown:
             flags |= F_SHUTDOWN
@@ -148,15 +203,22 @@ class Controller:
             flags |= F_STALL
         if not self.pending:
             flags |= F_IDLE
-        # AND across ranks: ready bits as they are; "some rank has it" bits negated.
-        send, recv = self._buffers(2 * nw + 1)
-        send[:] = ready_here + [_ALL_ONES ^ w for w in stale_here] + [_ALL_ONES ^ flags]
+        if self.join_entry is not None:
+            flags |= F_JOINED
+        # AND across ranks: ready bits as they are; "some rank has it" bits negated; last word
+        # "this rank has joined" as is (so the AND says "all have joined").
+        send, recv = self._buffers(2 * nw + 2)
+        send[:] = (ready_here + [_ALL_ONES ^ w for w in stale_here] + [_ALL_ONES ^ flags]
+                   + [1 if self.join_entry is not None else 0])
         request = self.comm.Iallreduce(send, recv, op=MPI.BAND)
         self._wait(request.Test, "negotiation")
         result = recv.tolist()
+        self.rounds += 1
 
         outcome = RoundOutcome()
         any_flags = _ALL_ONES ^ result[2 * nw]
+        all_joined = bool(result[2 * nw + 1])
+        self._someone_joined = bool(any_flags & F_JOINED)
         invalid = _bits(_ALL_ONES ^ w for w in result[nw:2 * nw])
         invalid_set = set(invalid)
         for slot in invalid:
@@ -164,12 +226,16 @@ class Controller:
         if invalid_set:
             for entry in self.pending.values():
                 if entry.slot in invalid_set:
-                    entry.slot = None   # now negotiated in full, like a new tensor
+                    for member in entry.group or (entry,):
+                        member.slot = None   # now negotiated in full, like a new tensor
         response_of, pop, ready = self.cache.response, pending.pop, outcome.ready
-        for slot in _bits(result[:nw]):
-            if slot not in invalid_set:
-                response = response_of(slot)
-                ready.append((response, pop(response.name)))
+        if not all_joined:   # when everyone has joined, the stand-in bits mean nothing
+            for slot in _bits(result[:nw]):
+                if slot not in invalid_set:
+                    response = response_of(slot)
+                    entry = pop(response.name, None)
+                    ready.append((response, entry if entry is not None
+                                  else _stand_in(response)))
 
         slow = invalid or any_flags & (F_UNSENT | F_SHUTDOWN | F_STALL)
         if slow:
@@ -177,13 +243,45 @@ class Controller:
                 shutdown, bool(any_flags & F_STALL), now)
             for response in new_responses:
                 entry = self.pending.pop(response.name, None)
+                if (entry is None and response.error is None and self.join_entry is not None
+                        and response.kind in REDUCING_KINDS):
+                    entry = _stand_in(response)
                 if response.error is None and entry is not None:
                     self.cache.put(response, entry.request)
                 if entry is not None or response.error is None:
                     outcome.ready.append((response, entry))
-        outcome.progress = bool(outcome.ready) or bool(slow)
+        if all_joined and self.join_entry is not None:
+            outcome.joined = (self.join_entry, self._last_to_join())
+        outcome.progress = bool(outcome.ready) or bool(slow) or outcome.joined is not None
         outcome.everyone_busy = not (any_flags & F_IDLE)
         return outcome
+
+    # --- join --------------------------------------------------------------------------------
+    def _reducible_slots(self) -> list[int]:
+        return [slot for slot, response in self.cache.items()
+                if response.kind in REDUCING_KINDS and response.reduce_op != ReduceOp.Adasum]
+
+    def _route_unjoinable(self) -> None:
+        """Some rank has joined: cached operations that cannot run without it go to the
+        coordinator, which fails them with a clear error instead of letting them wait."""
+        for entry in self.pending.values():
+            if entry.slot is not None:
+                response = self.cache.response(entry.slot)
+                if response.kind not in REDUCING_KINDS or response.reduce_op == ReduceOp.Adasum:
+                    for member in entry.group or (entry,):
+                        member.slot = None
+
+    def _last_to_join(self) -> int:
+        """Every rank has joined: agree on the last one (latest round; ties -> highest rank)
+        and reset the join state for the next epoch."""
+        mine = np.array([self._join_round, self.label], dtype=np.int64)
+        every = np.empty(2 * self.size, dtype=np.int64)
+        request = self.comm.Iallgather(mine, every)
+        self._wait(request.Test, "join")
+        pairs = every.reshape(self.size, 2).tolist()
+        self.join_entry, self._join_round, self._someone_joined = None, -1, False
+        self._joined_ranks.clear()
+        return int(max(pairs)[1])
 
     # ---------------------------------------------------------------------------------------
     def _exchange(self, shutdown: bool, stall_report: bool, now: float):
@@ -193,6 +291,7 @@ class Controller:
             entry.sent = True
         payload = {
             "requests": [e.request for e in unsent],
+            "joined": self.join_entry is not None,
             "shutdown": shutdown,
             "pending": ({name: now - e.submitted_at for name, e in self.pending.items()}
                         if stall_report else None),
@@ -206,6 +305,7 @@ class Controller:
                     if cfg.stall_shutdown_seconds > 0 and now < deadline:
                         nxt = min(nxt, deadline)
                     entry.next_stall_report = nxt
+        self._join_unsent = False
         if self.rank != 0:
             self._finish_outbox()
             self._outbox.append(self.comm.isend(payload, dest=0, tag=TAG_REQUESTS))
@@ -246,16 +346,45 @@ class Controller:
         return responses, shutdown_ranks
 
     def _coordinate(self, payloads: dict[int, dict]) -> tuple[list[Response], tuple[int, ...]]:
+        labels = self.global_ranks
+        payloads = {labels[r]: p for r, p in payloads.items()}   # from here on: global ranks
         shutdown_ranks = tuple(sorted(r for r, p in payloads.items() if p["shutdown"]))
+        self._joined_ranks.update(r for r, p in payloads.items() if p["joined"])
         for rank in sorted(payloads):
             for request in payloads[rank]["requests"]:
                 self._table.setdefault(request.name, {})[rank] = request
+        everyone, joined = set(labels), self._joined_ranks
         responses: list[Response] = []
-        for name in [n for n, reqs in self._table.items() if len(reqs) == self.size]:
-            responses.append(build_response(self._table.pop(name)))
+        for name in [n for n, reqs in self._table.items()
+                     if len(reqs) == self.size or (joined and joined | reqs.keys() >= everyone)]:
+            requests = self._table.pop(name)
+            response = build_response(requests, joined)
+            group = requests[min(requests)].group
+            if group:
+                responses += self._group_member_done(group, requests[min(requests)].group_size,
+                                                     response)
+            else:
+                responses.append(response)
         if any(p["pending"] is not None for p in payloads.values()):
             responses += self._stall_report(payloads)
         return responses, shutdown_ranks
+
+    def _group_member_done(self, group: str, group_size: int, response: Response
+                           ) -> list[Response]:
+        """Hold a grouped op's responses until every member is ready everywhere; then release
+        them together (all failing if one failed, so the group stays one unit)."""
+        done = self._group_done.setdefault(group, [])
+        done.append(response)
+        if len(done) < group_size:
+            return []
+        del self._group_done[group]
+        bad = next((r for r in done if r.error is not None), None)
+        if bad is None:
+            return done
+        return [r if r is bad else r._replace(
+                    error=f"grouped {r.kind} {group!r} failed because of its member "
+                          f"{bad.name!r}: {bad.error}", error_kind=bad.error_kind)
+                for r in done]
 
     def _stall_report(self, payloads: dict[int, dict]) -> list[Response]:
         cfg = self.config
@@ -266,7 +395,7 @@ class Controller:
         errors = []
         lines = []
         for name, ages in sorted(by_name.items()):
-            missing = [r for r in range(self.size) if r not in ages]
+            missing = [r for r in self.global_ranks if r not in ages]
             age = max(ages.values())
             if not missing or age < cfg.stall_check_seconds:
                 continue

@@ -84,9 +84,10 @@ def dtype_info(dtype, what: str = "tensor") -> DtypeInfo:
 
 def check_reduce_op(info: DtypeInfo, op: ReduceOp, name: str) -> None:
     """Raise before submission if ``op`` is meaningless for this dtype."""
-    if op == ReduceOp.Adasum:
+    if op == ReduceOp.Adasum and info.np_dtype.kind != "f" and info.name != "bfloat16":
         raise UnsupportedDtypeError(
-            f"allreduce of {name!r}: op=Adasum is not supported by hvdlite yet; use Average or Sum.")
+            f"allreduce of {name!r}: op=Adasum combines floating-point gradients; {info.name} "
+            f"is not supported. Use Sum/Average for this tensor or cast it to a float dtype.")
     if info.is_bool and op == ReduceOp.Average:
         raise UnsupportedDtypeError(
             f"allreduce of {name!r}: Average is not defined for bool tensors; use op=Sum or Max "
@@ -141,3 +142,23 @@ def scale_in_place(array: np.ndarray, factor: float) -> None:
         np.multiply(array, array.dtype.type(factor), out=array)
     else:
         np.multiply(array, np.float32(factor), out=array, casting="unsafe")
+
+
+def reduction_identity(info: DtypeInfo, op: ReduceOp, shape: tuple) -> np.ndarray:
+    """An array that leaves ``op`` unchanged: what a joined rank contributes (zeros for Sum and
+    Average, as in Horovod; the dtype's top/bottom for Min/Max; ones for Product)."""
+    dtype = info.np_dtype
+    if info.is_bool:
+        fill = op in (ReduceOp.Min, ReduceOp.Product)          # logical and: True is neutral
+    elif op == ReduceOp.Product:
+        fill = 1
+    elif op in (ReduceOp.Min, ReduceOp.Max):
+        top = op == ReduceOp.Min
+        if dtype.kind in "iu":
+            limits = np.iinfo(dtype)
+            fill = limits.max if top else limits.min
+        else:
+            fill = np.inf if top else -np.inf
+    else:
+        fill = 0
+    return np.full(shape, fill, dtype=dtype)

@@ -45,12 +45,15 @@ def _nbytes(item: tuple[Response, Entry]) -> int:
 
 
 class Engine:
-    def __init__(self, comm, config: Config) -> None:
+    """One background thread serving one process set (the global set, or a subset of ranks
+    with its own communicator), so that disjoint sets never wait on each other."""
+
+    def __init__(self, comm, config: Config, global_ranks: list[int] | None = None) -> None:
         self.comm = comm
-        self.rank = comm.Get_rank()
         self.config = config
-        self.controller = Controller(comm, config)
-        self.backend = MPIBackend(comm)
+        self.controller = Controller(comm, config, global_ranks)
+        self.rank = self.controller.label   # global rank, for messages
+        self.backend = MPIBackend(comm, self.controller.global_ranks)
         self._lock = threading.Lock()              # guards _in_flight and the stop state
         self._queue: queue.SimpleQueue = queue.SimpleQueue()   # entries (or None = wake up)
         self._in_flight: dict[str, Entry] = {}   # submitted, not completed
@@ -71,18 +74,34 @@ class Engine:
 
     def submit(self, entry: Entry) -> Handle:
         with self._lock:
-            if self._stopped is not None:
-                raise self._stopped_cls(self._stopped)
-            if self._shutdown_requested:
-                raise ShutdownError("hvdlite is shutting down; no new operations are accepted.")
-            if entry.name in self._in_flight:
-                raise DuplicateNameError(
-                    f"A tensor named {entry.name!r} is already in flight on rank {self.rank}. "
-                    f"Names must be unique among pending operations: wait for the first one "
-                    f"(hvd.synchronize) or give the second a different name.")
-            self._in_flight[entry.name] = entry
+            self._admit((entry,))
         self._queue.put(entry)
         return entry.handle
+
+    def submit_group(self, entries: list[Entry]) -> list[Handle]:
+        """Submit a grouped operation: its members reach the controller in one piece."""
+        for entry in entries:
+            entry.group = entries
+        with self._lock:
+            self._admit(entries)
+        self._queue.put(entries)
+        return [entry.handle for entry in entries]
+
+    def _admit(self, entries) -> None:
+        """Check and register new entries (caller holds the lock); all or nothing."""
+        if self._stopped is not None:
+            raise self._stopped_cls(self._stopped)
+        if self._shutdown_requested:
+            raise ShutdownError("hvdlite is shutting down; no new operations are accepted.")
+        names = [entry.name for entry in entries]
+        for name in names:
+            if name in self._in_flight or names.count(name) > 1:
+                raise DuplicateNameError(
+                    f"A tensor named {name!r} is already in flight on rank {self.rank}. "
+                    f"Names must be unique among pending operations: wait for the first one "
+                    f"(hvd.synchronize) or give the second a different name.")
+        for entry in entries:
+            self._in_flight[entry.name] = entry
 
     def shutdown(self, timeout: float | None = None) -> None:
         with self._lock:
@@ -96,7 +115,7 @@ class Engine:
         """New entries since the last round; blocks only when there is nothing to negotiate."""
         q = self._queue
         new: list[Entry] = []
-        if q.empty() and not (self.controller.pending and pause == 0.0):
+        if q.empty() and not (self.controller.busy and pause == 0.0):
             try:
                 item = q.get(timeout=pause if pause > 0 else IDLE_TICK_SECONDS)
                 if item is not None:
@@ -110,6 +129,8 @@ class Engine:
                 break
             if item is not None:
                 new.append(item)
+        if any(type(item) is list for item in new):   # grouped ops arrive as lists
+            new = [e for item in new for e in (item if type(item) is list else (item,))]
         return new, self._shutdown_requested
 
     def _run(self) -> None:
@@ -119,6 +140,9 @@ class Engine:
                 new, shutdown = self._take_work(pause)
                 outcome = self.controller.run_round(new, shutdown)
                 self._execute(outcome.ready)
+                if outcome.joined is not None:
+                    join_entry, last_rank = outcome.joined
+                    self._complete(join_entry, last_rank)
                 if outcome.shutdown_ranks:
                     self._stop_after_shutdown(outcome.shutdown_ranks)
                     return

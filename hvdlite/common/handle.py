@@ -83,11 +83,43 @@ class Handle:
         return f"<hvdlite.Handle {self.name!r} {'done' if self._done else 'pending'}>"
 
 
+class GroupHandle:
+    """Handle of a grouped operation: ``wait()`` returns the members' results as a list."""
+
+    __slots__ = ("name", "handles", "_post")
+
+    def __init__(self, name: str, handles: list[Handle]) -> None:
+        self.name = name
+        self.handles = handles
+        self._post: list[Callable[[Any], Any]] = []
+
+    def then(self, fn: Callable[[Any], Any]) -> "GroupHandle":
+        self._post.append(fn)
+        return self
+
+    def poll(self) -> bool:
+        return all(h.poll() for h in self.handles)
+
+    def wait(self, timeout: float | None = None) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        results = [h.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                   for h in self.handles]
+        post, self._post = self._post, []
+        for fn in post:
+            results = fn(results)
+        return results
+
+    synchronize = wait
+
+    def __repr__(self) -> str:
+        return f"<hvdlite.GroupHandle {self.name!r} {'done' if self.poll() else 'pending'}>"
+
+
 class Entry:
     """One submitted operation, as the engine sees it."""
 
     __slots__ = ("request", "array", "output", "allocate", "handle", "submitted_at",
-                 "slot", "sent", "next_stall_report", "nbytes")
+                 "slot", "sent", "next_stall_report", "nbytes", "group")
 
     def __init__(self, request: Request, array: np.ndarray | None, output: np.ndarray | None,
                  allocate: Callable[[tuple, np.dtype], np.ndarray] | None, handle: Handle) -> None:
@@ -101,6 +133,7 @@ class Entry:
         self.sent = False              # full request already delivered to the coordinator
         self.next_stall_report = 0.0
         self.nbytes = 0 if array is None else array.nbytes
+        self.group: list[Entry] | None = None   # members of its grouped op (itself included)
 
     @property
     def name(self) -> str:

@@ -12,6 +12,12 @@ ALLREDUCE = "allreduce"
 ALLGATHER = "allgather"
 BROADCAST = "broadcast"
 BARRIER = "barrier"
+ALLTOALL = "alltoall"
+REDUCESCATTER = "reducescatter"
+JOIN = "join"
+
+# Kinds that reduce, i.e. can run while some ranks have joined (they contribute the identity).
+REDUCING_KINDS = (ALLREDUCE,)
 
 ERROR_MISMATCH = "mismatch"
 ERROR_STALL = "stall"
@@ -27,11 +33,14 @@ class Request(NamedTuple):
     device: int = -1          # -1 = host memory, else the CUDA device ordinal
     prescale: float = 1.0
     postscale: float = 1.0
+    splits: tuple = ()        # alltoall: rows this rank sends to each rank
+    group: str = ""           # grouped ops: the group's name (members negotiate as one unit)
+    group_size: int = 0
     cacheable: bool = True    # auto-named tensors never repeat, so caching them is waste
 
     def signature(self) -> tuple:
         """Everything that must match for a cached response to be reused."""
-        return self[1:9]
+        return self[1:12]
 
 
 class Response(NamedTuple):
@@ -48,6 +57,7 @@ class Response(NamedTuple):
     error: str | None = None
     error_kind: str | None = None
     cacheable: bool = True
+    splits: tuple = ()          # alltoall: every rank's splits, in rank order
 
 
 def _describe_values(name: str, kind: str, field: str, by_rank: Mapping[int, object]) -> str:
@@ -72,8 +82,13 @@ def _first_mismatch(name: str, kind: str, requests: Mapping[int, Request],
     return None
 
 
-def build_response(requests: Mapping[int, Request]) -> Response:
-    """Validate one request per rank for the same tensor name; return what to execute."""
+def build_response(requests: Mapping[int, Request], joined: Iterable[int] = ()) -> Response:
+    """Validate one request per rank for the same tensor name; return what to execute.
+
+    ``requests`` maps rank -> request.  ``joined`` lists ranks that called ``join()`` and did not
+    submit this tensor: they take part in reductions with the reduction's identity; any other
+    operation cannot run without them and fails with an error saying so.
+    """
     name = next(iter(requests.values())).name
     by_kind = {rank: req.kind for rank, req in requests.items()}
     if len(set(by_kind.values())) > 1:
@@ -83,14 +98,15 @@ def build_response(requests: Mapping[int, Request]) -> Response:
     first = requests[min(requests)]
     kind = first.kind
     fields = [("operation", lambda r: r.kind), ("dtype", lambda r: r.dtype),
-              ("device", lambda r: "cpu" if r.device < 0 else f"cuda:{r.device}")]
-    if kind == ALLREDUCE:
+              ("device", lambda r: "cpu" if r.device < 0 else f"cuda:{r.device}"),
+              ("group", lambda r: (r.group or None, r.group_size))]
+    if kind in (ALLREDUCE, REDUCESCATTER):
         fields += [("reduce op", lambda r: r.reduce_op), ("shape", lambda r: r.shape),
                    ("prescale factor", lambda r: r.prescale),
                    ("postscale factor", lambda r: r.postscale)]
     elif kind == BROADCAST:
         fields += [("root rank", lambda r: r.root), ("shape", lambda r: r.shape)]
-    elif kind == ALLGATHER:
+    elif kind in (ALLGATHER, ALLTOALL):
         fields += [("number of dimensions", lambda r: len(r.shape)),
                    ("shape after the first dimension", lambda r: tuple(r.shape[1:]))]
     error = _first_mismatch(name, kind, requests, fields)
@@ -100,10 +116,36 @@ def build_response(requests: Mapping[int, Request]) -> Response:
             for op in ReduceOp:
                 error = error.replace(f"reduce op {int(op)!r}", f"reduce op {op.name}")
         return Response(name, kind, error=error, error_kind=ERROR_MISMATCH)
+    joined = sorted(set(joined) - set(requests))
+    if joined:
+        error = _joined_error(first, sorted(requests), joined)
+        if error is not None:
+            return Response(name, kind, error=error, error_kind=ERROR_MISMATCH)
     first_dims = ()
-    if kind == ALLGATHER:
+    if kind in (ALLGATHER, ALLTOALL):
         first_dims = tuple(requests[r].shape[0] if requests[r].shape else 1
                            for r in sorted(requests))
+    splits = tuple(requests[r].splits for r in sorted(requests)) if kind == ALLTOALL else ()
     return Response(name, kind, first.dtype, first.shape, first.reduce_op, first.root,
                     first.device, first.prescale, first.postscale, first_dims,
-                    cacheable=all(r.cacheable for r in requests.values()))
+                    cacheable=all(r.cacheable for r in requests.values()), splits=splits)
+
+
+def _joined_error(request: Request, submitted: list[int], joined: list[int]) -> str | None:
+    from .reduce_ops import ReduceOp
+    what = f"{request.kind} of {request.name!r}"
+    if request.kind not in REDUCING_KINDS:
+        return (f"{what} cannot run: ranks {joined} have called join() and no longer take part "
+                f"(submitted on ranks {submitted}). Only allreduce works while ranks are joined; "
+                f"run {request.kind} before join() on every rank.")
+    if request.reduce_op == ReduceOp.Adasum:
+        return (f"{what} with op=Adasum cannot run while ranks {joined} have joined (Adasum has "
+                f"no neutral contribution); use Average or Sum, or reduce before join().")
+    return None
+
+
+def split_rows(rows: int, parts: int) -> list[int]:
+    """Rows per rank when ``rows`` are divided as evenly as possible (reducescatter, default
+    alltoall): the first ``rows % parts`` ranks get one extra row."""
+    base, extra = divmod(rows, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]

@@ -16,18 +16,22 @@ import numpy as np
 from . import basics
 from .dtypes import check_reduce_op, dtype_info
 from .errors import HvdliteError
-from .handle import Entry, Handle
-from .messages import ALLGATHER, ALLREDUCE, BARRIER, BROADCAST, Request
+from .handle import Entry, GroupHandle, Handle
+from .messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN, REDUCESCATTER,
+                       Request)
+from .process_sets import ProcessSet
 from .reduce_ops import ReduceOp, resolve_op
 
 _counter_lock = threading.Lock()
-_counters: dict[str, itertools.count] = {}
+_counters: dict[tuple[str, int], itertools.count] = {}
 
 
-def _auto_name(kind: str) -> str:
+def _auto_name(kind: str, set_id: int = 0) -> str:
+    # One counter per process set: unnamed ops in a set must not shift the global set's names.
     with _counter_lock:
-        counter = _counters.setdefault(kind, itertools.count())
-        return f"{kind}.noname.{next(counter)}"
+        counter = _counters.setdefault((kind, set_id), itertools.count())
+        n = next(counter)
+    return f"{kind}.noname.{n}" if set_id == 0 else f"{kind}.set{set_id}.noname.{n}"
 
 
 def _contiguous(x) -> np.ndarray:
@@ -45,24 +49,42 @@ def submit(kind: str, array: np.ndarray | None, *, name: str | None = None,
            output: np.ndarray | None = None,
            allocate: Callable[[tuple, np.dtype], np.ndarray] | None = None,
            reduce_op: ReduceOp = ReduceOp.Sum, root_rank: int = -1, prescale_factor: float = 1.0,
-           postscale_factor: float = 1.0, dtype: str | None = None, device: int = -1) -> Handle:
+           postscale_factor: float = 1.0, dtype: str | None = None, device: int = -1,
+           splits=None, process_set: ProcessSet | None = None) -> Handle:
     """Enqueue one collective on contiguous numpy views; return its handle at once.
 
     ``array``/``output`` must be C-contiguous.  ``output is array`` means in place.  ``dtype``
     overrides the array's dtype for views of types numpy lacks (a torch bfloat16 tensor arrives
     as a uint16 view with ``dtype="bfloat16"``).  ``allocate(shape, dtype)`` creates an output
-    whose shape is known only after negotiation (allgather).
+    whose shape is known only after negotiation (allgather, alltoall, reducescatter).
+    ``process_set`` (default: all ranks) selects the ranks, and the engine, that run it.
     """
-    engine = basics.engine()
+    engine, members = basics.process_set_engine(process_set, f"{kind} of {name or 'a tensor'}")
+    entry = make_entry(engine, members, kind, array, name=name, output=output,
+                       allocate=allocate, reduce_op=reduce_op, root_rank=root_rank,
+                       prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                       dtype=dtype, device=device, splits=splits,
+                       set_id=0 if members is None else process_set.process_set_id)
+    return engine.submit(entry)
+
+
+def make_entry(engine, members: list[int] | None, kind: str, array: np.ndarray | None, *,
+               name: str | None = None, output: np.ndarray | None = None,
+               allocate: Callable[[tuple, np.dtype], np.ndarray] | None = None,
+               reduce_op: ReduceOp = ReduceOp.Sum, root_rank: int = -1,
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               dtype: str | None = None, device: int = -1, splits=None, set_id: int = 0,
+               group: str = "", group_size: int = 0) -> Entry:
+    """Validate one operation locally and build the engine entry for it (see :func:`submit`);
+    ``members`` are the global ranks of its process set (None = all)."""
     cacheable = name is not None
     if name is None:
-        name = _auto_name(kind)
+        name = _auto_name(kind, set_id)
     elif not isinstance(name, str):
         raise TypeError(f"name must be a string, got {type(name).__name__}")
-    if kind == BARRIER:
-        request = Request(name, kind, "uint8", (), cacheable=True)
-        entry = Entry(request, None, None, None, engine.new_handle(name))
-        return engine.submit(entry)
+    if kind in (BARRIER, JOIN):
+        request = Request(name, kind, "uint8", (), cacheable=kind == BARRIER)
+        return Entry(request, None, None, None, engine.new_handle(name))
 
     array_dtype = array.dtype
     info = dtype_info(dtype if dtype is not None else array_dtype, kind)
@@ -79,26 +101,63 @@ def submit(kind: str, array: np.ndarray | None, *, name: str | None = None,
         in_place = output is array
         array = array.view(info.np_dtype)
         output = array if in_place else (None if output is None else output.view(info.np_dtype))
-    if kind == ALLREDUCE:
-        check_reduce_op(info, reduce_op, name)
-    elif kind == BROADCAST and not 0 <= root_rank < basics.size():
-        raise ValueError(f"{kind} of {name!r}: root_rank={root_rank} is out of range for a job "
-                         f"of {basics.size()} ranks.")
+    set_size = basics.size() if members is None else len(members)
     shape = array.shape
+    if kind in (ALLREDUCE, REDUCESCATTER):
+        check_reduce_op(info, reduce_op, name)
+        if reduce_op == ReduceOp.Adasum:
+            from .adasum import check_adasum_size
+            if kind == REDUCESCATTER:
+                raise ValueError(f"reducescatter of {name!r}: op=Adasum is not supported; use "
+                                 f"Sum or Average.")
+            check_adasum_size(set_size, f"allreduce of {name!r}")
+        if kind == REDUCESCATTER and not shape:
+            raise ValueError(f"reducescatter of {name!r}: a scalar cannot be scattered; pass a "
+                             f"tensor with at least one dimension (its rows are split across "
+                             f"ranks).")
+    elif kind == BROADCAST:
+        valid = range(set_size) if members is None else members
+        if root_rank not in valid:
+            where = (f"a job of {set_size} ranks" if members is None
+                     else f"process set {set_id} (ranks {members})")
+            raise ValueError(f"{kind} of {name!r}: root_rank={root_rank} is not a rank of "
+                             f"{where}.")
+    elif kind == ALLTOALL:
+        if not shape:
+            raise ValueError(f"alltoall of {name!r}: a scalar cannot be split; pass a tensor "
+                             f"with at least one dimension.")
+        splits = _check_splits(name, splits, shape[0], set_size)
     if kind == ALLGATHER and not shape:
         shape = (1,)
         array = array.reshape(1)
     request = Request(name, kind, info.name, shape,
-                      int(reduce_op) if kind == ALLREDUCE else -1,
+                      int(reduce_op) if kind in (ALLREDUCE, REDUCESCATTER) else -1,
                       root_rank if kind == BROADCAST else -1, device,
                       prescale_factor if type(prescale_factor) is float else float(prescale_factor),
                       postscale_factor if type(postscale_factor) is float
-                      else float(postscale_factor), cacheable)
-    if output is None and kind != ALLGATHER:
+                      else float(postscale_factor), splits or (), group, group_size, cacheable)
+    if output is None and kind in (ALLREDUCE, BROADCAST):
         output = np.empty_like(array)
-    entry = Entry(request, array, output, allocate or _default_allocate,
-                  engine.new_handle(name))
-    return engine.submit(entry)
+    return Entry(request, array, output, allocate or _default_allocate, engine.new_handle(name))
+
+
+def _check_splits(name: str, splits, rows: int, set_size: int) -> tuple:
+    if splits is None:
+        if rows % set_size:
+            raise ValueError(f"alltoall of {name!r}: without splits the first dimension ({rows}) "
+                             f"must be divisible by the number of ranks ({set_size}); pass "
+                             f"splits=[rows for each rank].")
+        return (rows // set_size,) * set_size
+    try:
+        values = tuple(int(n) for n in np.asarray(splits).reshape(-1).tolist())
+    except (TypeError, ValueError):
+        raise ValueError(f"alltoall of {name!r}: splits must be a sequence of integers, got "
+                         f"{splits!r}.") from None
+    if len(values) != set_size or any(n < 0 for n in values) or sum(values) != rows:
+        raise ValueError(f"alltoall of {name!r}: splits {list(values)} must have one "
+                         f"non-negative entry per rank ({set_size}) summing to the first "
+                         f"dimension ({rows}).")
+    return values
 
 
 def _contiguous_in_place(array: np.ndarray, run: Callable[[np.ndarray], Handle]) -> Handle:
@@ -122,85 +181,153 @@ def _check_writable(array: np.ndarray, what: str) -> None:
 # --- allreduce -------------------------------------------------------------------------------
 def allreduce_async(array, average: bool | None = None, name: str | None = None,
                     op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                    postscale_factor: float = 1.0) -> Handle:
+                    postscale_factor: float = 1.0,
+                    process_set: ProcessSet | None = None) -> Handle:
     """Start an allreduce of ``array`` into a new array; return a handle.
 
-    ``op``: Average (default), Sum, Min, Max or Product.  ``prescale_factor`` multiplies the
-    input before the reduction and ``postscale_factor`` the result after it (Average divides by
-    size() on top).  Integer results are scaled in float64 and truncated toward zero.
+    ``op``: Average (default), Sum, Min, Max, Product or Adasum (float tensors, power-of-two
+    number of ranks).  ``prescale_factor`` multiplies the input before the reduction and
+    ``postscale_factor`` the result after it (Average divides by the number of ranks on top).
+    Integer results are scaled in float64 and truncated toward zero.  ``process_set`` limits
+    the operation to a registered subset of ranks (default: all).
     """
     return submit(ALLREDUCE, _contiguous(array), name=name, reduce_op=resolve_op(op, average),
-                  prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+                  prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                  process_set=process_set)
 
 
 def allreduce_async_(array: np.ndarray, average: bool | None = None, name: str | None = None,
                      op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                     postscale_factor: float = 1.0) -> Handle:
+                     postscale_factor: float = 1.0,
+                     process_set: ProcessSet | None = None) -> Handle:
     """In-place variant of :func:`allreduce_async`: the result overwrites ``array``."""
     flags = array.flags
     reduce_op = resolve_op(op, average)
     if flags.c_contiguous and flags.writeable:   # the common case, without extra layers
         return submit(ALLREDUCE, array, name=name, output=array, reduce_op=reduce_op,
-                      prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+                      prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                      process_set=process_set)
     _check_writable(array, "allreduce_")
     return _contiguous_in_place(array, lambda a: submit(
         ALLREDUCE, a, name=name, output=a, reduce_op=reduce_op,
-        prescale_factor=prescale_factor, postscale_factor=postscale_factor))
+        prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+        process_set=process_set))
 
 
 def allreduce(array, average: bool | None = None, name: str | None = None,
               op: ReduceOp | None = None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0) -> np.ndarray:
+              postscale_factor: float = 1.0, process_set: ProcessSet | None = None) -> np.ndarray:
     """Reduce ``array`` across all ranks (default: average) and return the result."""
-    return allreduce_async(array, average, name, op, prescale_factor, postscale_factor).wait()
+    return allreduce_async(array, average, name, op, prescale_factor, postscale_factor,
+                           process_set).wait()
 
 
 def allreduce_(array: np.ndarray, average: bool | None = None, name: str | None = None,
                op: ReduceOp | None = None, prescale_factor: float = 1.0,
-               postscale_factor: float = 1.0) -> np.ndarray:
+               postscale_factor: float = 1.0, process_set: ProcessSet | None = None
+               ) -> np.ndarray:
     """In-place allreduce; returns ``array``."""
-    return allreduce_async_(array, average, name, op, prescale_factor, postscale_factor).wait()
+    return allreduce_async_(array, average, name, op, prescale_factor, postscale_factor,
+                            process_set).wait()
 
 
 # --- allgather -------------------------------------------------------------------------------
-def allgather_async(array, name: str | None = None) -> Handle:
+def allgather_async(array, name: str | None = None,
+                    process_set: ProcessSet | None = None) -> Handle:
     """Start gathering every rank's ``array`` along the first dimension (which may differ per
     rank; the other dimensions must match).  A scalar counts as one row."""
-    return submit(ALLGATHER, _contiguous(array), name=name)
+    return submit(ALLGATHER, _contiguous(array), name=name, process_set=process_set)
 
 
-def allgather(array, name: str | None = None) -> np.ndarray:
+def allgather(array, name: str | None = None,
+              process_set: ProcessSet | None = None) -> np.ndarray:
     """Concatenation of every rank's ``array`` along dimension 0, in rank order."""
-    return allgather_async(array, name).wait()
+    return allgather_async(array, name, process_set).wait()
 
 
 # --- broadcast -------------------------------------------------------------------------------
-def broadcast_async(array, root_rank: int, name: str | None = None) -> Handle:
-    """Start broadcasting ``root_rank``'s ``array`` into a new array on every rank."""
-    return submit(BROADCAST, _contiguous(array), name=name, root_rank=root_rank)
+def broadcast_async(array, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet | None = None) -> Handle:
+    """Start broadcasting ``root_rank``'s ``array`` into a new array on every rank.
+    ``root_rank`` is a global rank (a member of ``process_set``)."""
+    return submit(BROADCAST, _contiguous(array), name=name, root_rank=root_rank,
+                  process_set=process_set)
 
 
-def broadcast_async_(array: np.ndarray, root_rank: int, name: str | None = None) -> Handle:
+def broadcast_async_(array: np.ndarray, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet | None = None) -> Handle:
     """In-place broadcast: ``array`` is overwritten with the root's values on other ranks."""
     _check_writable(array, "broadcast_")
     return _contiguous_in_place(array, lambda a: submit(
-        BROADCAST, a, name=name, output=a, root_rank=root_rank))
+        BROADCAST, a, name=name, output=a, root_rank=root_rank, process_set=process_set))
 
 
-def broadcast(array, root_rank: int, name: str | None = None) -> np.ndarray:
+def broadcast(array, root_rank: int, name: str | None = None,
+              process_set: ProcessSet | None = None) -> np.ndarray:
     """Return ``root_rank``'s ``array`` on every rank."""
-    return broadcast_async(array, root_rank, name).wait()
+    return broadcast_async(array, root_rank, name, process_set).wait()
 
 
-def broadcast_(array: np.ndarray, root_rank: int, name: str | None = None) -> np.ndarray:
+def broadcast_(array: np.ndarray, root_rank: int, name: str | None = None,
+               process_set: ProcessSet | None = None) -> np.ndarray:
     """In-place broadcast; returns ``array``."""
-    return broadcast_async_(array, root_rank, name).wait()
+    return broadcast_async_(array, root_rank, name, process_set).wait()
 
 
-# --- barrier and handles ---------------------------------------------------------------------
-def barrier() -> None:
-    """Block until every rank has called barrier()."""
-    submit(BARRIER, None, name="barrier").wait()
+# --- alltoall --------------------------------------------------------------------------------
+def alltoall_async(array, splits=None, name: str | None = None,
+                   process_set: ProcessSet | None = None) -> Handle:
+    """Start an alltoall: rows ``splits[j]`` of ``array`` (along dimension 0, in order) go to
+    rank j.  Without ``splits`` the rows are divided evenly (the first dimension must then be
+    divisible by the number of ranks).  The handle yields ``(received, received_splits)``:
+    the rows received from every rank, in rank order, and how many came from each."""
+    return submit(ALLTOALL, _contiguous(array), name=name, splits=splits,
+                  process_set=process_set)
+
+
+def alltoall(array, splits=None, name: str | None = None,
+             process_set: ProcessSet | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Blocking :func:`alltoall_async`; returns ``(received, received_splits)``."""
+    return alltoall_async(array, splits, name, process_set).wait()
+
+
+# --- reducescatter ---------------------------------------------------------------------------
+def reducescatter_async(array, name: str | None = None, op: ReduceOp | None = None,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                        process_set: ProcessSet | None = None) -> Handle:
+    """Start a reducescatter: ``array`` (same shape on every rank) is reduced across ranks
+    (Average by default, or Sum/Min/Max/Product) and rank r receives its share of the rows.
+    Rows are divided as evenly as possible: with R rows and N ranks, the first R % N ranks get
+    R // N + 1 rows and the others R // N (Horovod's rule)."""
+    return submit(REDUCESCATTER, _contiguous(array), name=name, reduce_op=resolve_op(op),
+                  prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                  process_set=process_set)
+
+
+def reducescatter(array, name: str | None = None, op: ReduceOp | None = None,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                  process_set: ProcessSet | None = None) -> np.ndarray:
+    """This rank's rows of the reduced ``array``; see :func:`reducescatter_async`."""
+    return reducescatter_async(array, name, op, prescale_factor, postscale_factor,
+                               process_set).wait()
+
+
+# --- barrier, join and handles ---------------------------------------------------------------
+def barrier(process_set: ProcessSet | None = None) -> None:
+    """Block until every rank (of ``process_set``) has called barrier()."""
+    submit(BARRIER, None, name="barrier", process_set=process_set).wait()
+
+
+def join(process_set: ProcessSet | None = None) -> int:
+    """Declare that this rank has run out of data; block until every rank has joined.
+
+    Until then this rank takes part in the other ranks' allreduces with the reduction's
+    identity (zeros for Sum and Average, so Average still divides by the full number of
+    ranks, as in Horovod).  Other operations (allgather, broadcast, alltoall, reducescatter,
+    Adasum) cannot run while a rank is joined and fail with an error saying so.  Returns the
+    global rank of the last rank to join.
+    """
+    return submit(JOIN, None, name="join", process_set=process_set).wait()
 
 
 def poll(handle: Handle) -> bool:
@@ -210,7 +337,7 @@ def poll(handle: Handle) -> bool:
 
 def synchronize(handle: Handle):
     """Wait for ``handle`` and return its result (raises the operation's error, if any)."""
-    if not isinstance(handle, Handle):
+    if not isinstance(handle, (Handle, GroupHandle)):
         raise HvdliteError(f"synchronize() expects a handle returned by an *_async call, "
                            f"got {type(handle).__name__}.")
     return handle.wait()

@@ -36,6 +36,10 @@ class ResponseCache:
             return slot, None
         return None, slot
 
+    def items(self):
+        """(slot, response) of every cached response."""
+        return [(slot, e[0]) for slot, e in enumerate(self._slots) if e is not None]
+
     def response(self, slot: int) -> Response:
         return self._slots[slot][0]
 
