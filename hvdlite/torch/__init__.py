@@ -7,6 +7,10 @@ from hvdlite.common.public import *  # noqa: F401,F403 - the shared, framework-n
 from .compression import Compression
 from .mpi_ops import (allreduce, allreduce_, allreduce_async, allreduce_async_, allgather,
                       allgather_async, broadcast, broadcast_, broadcast_async, broadcast_async_,
-                      poll, synchronize, barrier)
+                      alltoall, alltoall_async, reducescatter, reducescatter_async,
+                      grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
+                      grouped_allreduce_async_, grouped_allgather, grouped_allgather_async,
+                      grouped_reducescatter, grouped_reducescatter_async, poll, synchronize,
+                      barrier, join)
 from .optimizer import DistributedOptimizer
 from .functions import broadcast_parameters, broadcast_optimizer_state

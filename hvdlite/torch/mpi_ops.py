@@ -2,16 +2,19 @@
 
 Contiguous tensors are handed to the core as zero-copy numpy views; non-contiguous ones are
 copied to a contiguous buffer (and, for in-place ops, copied back when the handle is waited on).
-``allreduce``/``allgather``/``broadcast`` are differentiable.
+``allreduce``/``allgather``/``broadcast``/``alltoall``/``reducescatter`` and their grouped forms
+are differentiable.  Every op takes ``process_set`` (default: all ranks).
 """
 from __future__ import annotations
 
 import torch
 
+from hvdlite.common import grouped as core_grouped
 from hvdlite.common import ops as core
 from hvdlite.common.basics import rank, size
-from hvdlite.common.handle import Handle
-from hvdlite.common.messages import ALLGATHER, ALLREDUCE, BROADCAST
+from hvdlite.common.handle import GroupHandle, Handle
+from hvdlite.common.messages import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER
+from hvdlite.common.process_sets import ProcessSet, global_process_set
 from hvdlite.common.reduce_ops import ReduceOp, resolve_op
 
 from .compression import Compression
@@ -43,7 +46,8 @@ def _submit(kind: str, tensor: torch.Tensor, output: torch.Tensor | None, what: 
 # --- allreduce -------------------------------------------------------------------------------
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                     op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                    postscale_factor: float = 1.0, process_set=None) -> Handle:
+                    postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start averaging (or summing, ...) ``tensor`` across ranks into a new tensor.
 
     Returns a handle for :func:`poll` / :func:`synchronize`.  ``op`` is Average (default), Sum,
@@ -51,156 +55,400 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
     ``postscale_factor`` the result after it.  ``name`` must be unique among pending ops and the
     same on every rank (unnamed ops must be issued in the same order on every rank).
     """
-    _no_process_sets(process_set)
     what = f"allreduce of {name or 'unnamed tensor'}"
     check_tensor(tensor, what)   # before allocating: empty_like fails on e.g. sparse tensors
     output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
     return _submit(ALLREDUCE, tensor, output, what,
                    name=name, reduce_op=resolve_op(op, average),
-                   prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+                   prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                   process_set=process_set)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                     postscale_factor: float = 1.0, process_set=None) -> Handle:
+                     postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> Handle:
     """In-place :func:`allreduce_async`: ``tensor`` is overwritten with the result."""
-    _no_process_sets(process_set)
     return _submit(ALLREDUCE, tensor, tensor, f"allreduce_ of {name or 'unnamed tensor'}",
                    name=name, reduce_op=resolve_op(op, average),
-                   prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+                   prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                   process_set=process_set)
+
+
+def _check_grad_op(op: ReduceOp, what: str) -> None:
+    if op not in (ReduceOp.Average, ReduceOp.Sum):
+        raise RuntimeError(f"hvdlite: the gradient of {what} with op={op.name} is not defined; "
+                           f"detach the input or use Sum/Average.")
 
 
 class _Allreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor):
-        ctx.op, ctx.scales = op, (prescale_factor, postscale_factor)
+    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, process_set):
+        ctx.op, ctx.scales, ctx.process_set = op, (prescale_factor, postscale_factor), process_set
         return synchronize(allreduce_async(tensor, name=name, op=op,
                                            prescale_factor=prescale_factor,
-                                           postscale_factor=postscale_factor))
+                                           postscale_factor=postscale_factor,
+                                           process_set=process_set))
 
     @staticmethod
     def backward(ctx, grad_output):
-        if ctx.op not in (ReduceOp.Average, ReduceOp.Sum):
-            raise RuntimeError(f"hvdlite: the gradient of allreduce with op={ctx.op.name} is not "
-                               f"defined; detach the input or use Sum/Average.")
+        _check_grad_op(ctx.op, "allreduce")
         grad = allreduce(grad_output, op=ctx.op, prescale_factor=ctx.scales[0],
-                         postscale_factor=ctx.scales[1])
-        return grad, None, None, None, None
+                         postscale_factor=ctx.scales[1], process_set=ctx.process_set)
+        return grad, None, None, None, None, None
 
 
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
               compression=Compression.none, op: ReduceOp | None = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-              process_set=None) -> torch.Tensor:
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Return ``tensor`` reduced across all ranks (default: averaged).  Differentiable: the
     gradient of an Average/Sum allreduce is the same allreduce of the incoming gradient.
     ``compression`` (e.g. ``Compression.fp16``) shrinks the data on the wire."""
-    _no_process_sets(process_set)
     op = resolve_op(op, average)
     compressed, ctx = compression.compress(tensor)
-    reduced = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor)
+    reduced = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor,
+                               process_set)
     return compression.decompress(reduced, ctx)
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                op: ReduceOp | None = None, prescale_factor: float = 1.0,
-               postscale_factor: float = 1.0, process_set=None) -> torch.Tensor:
+               postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place allreduce (not differentiable); returns ``tensor``."""
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
                                         postscale_factor, process_set))
 
 
 # --- allgather -------------------------------------------------------------------------------
-def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set=None) -> Handle:
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start concatenating every rank's ``tensor`` along dimension 0 (which may differ in size
     between ranks; the other dimensions must match)."""
-    _no_process_sets(process_set)
     what = f"allgather of {name or 'unnamed tensor'}"
     check_tensor(tensor, what)
+    src, array, dtype, allocate, holder = _shape_later(tensor)
+    handle = core.submit(ALLGATHER, array, name=name, allocate=allocate, dtype=dtype,
+                         process_set=process_set)
+    return handle.then(lambda _: (src, holder[0])[1])
+
+
+def _shape_later(tensor: torch.Tensor):
+    """Contiguous source, its numpy view and core dtype, plus an allocator (and the list that
+    receives the torch tensor it creates) for outputs shaped only after negotiation."""
     holder: list[torch.Tensor] = []
 
-    def allocate(shape, _np_dtype):
+    def allocate(shape, np_dtype):
         out, array = empty_numpy_backed(shape, tensor)
         holder.append(out)
-        return array.view(_np_dtype) if array.dtype != _np_dtype else array
+        return array.view(np_dtype) if array.dtype != np_dtype else array
 
     src = tensor.contiguous()
     array, dtype = as_numpy(src)
-    handle = core.submit(ALLGATHER, array, name=name, allocate=allocate, dtype=dtype)
-    return handle.then(lambda _: (src, holder[0])[1])
+    return src, array, dtype, allocate, holder
+
+
+def _set_rank(process_set) -> int:
+    if process_set is None or process_set.process_set_id == 0:
+        return rank()
+    return process_set.rank()
+
+
+def _set_size(process_set) -> int:
+    if process_set is None or process_set.process_set_id == 0:
+        return size()
+    return process_set.size()
 
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name):
+    def forward(ctx, tensor, name, process_set):
         ctx.rows = tensor.shape[0] if tensor.dim() else 1
-        return synchronize(allgather_async(tensor, name))
+        ctx.process_set = process_set
+        return synchronize(allgather_async(tensor, name, process_set))
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = allreduce(grad_output, op=ReduceOp.Sum)
-        rows = allgather(torch.tensor([ctx.rows], dtype=torch.int64))
-        offset = int(rows[:rank()].sum())
-        return grad.narrow(0, offset, ctx.rows), None
+        grad = allreduce(grad_output, op=ReduceOp.Sum, process_set=ctx.process_set)
+        rows = allgather(torch.tensor([ctx.rows], dtype=torch.int64),
+                         process_set=ctx.process_set)
+        offset = int(rows[:_set_rank(ctx.process_set)].sum())
+        return grad.narrow(0, offset, ctx.rows), None, None
 
 
-def allgather(tensor: torch.Tensor, name: str | None = None, process_set=None) -> torch.Tensor:
+def allgather(tensor: torch.Tensor, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenation of every rank's ``tensor`` along dimension 0, in rank order.
     Differentiable: each rank gets the slice of the summed gradient that matches its rows."""
-    _no_process_sets(process_set)
-    out = _Allgather.apply(tensor, name)
+    out = _Allgather.apply(tensor, name, process_set)
     return out.reshape(-1) if tensor.dim() == 0 else out
 
 
 # --- broadcast -------------------------------------------------------------------------------
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                    process_set=None) -> Handle:
+                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start broadcasting ``root_rank``'s ``tensor`` into a new tensor on every rank."""
-    _no_process_sets(process_set)
     what = f"broadcast of {name or 'unnamed tensor'}"
     check_tensor(tensor, what)   # before allocating: empty_like fails on e.g. sparse tensors
     output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
     return _submit(BROADCAST, tensor, output, what,
-                   name=name, root_rank=root_rank)
+                   name=name, root_rank=root_rank, process_set=process_set)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                     process_set=None) -> Handle:
+                     process_set: ProcessSet = global_process_set) -> Handle:
     """In-place broadcast: non-root ranks' ``tensor`` is overwritten with the root's."""
-    _no_process_sets(process_set)
     return _submit(BROADCAST, tensor, tensor, f"broadcast_ of {name or 'unnamed tensor'}",
-                   name=name, root_rank=root_rank)
+                   name=name, root_rank=root_rank, process_set=process_set)
 
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, root_rank, name):
-        ctx.root_rank = root_rank
-        return synchronize(broadcast_async(tensor, root_rank, name))
+    def forward(ctx, tensor, root_rank, name, process_set):
+        ctx.root_rank, ctx.process_set = root_rank, process_set
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = allreduce(grad_output, op=ReduceOp.Sum)
+        grad = allreduce(grad_output, op=ReduceOp.Sum, process_set=ctx.process_set)
         if rank() != ctx.root_rank:
             grad = torch.zeros_like(grad)
-        return grad, None, None
+        return grad, None, None, None
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-              process_set=None) -> torch.Tensor:
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Return ``root_rank``'s ``tensor`` on every rank.  Differentiable: the root receives the
     sum of all ranks' gradients, the others zeros."""
-    _no_process_sets(process_set)
-    return _Broadcast.apply(tensor, root_rank, name)
+    return _Broadcast.apply(tensor, root_rank, name, process_set)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-               process_set=None) -> torch.Tensor:
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place broadcast; returns ``tensor``."""
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
-# --- handles ---------------------------------------------------------------------------------
+# --- alltoall --------------------------------------------------------------------------------
+def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> Handle:
+    """Start an alltoall: rows ``splits[j]`` of ``tensor`` (dimension 0, in order) go to rank
+    j of the process set; without ``splits`` the rows are divided evenly.  ``synchronize``
+    returns ``(output, received_splits)``: the rows received from every rank, in rank order,
+    and an int32 tensor of how many came from each."""
+    what = f"alltoall of {name or 'unnamed tensor'}"
+    check_tensor(tensor, what)
+    if isinstance(splits, torch.Tensor):
+        splits = splits.tolist()
+    src, array, dtype, allocate, holder = _shape_later(tensor)
+    handle = core.submit(ALLTOALL, array, name=name, allocate=allocate, dtype=dtype,
+                         splits=splits, process_set=process_set)
+    return handle.then(lambda result: (src, holder[0], torch.from_numpy(result[1]))[1:])
+
+
+class _Alltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, splits, name, process_set):
+        output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+        ctx.received, ctx.process_set = received, process_set
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx, grad_output, _grad_received):
+        # Send every received row's gradient back where the row came from.
+        grad, _ = synchronize(alltoall_async(grad_output.contiguous(), ctx.received.tolist(),
+                                             process_set=ctx.process_set))
+        return grad, None, None, None
+
+
+def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None,
+             process_set: ProcessSet = global_process_set):
+    """Scatter slices of ``tensor`` to every rank and gather the slices sent to this rank.
+
+    Returns the gathered tensor, or ``(tensor, received_splits)`` when ``splits`` is given
+    (Horovod's convention).  Differentiable: the gradient travels back the same way.
+    """
+    output, received = _Alltoall.apply(tensor, splits, name, process_set)
+    return output if splits is None else (output, received)
+
+
+# --- reducescatter ---------------------------------------------------------------------------
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
+                        op: ReduceOp | None = None, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0,
+                        process_set: ProcessSet = global_process_set) -> Handle:
+    """Start a reducescatter: ``tensor`` (same shape on every rank) is reduced across the
+    process set (Average by default, or Sum/Min/Max/Product) and each rank receives its share
+    of the rows: with R rows and N ranks the first R % N ranks get R // N + 1 rows, the others
+    R // N."""
+    what = f"reducescatter of {name or 'unnamed tensor'}"
+    check_tensor(tensor, what)
+    src, array, dtype, allocate, holder = _shape_later(tensor)
+    handle = core.submit(REDUCESCATTER, array, name=name, allocate=allocate, dtype=dtype,
+                         reduce_op=resolve_op(op), prescale_factor=prescale_factor,
+                         postscale_factor=postscale_factor, process_set=process_set)
+    return handle.then(lambda _: (src, holder[0])[1])
+
+
+def _scatter_grad(grad: torch.Tensor, op: ReduceOp, scales, process_set) -> torch.Tensor:
+    """Gradient of reducescatter: every rank's output-gradient rows, gathered, times the
+    factors the forward applied (1/N for Average)."""
+    full = allgather(grad.contiguous(), process_set=process_set)
+    factor = scales[0] * scales[1]
+    if op == ReduceOp.Average:
+        factor /= _set_size(process_set)
+    return full * factor if factor != 1.0 else full
+
+
+class _Reducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, process_set):
+        ctx.op, ctx.scales, ctx.process_set = op, (prescale_factor, postscale_factor), process_set
+        return synchronize(reducescatter_async(tensor, name, op, prescale_factor,
+                                               postscale_factor, process_set))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        _check_grad_op(ctx.op, "reducescatter")
+        return (_scatter_grad(grad_output, ctx.op, ctx.scales, ctx.process_set),
+                None, None, None, None, None)
+
+
+def reducescatter(tensor: torch.Tensor, name: str | None = None, op: ReduceOp | None = None,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                  process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """This rank's rows of ``tensor`` reduced across ranks (see :func:`reducescatter_async`).
+    Differentiable for Sum and Average."""
+    return _Reducescatter.apply(tensor, name, resolve_op(op), prescale_factor,
+                                postscale_factor, process_set)
+
+
+# --- grouped ops -----------------------------------------------------------------------------
+def _group_views(tensors, what: str, in_place: bool = False):
+    srcs, arrays, dtypes = [], [], []
+    for t in tensors:
+        check_tensor(t, what)
+        if in_place and not t.is_contiguous():
+            raise ValueError(f"{what}: in-place grouped ops need contiguous tensors.")
+        src = t.contiguous()
+        array, dtype = as_numpy(src)
+        srcs.append(src)
+        arrays.append(array)
+        dtypes.append(dtype)
+    return srcs, arrays, dtypes
+
+
+def grouped_allreduce_async(tensors, average: bool | None = None, name: str | None = None,
+                            op: ReduceOp | None = None, prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> GroupHandle:
+    """Start allreducing a list of tensors as one unit (negotiated together, fused where
+    possible); ``synchronize`` returns the list of reduced tensors."""
+    srcs, arrays, dtypes = _group_views(tensors, f"grouped_allreduce {name or ''}".strip())
+    outs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in srcs]
+    handle = core_grouped.submit_group(
+        ALLREDUCE, arrays, name=name, outputs=[as_numpy(o)[0] for o in outs], dtypes=dtypes,
+        reduce_op=resolve_op(op, average), prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor, process_set=process_set)
+    return handle.then(lambda _: (srcs, outs)[1])
+
+
+def grouped_allreduce_async_(tensors, average: bool | None = None, name: str | None = None,
+                             op: ReduceOp | None = None, prescale_factor: float = 1.0,
+                             postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> GroupHandle:
+    """In-place :func:`grouped_allreduce_async` (contiguous tensors)."""
+    tensors = list(tensors)
+    _, arrays, dtypes = _group_views(tensors, f"grouped_allreduce_ {name or ''}".strip(),
+                                     in_place=True)
+    handle = core_grouped.submit_group(
+        ALLREDUCE, arrays, name=name, outputs=arrays, dtypes=dtypes,
+        reduce_op=resolve_op(op, average), prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor, process_set=process_set)
+    return handle.then(lambda _: tensors)
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, prescale_factor, postscale_factor, process_set, *tensors):
+        ctx.op, ctx.scales, ctx.process_set = op, (prescale_factor, postscale_factor), process_set
+        return tuple(synchronize(grouped_allreduce_async(
+            list(tensors), name=name, op=op, prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor, process_set=process_set)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        _check_grad_op(ctx.op, "grouped_allreduce")
+        reduced = grouped_allreduce([g.contiguous() for g in grads], op=ctx.op,
+                                    prescale_factor=ctx.scales[0],
+                                    postscale_factor=ctx.scales[1], process_set=ctx.process_set)
+        return (None, None, None, None, None, *reduced)
+
+
+def grouped_allreduce(tensors, average: bool | None = None, name: str | None = None,
+                      op: ReduceOp | None = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """Allreduce a list of tensors as one unit; differentiable for Sum and Average."""
+    tensors = list(tensors)
+    if not tensors:
+        return []
+    return list(_GroupedAllreduce.apply(name, resolve_op(op, average), prescale_factor,
+                                        postscale_factor, process_set, *tensors))
+
+
+def grouped_allreduce_(tensors, average: bool | None = None, name: str | None = None,
+                       op: ReduceOp | None = None, prescale_factor: float = 1.0,
+                       postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """In-place grouped allreduce; returns the tensors."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                postscale_factor, process_set))
+
+
+def grouped_allgather_async(tensors, name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> GroupHandle:
+    """Start allgathering a list of tensors as one unit."""
+    tensors = [t.reshape(1) if t.dim() == 0 else t for t in tensors]
+    parts = [_shape_later(t) for t in tensors]
+    handle = core_grouped.submit_group(
+        ALLGATHER, [p[1] for p in parts], name=name, allocates=[p[3] for p in parts],
+        dtypes=[p[2] for p in parts], process_set=process_set)
+    return handle.then(lambda _: [p[4][0] for p in parts])
+
+
+def grouped_allgather(tensors, name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """Allgather a list of tensors as one unit (not differentiable; use allgather for
+    autograd)."""
+    return synchronize(grouped_allgather_async(tensors, name, process_set))
+
+
+def grouped_reducescatter_async(tensors, name: str | None = None, op: ReduceOp | None = None,
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                                process_set: ProcessSet = global_process_set) -> GroupHandle:
+    """Start reducescattering a list of tensors as one unit."""
+    parts = [_shape_later(t) for t in tensors]
+    handle = core_grouped.submit_group(
+        REDUCESCATTER, [p[1] for p in parts], name=name, allocates=[p[3] for p in parts],
+        dtypes=[p[2] for p in parts], reduce_op=resolve_op(op),
+        prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+        process_set=process_set)
+    return handle.then(lambda _: [p[4][0] for p in parts])
+
+
+def grouped_reducescatter(tensors, name: str | None = None, op: ReduceOp | None = None,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                          process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """Reducescatter a list of tensors as one unit (not differentiable; use reducescatter for
+    autograd)."""
+    return synchronize(grouped_reducescatter_async(tensors, name, op, prescale_factor,
+                                                   postscale_factor, process_set))
+
+
+# --- handles, barrier, join ------------------------------------------------------------------
 def poll(handle: Handle) -> bool:
     """True if the asynchronous operation behind ``handle`` has completed."""
     return handle.poll()
@@ -211,18 +459,22 @@ def synchronize(handle: Handle):
     return core.synchronize(handle)
 
 
-def barrier(process_set=None) -> None:
-    """Block until every rank reaches the barrier."""
-    _no_process_sets(process_set)
-    core.barrier()
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Block until every rank (of the process set) reaches the barrier."""
+    core.barrier(process_set)
 
 
-def _no_process_sets(process_set) -> None:
-    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
-        raise NotImplementedError("process sets are not available in hvdlite yet; omit "
-                                  "process_set= to use all ranks.")
+def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
+    """This rank has run out of data: keep serving the other ranks' allreduces (contributing
+    zeros, so averages still divide by the full size) until every rank has joined.  Returns
+    the rank that joined last.  ``device`` is accepted for Horovod compatibility."""
+    return core.join(process_set)
 
 
 __all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "allgather",
            "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
-           "poll", "synchronize", "barrier", "size"]
+           "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+           "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+           "grouped_allreduce_async_", "grouped_allgather", "grouped_allgather_async",
+           "grouped_reducescatter", "grouped_reducescatter_async", "poll", "synchronize",
+           "barrier", "join", "size"]
