@@ -75,7 +75,8 @@ class MPIBackend:
         src = entry.array.reshape(-1)
         out = entry.output.reshape(-1)
         if entry.output is entry.array:   # in place: no copy at all
-            scale_in_place(out, response.prescale)
+            if not entry.stand_in:        # the identity must stay neutral
+                scale_in_place(out, response.prescale)
             self._reduce(out, response, info)
         elif response.prescale == 1.0 and response.reduce_op != ReduceOp.Adasum:
             op = mpi_reduce_op(info, ReduceOp(response.reduce_op))
@@ -94,7 +95,14 @@ class MPIBackend:
         buf = self._fusion.view(sum(sizes) * info.itemsize, info.np_dtype)
         # One C-level pass packs every input (ravel of a contiguous array is a view).
         np.concatenate([e.array.ravel() for _, e in batch], out=buf)
-        scale_in_place(buf, response.prescale)
+        if response.prescale != 1.0 and any(e.stand_in for _, e in batch):
+            offset = 0   # a joined rank: scale the real inputs, keep the identities neutral
+            for (_, entry), n in zip(batch, sizes):
+                if not entry.stand_in:
+                    scale_in_place(buf[offset:offset + n], response.prescale)
+                offset += n
+        else:
+            scale_in_place(buf, response.prescale)
         self._reduce(buf, response, info, segments=sizes)
         scale_in_place(buf, self._postscale(response))
         offset = 0

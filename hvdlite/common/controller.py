@@ -89,7 +89,9 @@ def _stand_in(response: Response) -> Entry:
     request = Request(response.name, response.kind, response.dtype, response.shape,
                       response.reduce_op, response.root, response.device, response.prescale,
                       response.postscale, cacheable=response.cacheable)
-    return Entry(request, array, array, None, Handle(response.name, lambda: True))
+    entry = Entry(request, array, array, None, Handle(response.name, lambda: True))
+    entry.stand_in = True
+    return entry
 
 
 class Controller:

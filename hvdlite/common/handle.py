@@ -119,7 +119,7 @@ class Entry:
     """One submitted operation, as the engine sees it."""
 
     __slots__ = ("request", "array", "output", "allocate", "handle", "submitted_at",
-                 "slot", "sent", "next_stall_report", "nbytes", "group")
+                 "slot", "sent", "next_stall_report", "nbytes", "group", "stand_in")
 
     def __init__(self, request: Request, array: np.ndarray | None, output: np.ndarray | None,
                  allocate: Callable[[tuple, np.dtype], np.ndarray] | None, handle: Handle) -> None:
@@ -134,6 +134,7 @@ class Entry:
         self.next_stall_report = 0.0
         self.nbytes = 0 if array is None else array.nbytes
         self.group: list[Entry] | None = None   # members of its grouped op (itself included)
+        self.stand_in = False   # a joined rank's neutral contribution: never prescaled
 
     @property
     def name(self) -> str:
