@@ -16,11 +16,16 @@ from hvdlite.common.reduce_ops import ReduceOp
 
 from .compression import Compression
 from .mpi_ops import allreduce_async_
+from .sparse import check_sparse_op, sparse_allreduce_async
 
 _TOO_MANY_PASSES = ("Gradients of {name!r} were computed more than backward_passes_per_step="
                     "{n} times before step()/synchronize(). Call optimizer.step() after each "
                     "backward pass, or raise backward_passes_per_step to accumulate gradients "
                     "locally.")
+
+# Marks a handle entry whose result is a new sparse gradient (it replaces ``p.grad``) rather
+# than a dense wire tensor to decompress into ``p.grad``.
+_SPARSE = object()
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -38,6 +43,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._group_of, self._groups = self._parameter_groups(groups)
         self._delay = {p: backward_passes_per_step for p in self._names}
         self._handles: dict = {}            # param -> (handle or None, ctx, wire tensor)
+        self._sparse_seen: dict = {}        # param -> sparse_dim of its last sparse gradient
         self._group_ready: dict = {}
         self._synchronized = False
         self._should_synchronize = True
@@ -116,11 +122,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if p.grad is None:
             # No gradient on this rank (parameter unused in this step): still take part with
             # zeros, because other ranks may have one and would otherwise wait forever.
-            p.grad = torch.zeros_like(p)
-        if p.grad.is_sparse:
+            p.grad = self._zero_grad_like(p)
+        if p.grad.is_sparse:   # the only sparse work on the dense path: one attribute check
             if not self._sparse_as_dense:
-                raise HvdliteError(f"Gradient of {name!r} is sparse; pass sparse_as_dense=True "
-                                   f"to DistributedOptimizer to reduce it as a dense tensor.")
+                return self._sparse_allreduce_grad_async(p, name)
+            # Horovod's sparse_as_dense: the optimizer sees (and the wire carries) a dense grad.
             p.grad = p.grad.to_dense()
         if self._op == ReduceOp.Average:
             prescale, postscale = 1.0 / self._predivide, self._predivide
@@ -132,6 +138,30 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         handle = allreduce_async_(wire, name=name, op=self._op, prescale_factor=prescale,
                                   postscale_factor=postscale)
         return handle, ctx, wire
+
+    def _sparse_allreduce_grad_async(self, p: torch.Tensor, name: str):
+        """Allgather-based reduction of a sparse gradient (sparse_as_dense=False).  Compression
+        does not apply: it casts dense tensors, and the sparse path sends indices anyway."""
+        check_sparse_op(self._op, f"sparse gradient of parameter {name!r}")
+        self._sparse_seen[p] = p.grad.sparse_dim()
+        # Same factors as the dense path, so a sparse and a dense gradient are scaled alike.
+        prescale, postscale = ((1.0 / self._predivide, self._predivide)
+                               if self._op == ReduceOp.Average else (1.0, 1.0))
+        handle = sparse_allreduce_async(p.grad, name, self._op, prescale_factor=prescale,
+                                        postscale_factor=postscale)
+        return handle, _SPARSE, None
+
+    def _zero_grad_like(self, p: torch.Tensor) -> torch.Tensor:
+        """Zero gradient for a parameter unused on this rank.  A parameter whose gradient was
+        sparse before (this rank saw it) contributes an empty sparse tensor, so that it joins
+        the other ranks' sparse reduction instead of starting a dense one they never match."""
+        sparse_dim = self._sparse_seen.get(p)
+        if sparse_dim is None or self._sparse_as_dense:
+            return torch.zeros_like(p)
+        indices = torch.empty((sparse_dim, 0), dtype=torch.int64)
+        values = p.detach().new_empty((0, *p.shape[sparse_dim:]))
+        return torch.sparse_coo_tensor(indices, values, p.shape, is_coalesced=True,
+                                       check_invariants=False)
 
     # --- public API --------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -145,7 +175,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._handles[p] = self._allreduce_grad_async(p)
         try:
             for p, (handle, ctx, wire) in self._handles.items():
-                handle.wait()
+                output = handle.wait()
+                if ctx is _SPARSE:
+                    p.grad = output     # new coalesced sparse tensor, identical on all ranks
+                    continue
                 result = self._compression.decompress(wire, ctx)
                 if result is not p.grad:
                     p.grad.copy_(result)
@@ -201,7 +234,17 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         size()/factor after it (helps fp16 range).
       groups / num_groups: an int (split parameters into that many groups) or a list of lists
         of parameters; each group is reduced together.
-      sparse_as_dense: reduce sparse gradients as dense tensors.
+      sparse_as_dense: how sparse gradients (``nn.Embedding(sparse=True)``, ...) are reduced.
+        True: converted to dense in ``.grad`` and allreduced like any other gradient.  False
+        (default): the non-zero rows of every rank are allgathered (see
+        :func:`hvdlite.torch.sparse.sparse_allreduce_async`) and ``.grad`` becomes the reduced,
+        coalesced sparse tensor at ``synchronize()``/``step()`` (optimizers such as SGD and
+        ``SparseAdam`` accept it); only op Average/Sum (anything else raises ``ValueError``
+        when the gradient is reduced), ``compression`` is not applied to it, and
+        ``gradient_predivide_factor`` scales its values like a dense gradient's.  A rank
+        without a gradient for such a parameter joins in with an empty sparse one once it has
+        seen that parameter's gradient sparse; in the very first step it is reduced, every rank
+        needs a gradient for it (or use sparse_as_dense=True).
     The result is an instance of the original optimizer's class (``isinstance`` holds) and
     works with LR schedulers, ``state_dict()`` and ``load_state_dict()``.
     """

@@ -189,7 +189,7 @@ ERROR_CASES = [
     "optimizer.zero_grad_in_flight", "optimizer.too_many_backward_passes",
     "optimizer.too_many_backward_passes_bpps2", "optimizer.duplicate_named_parameters",
     "optimizer.named_parameters_missing_param", "optimizer.named_parameters_not_pairs",
-    "optimizer.sparse_grad_without_sparse_as_dense", "optimizer.sparse_as_dense",
+    "optimizer.sparse_grad_unsupported_op", "optimizer.sparse_as_dense",
 ]
 
 
