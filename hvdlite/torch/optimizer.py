@@ -11,6 +11,8 @@ import warnings
 
 import torch
 
+from hvdlite.common.adasum import check_adasum_size
+from hvdlite.common.basics import process_set_engine, size
 from hvdlite.common.errors import HvdliteError
 from hvdlite.common.reduce_ops import ReduceOp
 
@@ -32,8 +34,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixin placed before the user's optimizer class in a generated subclass."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, groups, sparse_as_dense):
+                 gradient_predivide_factor, groups, sparse_as_dense, process_set):
         super().__init__(params)
+        self._process_set = process_set
         self._compression = compression
         self._passes = backward_passes_per_step
         self._op = op
@@ -136,7 +139,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not wire.is_contiguous():
             wire = wire.contiguous()
         handle = allreduce_async_(wire, name=name, op=self._op, prescale_factor=prescale,
-                                  postscale_factor=postscale)
+                                  postscale_factor=postscale, process_set=self._process_set)
         return handle, ctx, wire
 
     def _sparse_allreduce_grad_async(self, p: torch.Tensor, name: str):
@@ -147,7 +150,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # Same factors as the dense path, so a sparse and a dense gradient are scaled alike.
         prescale, postscale = ((1.0 / self._predivide, self._predivide)
                                if self._op == ReduceOp.Average else (1.0, 1.0))
-        handle = sparse_allreduce_async(p.grad, name, self._op, prescale_factor=prescale,
+        handle = sparse_allreduce_async(p.grad, name, self._op, self._process_set,
+                                        prescale_factor=prescale,
                                         postscale_factor=postscale)
         return handle, _SPARSE, None
 
@@ -229,7 +233,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         (without it, parameters are named by position, which must then match on all ranks).
       compression: ``Compression.none`` (default), ``Compression.fp16`` or ``Compression.bf16``.
       backward_passes_per_step: backward passes to accumulate locally before reducing.
-      op: ``Average`` (default) or ``Sum`` (also Min/Max/Product).
+      op: ``Average`` (default) or ``Sum`` (also Min/Max/Product), or ``Adasum``: gradients
+        are combined with Adasum (float parameters, a power-of-two number of ranks).  Horovod
+        applies Adasum to the parameter deltas of a local step instead; for SGD without
+        momentum the two are the same (Adasum is scale-equivariant), for stateful optimizers
+        they differ.
       gradient_predivide_factor: with Average, divide by this before the sum and by
         size()/factor after it (helps fp16 range).
       groups / num_groups: an int (split parameters into that many groups) or a list of lists
@@ -245,13 +253,17 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         without a gradient for such a parameter joins in with an empty sparse one once it has
         seen that parameter's gradient sparse; in the very first step it is reduced, every rank
         needs a gradient for it (or use sparse_as_dense=True).
+      process_set: reduce gradients only among this process set's ranks (every member wraps
+        its optimizer with the same set); Average divides by the set's size.
     The result is an instance of the original optimizer's class (``isinstance`` holds) and
     works with LR schedulers, ``state_dict()`` and ``load_state_dict()``.
     """
-    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
-        raise NotImplementedError("process sets are not available in hvdlite yet.")
+    if process_set is not None and process_set.process_set_id != 0:
+        process_set_engine(process_set, "DistributedOptimizer(process_set=...)")  # member?
     if op == ReduceOp.Adasum:
-        raise NotImplementedError("op=Adasum is not supported by hvdlite yet; use Average.")
+        members = (size() if process_set is None or process_set.process_set_id == 0
+                   else process_set.size())
+        check_adasum_size(members, "DistributedOptimizer(op=Adasum)")
     if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
         raise ValueError("gradient_predivide_factor is only supported with op=Average.")
     if backward_passes_per_step < 1:
@@ -261,7 +273,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     wrapped = cls(optimizer.param_groups, named_parameters, compression,
                   backward_passes_per_step, op, gradient_predivide_factor, groups,
-                  sparse_as_dense)
+                  sparse_as_dense, process_set)
     wrapped.defaults = optimizer.defaults
     if optimizer.state:
         wrapped.load_state_dict(optimizer.state_dict())
