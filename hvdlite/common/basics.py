@@ -121,6 +121,8 @@ def shutdown() -> None:
         state, _state = _state, None
     if state is None:
         return
+    from .ops import reset_auto_names
+    reset_auto_names()   # every rank re-inits together, so unnamed ops restart in step
     for set_id, (ps, set_engine, set_comm) in sorted(state.sets.items(), reverse=True):
         if set_id != 0:
             _stop_set(ps, set_engine, set_comm)
@@ -232,11 +234,13 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 def process_set_engine(process_set: ProcessSet | None, what: str):
     """(engine, member global ranks) for an operation on ``process_set`` (None = global)."""
     state = _get(what)
-    if process_set is None or process_set.process_set_id == 0:
+    if process_set is None:
         return state.engine, None
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"{what}: process_set must be a hvd.ProcessSet, got "
                         f"{type(process_set).__name__}.")
+    if process_set.process_set_id == 0:
+        return state.engine, None
     set_id = process_set.process_set_id
     found = state.sets.get(set_id) if set_id is not None else None
     if found is None:

@@ -34,6 +34,12 @@ def _auto_name(kind: str, set_id: int = 0) -> str:
     return f"{kind}.noname.{n}" if set_id == 0 else f"{kind}.set{set_id}.noname.{n}"
 
 
+def reset_auto_names() -> None:
+    """Restart the unnamed-op counters (at shutdown: process set ids restart with a new init)."""
+    with _counter_lock:
+        _counters.clear()
+
+
 def _contiguous(x) -> np.ndarray:
     """``x`` as a C-contiguous array, copying only if needed (0-d stays 0-d, unlike
     np.ascontiguousarray)."""

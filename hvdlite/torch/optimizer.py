@@ -258,8 +258,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     The result is an instance of the original optimizer's class (``isinstance`` holds) and
     works with LR schedulers, ``state_dict()`` and ``load_state_dict()``.
     """
-    if process_set is not None and process_set.process_set_id != 0:
-        process_set_engine(process_set, "DistributedOptimizer(process_set=...)")  # member?
+    if process_set is not None:   # type, registration and membership checked up front
+        process_set_engine(process_set, "DistributedOptimizer(process_set=...)")
     if op == ReduceOp.Adasum:
         members = (size() if process_set is None or process_set.process_set_id == 0
                    else process_set.size())
