@@ -13,5 +13,6 @@ from .mpi_ops import (allreduce, allreduce_, allreduce_async, allreduce_async_, 
                       grouped_reducescatter, grouped_reducescatter_async, poll, synchronize,
                       barrier, join)
 from .sparse import sparse_allreduce, sparse_allreduce_async
+from .sync_batch_norm import SyncBatchNorm
 from .optimizer import DistributedOptimizer
 from .functions import broadcast_parameters, broadcast_optimizer_state
