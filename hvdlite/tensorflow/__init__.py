@@ -7,9 +7,10 @@ unnamed ops are named in graphs).  Keras users import :mod:`hvdlite.tensorflow.k
 from hvdlite.common.public import *  # noqa: F401,F403 - the shared, framework-neutral API
 
 from .compression import Compression
-from .mpi_ops import (allreduce, grouped_allreduce, allgather, broadcast, broadcast_variables,
-                      barrier, size_op, rank_op, local_size_op, local_rank_op, cross_size_op,
-                      cross_rank_op)
+from .mpi_ops import (allreduce, grouped_allreduce, allgather, grouped_allgather, broadcast,
+                      broadcast_variables, alltoall, reducescatter, grouped_reducescatter,
+                      barrier, join, size_op, process_set_included_op, rank_op, local_size_op,
+                      local_rank_op, cross_size_op, cross_rank_op)
 from .gradient_tape import DistributedGradientTape
 
 
@@ -17,7 +18,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
                          device_sparse="", compression=Compression.none, sparse_as_dense=False,
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
                          average_aggregated_gradients=False, num_groups=0, groups=None,
-                         process_set=None, scale_local_gradients=True):
+                         process_set=global_process_set, scale_local_gradients=True):
     """Wrap a Keras optimizer (TF2 has no other kind) so that gradients are averaged across
     ranks before they are applied; see :func:`hvdlite.tensorflow.keras.DistributedOptimizer`."""
     from .keras import DistributedOptimizer as _keras_distributed

@@ -4,6 +4,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from hvdlite.common import basics
+from hvdlite.common.process_sets import ProcessSet, global_process_set
 from hvdlite.common.reduce_ops import ReduceOp, resolve_op
 
 from .compression import Compression
@@ -17,12 +18,30 @@ def _check_groups(num_groups, groups):
         raise ValueError("groups must be a positive int or a list of variable lists")
 
 
+def _check_process_set(process_set) -> tuple[bool, int]:
+    """(is this rank a member, the set's size) of ``process_set`` (None = all ranks)."""
+    if process_set is None or (isinstance(process_set, ProcessSet)
+                               and process_set.process_set_id == 0):
+        return True, basics.size()
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"process_set must be a hvd.ProcessSet, got "
+                        f"{type(process_set).__name__}.")
+    ranks = basics.get_process_set_ids_and_ranks().get(process_set.process_set_id)
+    if process_set.process_set_id is None or ranks is None:
+        raise ValueError(f"{process_set!r} is not registered; pass it to "
+                         f"hvd.init(process_sets=[...]) or hvd.add_process_set() first.")
+    return basics.rank() in ranks, len(ranks)
+
+
 def make_allreduce_grads_fn(name: str, compression=Compression.none, sparse_as_dense=False,
-                            op=ReduceOp.Average, gradient_predivide_factor=1.0):
+                            op=ReduceOp.Average, gradient_predivide_factor=1.0,
+                            process_set=global_process_set):
     """Return ``fn(grads) -> averaged grads`` (None entries stay None).
 
-    All dense gradients travel as one group: submitted together, waited together (inside
-    ``tf.function``: one graph node), so the core fuses them into few collectives.
+    All dense gradients travel as one group: negotiated and executed as one unit (inside
+    ``tf.function``: one graph node), so the core fuses them into few collectives.  With a
+    ``process_set``, gradients are reduced over its ranks only; on ranks outside the set (and
+    when the set has one rank) they are returned unchanged, as in Horovod.
     """
     op = resolve_op(op)
     if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
@@ -34,8 +53,9 @@ def make_allreduce_grads_fn(name: str, compression=Compression.none, sparse_as_d
 
     def allreduce_grads(grads, variables=None):
         grads = list(grads)
-        if basics.size() == 1 and op in (ReduceOp.Average, ReduceOp.Sum) \
-                and prescale * postscale == 1.0:
+        member, set_size = _check_process_set(process_set)
+        if not member or (set_size == 1 and op in (ReduceOp.Average, ReduceOp.Sum)
+                          and prescale * postscale == 1.0):
             return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) and sparse_as_dense
                     else g for g in grads]
         out = list(grads)
@@ -49,7 +69,7 @@ def make_allreduce_grads_fn(name: str, compression=Compression.none, sparse_as_d
                 else:
                     out[i] = allreduce(g, op=op, prescale_factor=prescale,
                                        postscale_factor=postscale, name=f"{name}.sparse.{i}",
-                                       compression=compression)
+                                       compression=compression, process_set=process_set)
                     continue
             dense.append(g)
             dense_idx.append(i)
@@ -58,7 +78,7 @@ def make_allreduce_grads_fn(name: str, compression=Compression.none, sparse_as_d
             # and in tf.function, and stable across steps for the core's response cache.
             reduced = grouped_allreduce(dense, op=op, prescale_factor=prescale,
                                         postscale_factor=postscale, compression=compression,
-                                        name=name)
+                                        name=name, process_set=process_set)
             for i, r in zip(dense_idx, reduced):
                 out[i] = r
         return out
@@ -83,7 +103,8 @@ class _DistributedGradientTape(tf.GradientTape):
 def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
                             compression=Compression.none, sparse_as_dense=False,
                             op=ReduceOp.Average, gradient_predivide_factor=1.0, num_groups=0,
-                            groups=None, process_set=None, scale_local_gradients=True):
+                            groups=None, process_set=global_process_set,
+                            scale_local_gradients=True):
     """Wrap a ``tf.GradientTape`` so that ``gradient()`` averages gradients across ranks.
 
     Use after (or around) the ``with tf.GradientTape() as tape:`` block::
@@ -94,15 +115,17 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
     ``sparse_as_dense`` converts ``tf.IndexedSlices`` gradients (embeddings) to dense tensors
     before the allreduce; otherwise their values and indices are allgathered.
     ``compression``: ``Compression.fp16`` sends float gradients as float16.
+    ``process_set``: average over the ranks of this set only; ranks outside it get their local
+    gradients unchanged (Horovod's behaviour).
     ``num_groups``/``groups`` are accepted for compatibility: every gradient already travels in
     one group that the core fuses.  ``device_dense``/``device_sparse`` are ignored (CPU only).
     """
-    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
-        raise NotImplementedError("process sets are not available in hvdlite yet")
     _check_groups(num_groups, groups)
+    _check_process_set(process_set)
     cls = type(gradtape.__class__.__name__, (_DistributedGradientTape, gradtape.__class__), {})
     tape = cls.__new__(cls)
     tape.__dict__.update(gradtape.__dict__)
     tape._hvd_setup(make_allreduce_grads_fn("DistributedGradientTape.allreduce", compression,
-                                            sparse_as_dense, op, gradient_predivide_factor))
+                                            sparse_as_dense, op, gradient_predivide_factor,
+                                            process_set))
     return tape

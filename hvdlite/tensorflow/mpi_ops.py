@@ -2,37 +2,51 @@
 
 Eagerly, a CPU tensor goes to the core as ``tensor.numpy()`` (which shares the tensor's buffer)
 and the result comes back with ``tf.convert_to_tensor``.  Inside a ``tf.function`` every call
-becomes one stateful ``tf.numpy_function`` node that submits its tensor(s) and waits; the
-function's automatic control dependencies (plus an explicit chain that hvdlite adds) run these
-nodes in program order, so every rank executes its collectives in the same order.
+becomes one stateful ``tf.numpy_function`` node that submits its tensor(s) and waits (a grouped
+op is one node that submits the whole group); the function's automatic control dependencies
+(plus an explicit chain that hvdlite adds) run these nodes in program order, so every rank
+executes its collectives in the same order.
 
 Names.  Ranks match collectives by name.  ``name=None`` means:
   * eagerly: the core's per-kind call counter (``allreduce.noname.N``): unnamed ops must be
     issued in the same order on every rank, as in Horovod;
   * inside ``tf.function``: a name fixed when the function is traced,
     ``<kind>.tf.<function>.<k>``, with ``k`` counting the hvdlite ops of that traced graph in
-    program order.  Identical programs trace identically on every rank, so the names agree; they
-    are reused on every call of the function, which lets the core's response cache skip
-    negotiation in steady state.
+    program order (ops on a process set other than the global one count separately and are
+    named ``<kind>.tf.set<id>.<function>.<k>``, so that only members need to run them).
+    Identical programs trace identically on every rank, so the names agree; they are reused on
+    every call of the function, which lets the core's response cache skip negotiation in steady
+    state.
 Gradient ops are named after their forward op (``<name>.grad``).
+
+Process sets.  Every op takes ``process_set`` (default :data:`global_process_set`, all ranks;
+``None`` means the same).  Only members of a set may run ops on it; ``root_rank`` of a
+broadcast is a global rank that must be a member; ``Average`` divides by the set's size.
 
 Errors of the core (e.g. ``TensorMismatchError``) are raised as they are in eager mode; inside a
 ``tf.function`` TensorFlow wraps them in a ``tf.errors`` exception whose message contains the
-core's message unchanged.
+core's message unchanged.  Argument errors (unknown process set, non-member rank, bad
+``root_rank``, bad ``splits``, unsupported dtype) are raised when the op is created, also while
+a ``tf.function`` is traced.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 import weakref
+from typing import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
 
 from hvdlite.common import basics
+from hvdlite.common import grouped as core_grouped
 from hvdlite.common import ops as core
 from hvdlite.common.dtypes import dtype_info
-from hvdlite.common.messages import ALLGATHER, ALLREDUCE, BROADCAST
+from hvdlite.common.messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER,
+                                     split_rows)
+from hvdlite.common.process_sets import ProcessSet, global_process_set
 from hvdlite.common.reduce_ops import ReduceOp, resolve_op
 
 from .compression import Compression
@@ -41,11 +55,17 @@ _graph_state: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class _GraphState:
-    __slots__ = ("counter", "last")
+    __slots__ = ("counters", "last")
 
     def __init__(self) -> None:
-        self.counter = itertools.count()
+        self.counters: dict[int, itertools.count] = {}   # process set id -> op counter
         self.last = None       # last hvdlite op created in this graph (explicit ordering)
+
+    def next_index(self, set_id: int) -> int:
+        counter = self.counters.get(set_id)
+        if counter is None:
+            counter = self.counters[set_id] = itertools.count()
+        return next(counter)
 
 
 def _state_of(graph) -> _GraphState:
@@ -65,7 +85,6 @@ def _public(fn):
     """Decorator for the public ops: never converted by AutoGraph (they are plain Python that
     builds graph nodes), and errors raised while tracing reach the caller as the core's own
     exception (AutoGraph would otherwise re-wrap some of them as StagingError)."""
-    import functools
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -81,7 +100,32 @@ def _public(fn):
     return tf.autograph.experimental.do_not_convert(wrapper)
 
 
-def _op_name(kind: str, name) -> str | None:
+# --- process sets --------------------------------------------------------------------------------
+def _is_global(process_set) -> bool:
+    return process_set is None or (isinstance(process_set, ProcessSet)
+                                   and process_set.process_set_id == 0)
+
+
+def _members(process_set, what: str) -> list[int] | None:
+    """Global ranks of ``process_set`` (None for the global set).  Raises the core's error
+    if the set is not registered or this rank is not a member."""
+    return basics.process_set_engine(process_set, what)[1]
+
+
+def _set_id(process_set) -> int:
+    return 0 if _is_global(process_set) else int(process_set.process_set_id)
+
+
+def _set_size(members: list[int] | None) -> int:
+    return basics.size() if members is None else len(members)
+
+
+def _set_rank(members: list[int] | None) -> int:
+    return basics.rank() if members is None else members.index(basics.rank())
+
+
+# --- names, dtypes and graph nodes ----------------------------------------------------------------
+def _op_name(kind: str, name, process_set=None) -> str | None:
     """The name the core sees: the user's, or (inside tf.function) a trace-time derived one."""
     if name is not None:
         if not isinstance(name, str):
@@ -90,30 +134,42 @@ def _op_name(kind: str, name) -> str | None:
     if tf.executing_eagerly():
         return None
     graph = tf.compat.v1.get_default_graph()
-    return f"{kind}.tf.{_graph_label(graph)}.{next(_state_of(graph).counter)}"
+    set_id = _set_id(process_set)
+    scope = "" if set_id == 0 else f"set{set_id}."
+    return f"{kind}.tf.{scope}{_graph_label(graph)}.{_state_of(graph).next_index(set_id)}"
+
+
+def _sub_name(name: str | None, suffix: str) -> str | None:
+    return None if name is None else f"{name}.{suffix}"
 
 
 def _dtype_name(tensor, what: str) -> str:
     """Canonical core dtype name; raises the core's UnsupportedDtypeError for other dtypes."""
     dt = tensor.dtype
+    if dt == tf.bfloat16:
+        return dtype_info("bfloat16", what).name
     try:
         np_dtype = dt.as_numpy_dtype
     except TypeError:
         np_dtype = dt.name
-    if dt == tf.bfloat16:
-        return dtype_info("bfloat16", what).name
-    return dtype_info(np_dtype if not isinstance(np_dtype, str) else np_dtype, what).name
+    return dtype_info(np_dtype, what).name
 
 
-def _execute(kind: str, arrays, names, dtypes, kwargs) -> list[np.ndarray]:
-    """Submit every array, then wait for all; raise the first error after all finished."""
+def _contiguous(array) -> np.ndarray:
+    array = np.asarray(array)
+    if not array.flags.c_contiguous:   # (np.ascontiguousarray would turn 0-d into 1-d)
+        array = np.ascontiguousarray(array).reshape(array.shape)
+    return array
+
+
+def _execute(kind: str, arrays, names, dtypes, kwargs: dict) -> list:
+    """Submit every array as its own op, then wait for all; raise the first error after all
+    finished."""
     handles, error = [], None
     for array, name, dtype in zip(arrays, names, dtypes):
-        array = np.asarray(array)
-        if not array.flags.c_contiguous:   # (np.ascontiguousarray would turn 0-d into 1-d)
-            array = np.ascontiguousarray(array).reshape(array.shape)
         try:
-            handles.append(core.submit(kind, array, name=name, dtype=dtype, **kwargs))
+            handles.append(core.submit(kind, _contiguous(array), name=name, dtype=dtype,
+                                       **kwargs))
         except Exception as exc:  # noqa: BLE001 - re-raised below once submitted ones finished
             error = exc
             break
@@ -129,50 +185,96 @@ def _execute(kind: str, arrays, names, dtypes, kwargs) -> list[np.ndarray]:
     return results
 
 
-def _kwargs(kind: str, op=None, prescale=1.0, postscale=1.0, root_rank=-1) -> dict:
-    if kind == ALLREDUCE:
-        return {"reduce_op": op, "prescale_factor": prescale, "postscale_factor": postscale}
-    if kind == BROADCAST:
-        return {"root_rank": root_rank}
-    return {}
+def _execute_group(kind: str, arrays, name, dtypes, kwargs: dict) -> list:
+    """Submit the arrays as one core group (negotiated and executed as a unit) and wait."""
+    return core_grouped.submit_group(kind, [_contiguous(a) for a in arrays], name=name,
+                                     dtypes=list(dtypes), **kwargs).wait()
 
 
-def _collective(kind: str, tensors: list, names: list, kwargs: dict) -> list:
-    """Run one collective per tensor (submitted together, waited together)."""
-    tensors = [tf.convert_to_tensor(t) for t in tensors]
-    dtypes = [_dtype_name(t, f"{kind} of {n or 'unnamed tensor'}")
-              for t, n in zip(tensors, names)]
-    if kind == BROADCAST and not 0 <= kwargs["root_rank"] < basics.size():
-        raise ValueError(f"broadcast: root_rank={kwargs['root_rank']} is out of range for a job "
-                         f"of {basics.size()} ranks.")
+def _label(kind: str, name) -> str:
+    return re.sub(r"[^A-Za-z0-9_.]", "_", f"hvdlite_{kind}_{name or ''}")[:60]
+
+
+def _node(label: str, fn: Callable[..., list], inputs: list, touts: list) -> list:
+    """Run ``fn(*numpy inputs) -> list of numpy outputs`` now (eagerly) or as one stateful
+    ``tf.numpy_function`` node chained after the graph's previous hvdlite node."""
     if tf.executing_eagerly():
-        arrays = [np.asarray(t.numpy()) for t in tensors]
-        outs = _execute(kind, arrays, names, dtypes, kwargs)
-        return [tf.convert_to_tensor(o, dtype=t.dtype) for o, t in zip(outs, tensors)]
+        outs = fn(*[np.asarray(t.numpy()) for t in inputs])
+        return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outs, touts)]
 
     def run(*arrays):
-        outs = _execute(kind, arrays, names, dtypes, kwargs)
-        return [np.asarray(o) for o in outs]
+        return [np.asarray(o) for o in fn(*arrays)]
 
     graph = tf.compat.v1.get_default_graph()
     state = _state_of(graph)
     deps = [state.last] if state.last is not None else []
-    label = re.sub(r"[^A-Za-z0-9_.]", "_", f"hvdlite_{kind}_{names[0] if names else ''}")[:60]
     with tf.control_dependencies(deps):
-        outs = tf.numpy_function(run, tensors, [t.dtype for t in tensors], stateful=True,
-                                 name=label)
-    if not isinstance(outs, (list, tuple)):
-        outs = [outs]
-    outs = list(outs)
+        outs = tf.numpy_function(run, inputs, touts, stateful=True, name=label)
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
     if outs:
         state.last = outs[0].op
-    for out, t in zip(outs, tensors):
-        if kind == ALLGATHER:
-            if t.shape.rank is None:
-                continue
-            out.set_shape([None] + t.shape.as_list()[1:] if t.shape.rank else [None])
-        else:
-            out.set_shape(t.shape)
+    return outs
+
+
+def _set_shapes(outs, shapes) -> None:
+    if tf.executing_eagerly():
+        return
+    for out, shape in zip(outs, shapes):
+        if shape is not None:
+            out.set_shape(shape)
+
+
+def _gathered_shape(t) -> tf.TensorShape | None:
+    """Static shape of an allgather/alltoall output: first dimension unknown."""
+    if t.shape.rank is None:
+        return None
+    return tf.TensorShape([None] + (t.shape.as_list()[1:] if t.shape.rank else []))
+
+
+def _scattered_shape(t, members) -> tf.TensorShape | None:
+    """Static shape of this rank's reducescatter output."""
+    if t.shape.rank is None or t.shape.rank == 0:
+        return None
+    dims = t.shape.as_list()
+    rows = dims[0]
+    if rows is not None:
+        rows = split_rows(rows, _set_size(members))[_set_rank(members)]
+    return tf.TensorShape([rows] + dims[1:])
+
+
+def _collective(kind: str, tensors: list, names: list, kwargs: dict,
+                process_set=None) -> list:
+    """One ``kind`` op per tensor (submitted together, waited together, one graph node)."""
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if not tensors:
+        return []
+    dtypes = [_dtype_name(t, f"{kind} of {n or 'unnamed tensor'}")
+              for t, n in zip(tensors, names)]
+    kwargs = dict(kwargs, process_set=process_set)
+
+    def fn(*arrays):
+        return _execute(kind, arrays, names, dtypes, kwargs)
+
+    outs = _node(_label(kind, names[0]), fn, tensors, [t.dtype for t in tensors])
+    _set_shapes(outs, [_gathered_shape(t) if kind == ALLGATHER else t.shape for t in tensors])
+    return outs
+
+
+def _group(kind: str, tensors: list, name, kwargs: dict, process_set=None,
+           shapes=None) -> list:
+    """One grouped ``kind`` op over ``tensors`` (one graph node)."""
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if not tensors:
+        return []
+    dtypes = [_dtype_name(t, f"grouped {kind} of {name or 'unnamed tensors'}.{i}")
+              for i, t in enumerate(tensors)]
+    kwargs = dict(kwargs, process_set=process_set)
+
+    def fn(*arrays):
+        return _execute_group(kind, arrays, name, dtypes, kwargs)
+
+    outs = _node(_label(f"grouped_{kind}", name), fn, tensors, [t.dtype for t in tensors])
+    _set_shapes(outs, shapes if shapes is not None else [t.shape for t in tensors])
     return outs
 
 
@@ -180,30 +282,27 @@ def _differentiable(t) -> bool:
     return t.dtype.is_floating or t.dtype.is_complex
 
 
-def _grad_names(names):
-    return [None if n is None else f"{n}.grad" for n in names]
+def _check_grad_op(op: ReduceOp, what: str) -> None:
+    if op not in (ReduceOp.Average, ReduceOp.Sum):
+        raise NotImplementedError(
+            f"hvdlite: the gradient of {what} with op={ReduceOp(op).name} is not defined; use "
+            f"tf.stop_gradient on its input or use Sum/Average.")
 
 
-# --- allreduce -------------------------------------------------------------------------------
-def _grouped_allreduce_raw(tensors, names, op: ReduceOp, prescale: float, postscale: float):
-    tensors = [tf.convert_to_tensor(t) for t in tensors]
-    kwargs = _kwargs(ALLREDUCE, op, prescale, postscale)
-    if not tensors:
-        return []
-    if not all(_differentiable(t) for t in tensors):
-        return _collective(ALLREDUCE, tensors, names, kwargs)
+def _custom_gradient(forward_fn, backward_fn, tensors: list) -> list:
+    """``forward_fn(list) -> list`` with gradient ``backward_fn(xs, ys, dys) -> list`` over the
+    differentiable members of ``tensors`` (the others get no gradient)."""
+    diff = [i for i, t in enumerate(tensors) if _differentiable(t)]
+    if not diff:
+        return forward_fn(tensors)
 
     @tf.custom_gradient
     def forward(*xs):
-        ys = _collective(ALLREDUCE, list(xs), names, kwargs)
+        ys = forward_fn(list(xs))
 
         def grad(*dys):
-            if op not in (ReduceOp.Average, ReduceOp.Sum):
-                raise NotImplementedError(
-                    f"hvdlite: the gradient of allreduce with op={ReduceOp(op).name} is not "
-                    f"defined; use tf.stop_gradient on its input or use Sum/Average.")
-            dys = [tf.zeros_like(x) if dy is None else dy for dy, x in zip(dys, xs)]
-            return _grouped_allreduce_raw(dys, _grad_names(names), op, prescale, postscale)
+            dys = [tf.zeros_like(y) if dy is None else dy for dy, y in zip(dys, ys)]
+            return backward_fn(list(xs), ys, dys)
 
         return ys, grad
 
@@ -211,126 +310,223 @@ def _grouped_allreduce_raw(tensors, names, op: ReduceOp, prescale: float, postsc
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
-def _sparse_allreduce(slices: tf.IndexedSlices, name, op: ReduceOp, prescale, postscale):
+def _scale(t, factor: float):
+    if factor == 1.0:
+        return t
+    if t.dtype.is_floating or t.dtype.is_complex:   # (tf.cast of a Python float rounds via
+        return t * tf.constant(factor, dtype=t.dtype)   # float32)
+    return tf.cast(tf.cast(t, tf.float64) * factor, t.dtype)
+
+
+# --- allreduce -------------------------------------------------------------------------------
+def _allreduce_kwargs(op, prescale, postscale) -> dict:
+    return {"reduce_op": op, "prescale_factor": prescale, "postscale_factor": postscale}
+
+
+def _allreduce_raw(tensors: list, name, op: ReduceOp, prescale: float, postscale: float,
+                   process_set, grouped: bool) -> list:
+    """Differentiable allreduce of ``tensors``: one op (``grouped=False``, one tensor) or one
+    core group named ``name``."""
+    kwargs = _allreduce_kwargs(op, prescale, postscale)
+
+    def forward(xs):
+        if grouped:
+            return _group(ALLREDUCE, xs, name, kwargs, process_set)
+        return _collective(ALLREDUCE, xs, [name], kwargs, process_set)
+
+    def backward(xs, ys, dys):
+        _check_grad_op(op, "grouped_allreduce" if grouped else "allreduce")
+        idx = [i for i, x in enumerate(xs) if _differentiable(x)]
+        reduced = _allreduce_raw([dys[i] for i in idx], _sub_name(name, "grad"), op, prescale,
+                                 postscale, process_set, grouped)
+        out = [None] * len(xs)
+        for i, r in zip(idx, reduced):
+            out[i] = r
+        return out
+
+    return _custom_gradient(forward, backward, [tf.convert_to_tensor(t) for t in tensors])
+
+
+def _sparse_allreduce(slices: tf.IndexedSlices, name, op: ReduceOp, prescale, postscale,
+                      process_set, members):
     """IndexedSlices: gather every rank's values and indices (Horovod's sparse allreduce)."""
     if op not in (ReduceOp.Average, ReduceOp.Sum):
         raise NotImplementedError(f"allreduce of tf.IndexedSlices supports only Average and Sum, "
                                   f"not {ReduceOp(op).name}; pass sparse_as_dense=True or "
                                   f"convert with tf.convert_to_tensor.")
-    base = _op_name("allreduce", name)
-    values = allgather(slices.values, name=None if base is None else f"{base}.values")
-    indices = allgather(slices.indices, name=None if base is None else f"{base}.indices")
-    scale = prescale * postscale / (basics.size() if op == ReduceOp.Average else 1)
-    if scale != 1.0:
-        values = values * tf.cast(scale, values.dtype)
-    return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
+    base = _op_name("allreduce", name, process_set)
+    values = allgather(slices.values, name=_sub_name(base, "values"), process_set=process_set)
+    indices = allgather(slices.indices, name=_sub_name(base, "indices"),
+                        process_set=process_set)
+    scale = prescale * postscale / (_set_size(members) if op == ReduceOp.Average else 1)
+    return tf.IndexedSlices(_scale(values, scale), indices, dense_shape=slices.dense_shape)
 
 
 @_public
-def allreduce(tensor, average=None, device_dense="", device_sparse="",
-              compression=Compression.none, op=None, prescale_factor=1.0, postscale_factor=1.0,
-              name=None, process_set=None, ignore_name_scope=False):
-    """Reduce ``tensor`` across all ranks (default: average); returns a new tensor.
+def allreduce(tensor, average: bool | None = None, device_dense: str = "",
+              device_sparse: str = "", compression=Compression.none,
+              op: ReduceOp | int | None = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, name: str | None = None,
+              process_set: ProcessSet | None = global_process_set,
+              ignore_name_scope: bool = False):
+    """Reduce ``tensor`` across the ranks of ``process_set`` (default: average over all ranks);
+    returns a new tensor of the same shape and dtype.
 
-    ``op``: Average, Sum, Min, Max or Product (``average=`` is Horovod's deprecated spelling).
-    ``prescale_factor`` multiplies the input before the reduction, ``postscale_factor`` the
-    result.  ``tf.IndexedSlices`` are allgathered (values and indices).  Differentiable for
-    Average/Sum: the gradient is the same allreduce of the upstream gradient.
-    ``device_dense``/``device_sparse`` are accepted for compatibility (CPU only).
+    ``op``: Average, Sum, Min, Max, Product or Adasum (float tensors, power-of-two number of
+    ranks); ``average=`` is Horovod's deprecated spelling.  ``prescale_factor`` multiplies the
+    input before the reduction, ``postscale_factor`` the result.  ``tf.IndexedSlices`` are
+    allgathered (values and indices; Average and Sum only).  Differentiable for Average/Sum: the
+    gradient is the same allreduce of the upstream gradient (other ops raise
+    NotImplementedError when differentiated).  ``device_dense``/``device_sparse`` and
+    ``ignore_name_scope`` are accepted for compatibility (CPU only; names ignore scopes).
     """
-    _no_process_sets(process_set)
+    members = _members(process_set, f"allreduce of {name or 'a tensor'}")
     op = resolve_op(op, average)
     if isinstance(tensor, tf.IndexedSlices):
-        return _sparse_allreduce(tensor, name, op, prescale_factor, postscale_factor)
+        return _sparse_allreduce(tensor, name, op, prescale_factor, postscale_factor,
+                                 process_set, members)
     tensor = tf.convert_to_tensor(tensor)
     compressed, ctx = compression.compress(tensor)
-    reduced = _grouped_allreduce_raw([compressed], [_op_name("allreduce", name)], op,
-                                     prescale_factor, postscale_factor)[0]
+    reduced = _allreduce_raw([compressed], _op_name("allreduce", name, process_set), op,
+                             prescale_factor, postscale_factor, process_set, grouped=False)[0]
     return compression.decompress(reduced, ctx)
 
 
 @_public
-def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
-                      compression=Compression.none, op=None, prescale_factor=1.0,
-                      postscale_factor=1.0, process_set=None, name=None):
-    """Allreduce a list of tensors as one group: all are submitted, then all are waited for
-    (inside ``tf.function``: one graph node), so the core can fuse them."""
-    _no_process_sets(process_set)
-    op = resolve_op(op, average)
+def grouped_allreduce(tensors: Sequence, average: bool | None = None, device_dense: str = "",
+                      device_sparse: str = "", compression=Compression.none,
+                      op: ReduceOp | int | None = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0,
+                      process_set: ProcessSet | None = global_process_set,
+                      ignore_name_scope: bool = False, name: str | None = None) -> list:
+    """Allreduce a list of tensors as one group: the core negotiates and executes them as one
+    unit (inside ``tf.function``: one graph node), fusing small ones.  Arguments as in
+    :func:`allreduce`; ``tf.IndexedSlices`` entries are allgathered.  Returns a list."""
     tensors = list(tensors)
+    if not tensors:
+        return tensors
+    members = _members(process_set, f"grouped_allreduce of {name or 'tensors'}")
+    op = resolve_op(op, average)
     out: list = [None] * len(tensors)
     dense_idx = []
     for i, t in enumerate(tensors):
         if isinstance(t, tf.IndexedSlices):
-            out[i] = _sparse_allreduce(t, None if name is None else f"{name}.{i}", op,
-                                       prescale_factor, postscale_factor)
+            out[i] = _sparse_allreduce(t, _sub_name(name, f"sparse.{i}"), op, prescale_factor,
+                                       postscale_factor, process_set, members)
         else:
             dense_idx.append(i)
-    compressed = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense_idx]
-    names = [_op_name("allreduce", None if name is None else f"{name}.{i}") for i in dense_idx]
-    reduced = _grouped_allreduce_raw([c for c, _ in compressed], names, op, prescale_factor,
-                                     postscale_factor)
-    for i, r, (_, ctx) in zip(dense_idx, reduced, compressed):
-        out[i] = compression.decompress(r, ctx)
+    if dense_idx:
+        compressed = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense_idx]
+        reduced = _allreduce_raw([c for c, _ in compressed],
+                                 _op_name("grouped_allreduce", name, process_set), op,
+                                 prescale_factor, postscale_factor, process_set, grouped=True)
+        for i, r, (_, ctx) in zip(dense_idx, reduced, compressed):
+            out[i] = compression.decompress(r, ctx)
     return out
 
 
 # --- allgather -------------------------------------------------------------------------------
+def _rows(x):
+    return tf.reshape(tf.cast(tf.shape(tf.reshape(x, [-1]) if x.shape.rank == 0 else x)[0],
+                              tf.int64), [1])
+
+
+def _allgather_raw(tensors: list, name, process_set, members, grouped: bool) -> list:
+    """Differentiable allgather of ``tensors`` (one op, or one core group)."""
+    def forward(xs):
+        if grouped:
+            return _group(ALLGATHER, xs, name, {}, process_set,
+                          [_gathered_shape(x) for x in xs])
+        return _collective(ALLGATHER, xs, [name], {}, process_set)
+
+    def backward(xs, ys, dys):
+        # Rank q's rows of the sum over ranks of the upstream gradients.
+        idx = [i for i, x in enumerate(xs) if _differentiable(x)]
+        gname = _sub_name(name, "grad")
+        summed = _allreduce_raw([dys[i] for i in idx], gname, ReduceOp.Sum, 1.0, 1.0,
+                                process_set, grouped)
+        rows = [_rows(xs[i]) for i in idx]
+        if grouped:
+            all_rows = _group(ALLGATHER, rows, _sub_name(gname, "rows"), {}, process_set,
+                              [tf.TensorShape([_set_size(members)])] * len(rows))
+        else:
+            all_rows = _collective(ALLGATHER, rows, [_sub_name(gname, "rows")], {},
+                                   process_set)
+        me = _set_rank(members)
+        out = [None] * len(xs)
+        for i, s, r, ar in zip(idx, summed, rows, all_rows):
+            offset = tf.reduce_sum(ar[:me])
+            out[i] = tf.reshape(s[offset:offset + r[0]], tf.shape(xs[i]))
+        return out
+
+    return _custom_gradient(forward, backward, [tf.convert_to_tensor(t) for t in tensors])
+
+
 @_public
-def allgather(tensor, name=None, process_set=None, ignore_name_scope=False):
+def allgather(tensor, name: str | None = None, ignore_name_scope: bool = False,
+              process_set: ProcessSet | None = global_process_set):
     """Concatenation of every rank's ``tensor`` along dimension 0, in rank order (the first
-    dimension may differ between ranks; a scalar counts as one row).  Differentiable: each rank
-    gets the rows of the summed gradient that match its own input."""
-    _no_process_sets(process_set)
+    dimension may differ between ranks; a scalar counts as one row).  Inside ``tf.function``
+    the output's first dimension is unknown.  Differentiable: each rank gets the rows of the
+    summed gradient that match its own input."""
+    members = _members(process_set, f"allgather of {name or 'a tensor'}")
     tensor = tf.convert_to_tensor(tensor)
-    nm = _op_name("allgather", name)
-    if not _differentiable(tensor):
-        return _collective(ALLGATHER, [tensor], [nm], {})[0]
+    return _allgather_raw([tensor], _op_name("allgather", name, process_set), process_set,
+                          members, grouped=False)[0]
 
-    @tf.custom_gradient
-    def forward(x):
-        y = _collective(ALLGATHER, [x], [nm], {})[0]
 
-        def grad(dy):
-            gname = None if nm is None else f"{nm}.grad"
-            summed = _grouped_allreduce_raw([dy], [gname], ReduceOp.Sum, 1.0, 1.0)[0]
-            rows = tf.reshape(tf.cast(tf.shape(tf.reshape(x, [-1]) if x.shape.rank == 0 else x)
-                                      [0], tf.int64), [1])
-            all_rows = _collective(ALLGATHER, [rows],
-                                   [None if gname is None else f"{gname}.rows"], {})[0]
-            offset = tf.reduce_sum(all_rows[:basics.rank()])
-            mine = summed[offset:offset + rows[0]]
-            return tf.reshape(mine, tf.shape(x))
-
-        return y, grad
-
-    return forward(tensor)
+@_public
+def grouped_allgather(tensors: Sequence, name: str | None = None,
+                      ignore_name_scope: bool = False,
+                      process_set: ProcessSet | None = global_process_set) -> list:
+    """Allgather a list of tensors as one group (one negotiation, one graph node); returns a
+    list with one concatenated tensor per input (see :func:`allgather`).  Differentiable."""
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if not tensors:
+        return []
+    members = _members(process_set, f"grouped_allgather of {name or 'tensors'}")
+    return _allgather_raw(tensors, _op_name("grouped_allgather", name, process_set),
+                          process_set, members, grouped=True)
 
 
 # --- broadcast -------------------------------------------------------------------------------
+def _check_root(root_rank, members, what: str) -> int:
+    try:
+        root = int(root_rank)
+    except (TypeError, ValueError):
+        raise TypeError(f"{what}: root_rank must be an int, got {root_rank!r}") from None
+    if members is None:
+        if not 0 <= root < basics.size():
+            raise ValueError(f"{what}: root_rank={root} is out of range for a job of "
+                             f"{basics.size()} ranks.")
+    elif root not in members:
+        raise ValueError(f"{what}: root_rank={root} is not a member of the process set "
+                         f"(global ranks {members}); root_rank is a global rank.")
+    return root
+
+
 @_public
-def broadcast(tensor, root_rank, name=None, process_set=None, ignore_name_scope=False):
-    """Return ``root_rank``'s ``tensor`` on every rank.  Differentiable: the root receives the
-    sum of every rank's gradient, the other ranks zeros."""
-    _no_process_sets(process_set)
+def broadcast(tensor, root_rank: int, name: str | None = None, ignore_name_scope: bool = False,
+              process_set: ProcessSet | None = global_process_set):
+    """Return ``root_rank``'s ``tensor`` on every rank of ``process_set`` (``root_rank`` is a
+    global rank, a member of the set).  Differentiable: the root receives the sum of every
+    rank's gradient, the other ranks zeros."""
+    what = f"broadcast of {name or 'a tensor'}"
+    members = _members(process_set, what)
+    root_rank = _check_root(root_rank, members, what)
     tensor = tf.convert_to_tensor(tensor)
-    nm = _op_name("broadcast", name)
-    kwargs = _kwargs(BROADCAST, root_rank=root_rank)
-    if not _differentiable(tensor):
-        return _collective(BROADCAST, [tensor], [nm], kwargs)[0]
+    nm = _op_name("broadcast", name, process_set)
+    kwargs = {"root_rank": root_rank}
 
-    @tf.custom_gradient
-    def forward(x):
-        y = _collective(BROADCAST, [x], [nm], kwargs)[0]
+    def forward(xs):
+        return _collective(BROADCAST, xs, [nm], kwargs, process_set)
 
-        def grad(dy):
-            gname = None if nm is None else f"{nm}.grad"
-            summed = _grouped_allreduce_raw([dy], [gname], ReduceOp.Sum, 1.0, 1.0)[0]
-            return summed if basics.rank() == root_rank else tf.zeros_like(summed)
+    def backward(xs, ys, dys):
+        summed = _allreduce_raw(dys, _sub_name(nm, "grad"), ReduceOp.Sum, 1.0, 1.0,
+                                process_set, grouped=False)[0]
+        return [summed if basics.rank() == root_rank else tf.zeros_like(summed)]
 
-        return y, grad
-
-    return forward(tensor)
+    return _custom_gradient(forward, backward, [tensor])[0]
 
 
 def _var_label(v, i: int) -> str:
@@ -339,18 +535,22 @@ def _var_label(v, i: int) -> str:
 
 
 @_public
-def broadcast_variables(variables, root_rank, process_set=None, inplace=False):
+def broadcast_variables(variables, root_rank: int,
+                        process_set: ProcessSet | None = global_process_set,
+                        inplace: bool = False):
     """Assign ``root_rank``'s value to every variable (tf.Variable or Keras variable) on every
-    rank.  All broadcasts are submitted together.  The variable list must be the same (same
-    order, shapes, dtypes) on every rank.  Returns the group of assign ops in graph mode."""
-    _no_process_sets(process_set)
+    rank of ``process_set``.  All broadcasts are submitted together.  The variable list must be
+    the same (same order, shapes, dtypes) on every rank.  Returns the group of assign ops in
+    graph mode."""
     variables = list(variables)
     if not variables:
         return None
-    base = _op_name("broadcast_variables", None) or "broadcast_variables"
+    members = _members(process_set, "broadcast_variables")
+    root_rank = _check_root(root_rank, members, "broadcast_variables")
+    base = _op_name("broadcast_variables", None, process_set) or "broadcast_variables"
     names = [f"{base}.{_var_label(v, i)}" for i, v in enumerate(variables)]
     values = _collective(BROADCAST, [_read(v) for v in variables], names,
-                         _kwargs(BROADCAST, root_rank=root_rank))
+                         {"root_rank": root_rank}, process_set)
     assigns = [v.assign(x) for v, x in zip(variables, values)]
     if tf.executing_eagerly():
         return None
@@ -364,53 +564,272 @@ def _read(v):
     return tf.convert_to_tensor(v)
 
 
-# --- barrier and topology ops ----------------------------------------------------------------
-@_public
-def barrier(process_set=None):
-    """Block until every rank reaches the barrier (a graph node inside tf.function)."""
-    _no_process_sets(process_set)
-    if tf.executing_eagerly():
-        core.barrier()
+# --- alltoall --------------------------------------------------------------------------------
+def _splits_tensor(splits, set_size: int, rows: int | None, what: str):
+    """``splits`` as a 1-D integer tensor, checked as far as it is known now."""
+    if splits is None:
         return None
+    if not isinstance(splits, (tf.Tensor, tf.Variable)):
+        values = np.asarray(splits)
+        if values.dtype.kind not in "iu" and values.size:
+            raise ValueError(f"{what}: splits must be integers, got {list(values.reshape(-1))}.")
+        values = values.astype(np.int64).reshape(-1)
+        if values.shape[0] != set_size or (values < 0).any():
+            raise ValueError(f"{what}: splits {values.tolist()} must have one non-negative "
+                             f"entry per rank of the process set ({set_size}).")
+        if rows is not None and int(values.sum()) != rows:
+            raise ValueError(f"{what}: splits {values.tolist()} sum to {int(values.sum())}, "
+                             f"not to the first dimension ({rows}).")
+        return tf.constant(values, dtype=tf.int64)
+    splits = tf.convert_to_tensor(splits)
+    if not splits.dtype.is_integer:
+        raise ValueError(f"{what}: splits must be an integer tensor, got {splits.dtype.name}.")
+    if splits.shape.rank is not None and splits.shape.num_elements() is not None \
+            and splits.shape.num_elements() != set_size:
+        raise ValueError(f"{what}: splits has {splits.shape.num_elements()} entries; it needs "
+                         f"one per rank of the process set ({set_size}).")
+    return splits
 
-    def run():
-        core.barrier()
-        return np.int32(0)
 
-    graph = tf.compat.v1.get_default_graph()
-    state = _state_of(graph)
-    with tf.control_dependencies([state.last] if state.last is not None else []):
-        out = tf.numpy_function(run, [], tf.int32, stateful=True, name="hvdlite_barrier")
-    state.last = out.op
+def _alltoall_raw(x, splits, name, process_set, members):
+    """(output, received_splits) of one alltoall; ``splits`` is a tensor or None."""
+    what = f"alltoall of {name or 'unnamed tensor'}"
+    dtype = _dtype_name(x, what)
+    inputs = [x] if splits is None else [x, splits]
+    kwargs = {"process_set": process_set}
+
+    def fn(array, split_array=None):
+        received, counts = _execute(ALLTOALL, [array], [name], [dtype],
+                                    dict(kwargs, splits=split_array))[0]
+        return [received, np.asarray(counts, dtype=np.int32)]
+
+    out, counts = _node(_label(ALLTOALL, name), fn, inputs, [x.dtype, tf.int32])
+    _set_shapes([out, counts], [_gathered_shape(x), tf.TensorShape([_set_size(members)])])
+    return out, counts
+
+
+@_public
+def alltoall(tensor, splits=None, name: str | None = None, ignore_name_scope: bool = False,
+             process_set: ProcessSet | None = global_process_set):
+    """Scatter slices of ``tensor`` to every rank of ``process_set`` and gather the slices the
+    other ranks sent to this one.
+
+    ``splits`` (a list or 1-D integer tensor, one entry per rank of the set) says how many rows
+    (along dimension 0, in order) go to each rank; without it the first dimension is divided
+    evenly (it must then be divisible by the set's size).  The output holds the received rows
+    in rank order; the other dimensions must match across ranks.  Returns the output, or
+    ``(output, received_splits)`` (an int32 tensor: rows received from each rank) when
+    ``splits`` is given, as Horovod does.  Inside ``tf.function`` the output's first dimension
+    is unknown.  Differentiable: each received row's gradient is sent back to its sender.
+    """
+    what = f"alltoall of {name or 'a tensor'}"
+    members = _members(process_set, what)
+    tensor = tf.convert_to_tensor(tensor)
+    if tensor.shape.rank == 0:
+        raise ValueError(f"{what}: a scalar cannot be split; pass a tensor with at least one "
+                         f"dimension.")
+    rows = tensor.shape[0] if tensor.shape.rank else None
+    splits_t = _splits_tensor(splits, _set_size(members), rows, what)
+    nm = _op_name("alltoall", name, process_set)
+
+    def forward(xs):
+        return list(_alltoall_raw(xs[0], splits_t, nm, process_set, members))
+
+    def backward(xs, ys, dys):
+        grad, _ = _alltoall_raw(dys[0], ys[1], _sub_name(nm, "grad"), process_set, members)
+        return [tf.reshape(grad, tf.shape(xs[0]))]
+
+    if _differentiable(tensor):
+        out, received = _alltoall_grad_wrapper(forward, backward, tensor)
+    else:
+        out, received = forward([tensor])
+    return out if splits is None else (out, received)
+
+
+def _alltoall_grad_wrapper(forward_fn, backward_fn, tensor):
+    @tf.custom_gradient
+    def forward(x):
+        y, received = forward_fn([x])
+
+        def grad(dy, *_unused):   # no gradient flows into received_splits (integers)
+            dy = tf.zeros_like(y) if dy is None else dy
+            return backward_fn([x], [y, received], [dy])[0]
+
+        return (y, received), grad
+
+    y, received = forward(tensor)
+    return y, received
+
+
+# --- reducescatter ---------------------------------------------------------------------------
+def _check_scatter_args(tensors: list, op: ReduceOp, what: str) -> None:
+    if op == ReduceOp.Adasum:
+        raise ValueError(f"{what}: op=Adasum is not supported; use Sum or Average.")
+    for t in tensors:
+        if t.shape.rank == 0:
+            raise ValueError(f"{what}: a scalar cannot be scattered; pass a tensor with at "
+                             f"least one dimension (its rows are split across ranks).")
+
+
+def _reducescatter_raw(tensors: list, name, op: ReduceOp, prescale: float, postscale: float,
+                       process_set, members, grouped: bool) -> list:
+    """Differentiable reducescatter of ``tensors`` (one op, or one core group)."""
+    kwargs = _allreduce_kwargs(op, prescale, postscale)
+
+    def forward(xs):
+        shapes = [_scattered_shape(x, members) for x in xs]
+        if grouped:
+            return _group(REDUCESCATTER, xs, name, kwargs, process_set, shapes)
+        dtypes = [_dtype_name(xs[0], f"reducescatter of {name or 'unnamed tensor'}")]
+        all_kwargs = dict(kwargs, process_set=process_set)
+        outs = _node(_label(REDUCESCATTER, name),
+                     lambda a: _execute(REDUCESCATTER, [a], [name], dtypes, all_kwargs),
+                     xs, [xs[0].dtype])
+        _set_shapes(outs, shapes)
+        return outs
+
+    def backward(xs, ys, dys):
+        # Rank r's output rows are (scaled) sums of every rank's rows: each input receives the
+        # gathered output gradients times the forward's scale.
+        _check_grad_op(op, "grouped_reducescatter" if grouped else "reducescatter")
+        idx = [i for i, x in enumerate(xs) if _differentiable(x)]
+        factor = prescale * postscale / (_set_size(members) if op == ReduceOp.Average else 1)
+        gathered = _allgather_raw([dys[i] for i in idx], _sub_name(name, "grad"), process_set,
+                                  members, grouped)
+        out = [None] * len(xs)
+        for i, g in zip(idx, gathered):
+            out[i] = tf.reshape(_scale(g, factor), tf.shape(xs[i]))
+        return out
+
+    return _custom_gradient(forward, backward, tensors)
+
+
+@_public
+def reducescatter(tensor, device_dense: str = "", compression=Compression.none,
+                  op: ReduceOp | int | None = ReduceOp.Average, name: str | None = None,
+                  process_set: ProcessSet | None = global_process_set,
+                  ignore_name_scope: bool = False, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0):
+    """Reduce ``tensor`` (same shape on every rank) across ``process_set`` and return this
+    rank's share of the rows.
+
+    ``op``: Average (default), Sum, Min, Max or Product; ``prescale_factor`` multiplies the
+    input before the reduction, ``postscale_factor`` the result.  With R rows and N ranks the
+    first R % N ranks of the set get R // N + 1 rows and the others R // N (Horovod's rule); the
+    other dimensions are kept.  Differentiable for Sum/Average: the gradient of the input is the
+    allgather of every rank's output gradient, times the forward's scale factors (and 1/N for
+    Average).
+    """
+    what = f"reducescatter of {name or 'a tensor'}"
+    members = _members(process_set, what)
+    op = resolve_op(op)
+    tensor = tf.convert_to_tensor(tensor)
+    _check_scatter_args([tensor], op, what)
+    compressed, ctx = compression.compress(tensor)
+    out = _reducescatter_raw([compressed], _op_name("reducescatter", name, process_set), op,
+                             prescale_factor, postscale_factor, process_set, members,
+                             grouped=False)[0]
+    return compression.decompress(out, ctx)
+
+
+@_public
+def grouped_reducescatter(tensors: Sequence, device_dense: str = "",
+                          compression=Compression.none,
+                          op: ReduceOp | int | None = ReduceOp.Average,
+                          process_set: ProcessSet | None = global_process_set,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                          name: str | None = None, ignore_name_scope: bool = False) -> list:
+    """Reducescatter a list of tensors as one group (one negotiation, one graph node); returns
+    one tensor per input, each split by rows as in :func:`reducescatter`.  Differentiable for
+    Sum/Average."""
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if not tensors:
+        return []
+    what = f"grouped_reducescatter of {name or 'tensors'}"
+    members = _members(process_set, what)
+    op = resolve_op(op)
+    _check_scatter_args(tensors, op, what)
+    compressed = [compression.compress(t) for t in tensors]
+    outs = _reducescatter_raw([c for c, _ in compressed],
+                              _op_name("grouped_reducescatter", name, process_set), op,
+                              prescale_factor, postscale_factor, process_set, members,
+                              grouped=True)
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, compressed)]
+
+
+# --- barrier, join and topology ops ----------------------------------------------------------
+def _control_op(label: str, fn: Callable[[], int]):
+    """Eager: run ``fn`` now; graph: one chained node.  Returns an int32 scalar tensor."""
+    out = _node(label, lambda: [np.int32(fn())], [], [tf.int32])[0]
+    _set_shapes([out], [tf.TensorShape([])])
     return out
 
 
-def size_op(process_set_id=0, name=None):
-    """Number of ranks, as an int32 tensor."""
-    return tf.constant(basics.size(), dtype=tf.int32, name=name)
+@_public
+def barrier(process_set: ProcessSet | None = global_process_set):
+    """Block until every rank of ``process_set`` reaches the barrier.  Eagerly returns None;
+    inside ``tf.function`` it is a graph node (returned, an int32 scalar)."""
+    _members(process_set, "barrier")
+    if tf.executing_eagerly():
+        core.barrier(process_set)
+        return None
+
+    def run() -> int:
+        core.barrier(process_set)
+        return 0
+
+    return _control_op("hvdlite_barrier", run)
 
 
-def rank_op(name=None):
+@_public
+def join(process_set: ProcessSet | None = global_process_set):
+    """Declare that this rank has run out of data and block until every rank (of
+    ``process_set``) has joined.
+
+    Until then this rank keeps taking part in the other ranks' allreduces, contributing zeros
+    (so Average still divides by the full number of ranks, as in Horovod); other collectives
+    cannot run while a rank is joined.  Returns an int32 scalar tensor: the global rank of the
+    last rank to join (eagerly and inside ``tf.function``).
+    """
+    _members(process_set, "join")
+    return _control_op("hvdlite_join", lambda: core.join(process_set))
+
+
+def _set_ranks(process_set_id: int) -> list[int]:
+    found = basics.get_process_set_ids_and_ranks().get(int(process_set_id))
+    if found is None:
+        raise ValueError(f"process set {process_set_id} is not registered.")
+    return found
+
+
+def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
+    """Number of ranks in the process set ``process_set_id`` (default: the job), as an int32
+    tensor."""
+    size = basics.size() if process_set_id == 0 else len(_set_ranks(process_set_id))
+    return tf.constant(size, dtype=tf.int32, name=name)
+
+
+def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
+    """1 if this rank is a member of the process set ``process_set_id``, else 0 (int32)."""
+    included = process_set_id == 0 or basics.rank() in _set_ranks(process_set_id)
+    return tf.constant(int(included), dtype=tf.int32, name=name)
+
+
+def rank_op(name: str | None = None) -> tf.Tensor:
     return tf.constant(basics.rank(), dtype=tf.int32, name=name)
 
 
-def local_size_op(name=None):
+def local_size_op(name: str | None = None) -> tf.Tensor:
     return tf.constant(basics.local_size(), dtype=tf.int32, name=name)
 
 
-def local_rank_op(name=None):
+def local_rank_op(name: str | None = None) -> tf.Tensor:
     return tf.constant(basics.local_rank(), dtype=tf.int32, name=name)
 
 
-def cross_size_op(name=None):
+def cross_size_op(name: str | None = None) -> tf.Tensor:
     return tf.constant(basics.cross_size(), dtype=tf.int32, name=name)
 
 
-def cross_rank_op(name=None):
+def cross_rank_op(name: str | None = None) -> tf.Tensor:
     return tf.constant(basics.cross_rank(), dtype=tf.int32, name=name)
-
-
-def _no_process_sets(process_set) -> None:
-    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
-        raise NotImplementedError("process sets are not available in hvdlite yet; omit "
-                                  "process_set= to use all ranks.")

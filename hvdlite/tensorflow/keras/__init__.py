@@ -20,9 +20,10 @@ import tensorflow as tf
 from hvdlite.common.public import *  # noqa: F401,F403 - the shared, framework-neutral API
 
 from ..compression import Compression
-from ..gradient_tape import make_allreduce_grads_fn
+from ..gradient_tape import _check_process_set, make_allreduce_grads_fn
 from ..mpi_ops import (allreduce as _tf_allreduce, allgather as _tf_allgather,
-                       broadcast as _tf_broadcast, broadcast_variables, barrier)
+                       broadcast as _tf_broadcast, reducescatter as _tf_reducescatter,
+                       broadcast_variables, barrier)
 from . import callbacks
 
 
@@ -93,7 +94,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          compression=Compression.none, sparse_as_dense=False,
                          gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
                          average_aggregated_gradients=False, num_groups=0, groups=None,
-                         process_set=None, scale_local_gradients=True):
+                         process_set=global_process_set, scale_local_gradients=True):
     """Return a copy of the Keras optimizer ``optimizer`` (built from its config, as Horovod
     does) whose gradients are averaged across ranks before being applied.
 
@@ -102,10 +103,11 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     over the N passes with ``average_aggregated_gradients=True``).  ``compression``,
     ``sparse_as_dense``, ``op`` and ``gradient_predivide_factor`` are as in
     :func:`hvdlite.tensorflow.DistributedGradientTape`.  ``num_groups``/``groups`` are accepted
-    for compatibility (all gradients already travel as one fused group).
+    for compatibility (all gradients already travel as one fused group).  ``process_set``:
+    gradients are averaged over its ranks only; ranks outside it apply their local gradients
+    (as in Horovod).
     """
-    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
-        raise NotImplementedError("process sets are not available in hvdlite yet")
+    _check_process_set(process_set)
     if backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be >= 1")
     if isinstance(optimizer, _DistributedOptimizer):
@@ -121,7 +123,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         new.__class__ = cls
     label = name or f"Distributed{base.__name__}"
     new._hvd_setup(make_allreduce_grads_fn(f"DistributedOptimizer.{label}", compression,
-                                           sparse_as_dense, op, gradient_predivide_factor),
+                                           sparse_as_dense, op, gradient_predivide_factor,
+                                           process_set),
                    backward_passes_per_step, average_aggregated_gradients)
     return new
 
@@ -142,6 +145,12 @@ def allgather(value, name=None):
 def broadcast(value, root_rank, name=None):
     """Broadcast a tensor-like value from ``root_rank`` (returns a numpy array)."""
     return _tf_broadcast(tf.convert_to_tensor(value), root_rank, name=name).numpy()
+
+
+def reducescatter(value, name=None, op=Average):
+    """Reducescatter a tensor-like value (Average by default; returns a numpy array with this
+    rank's rows, see :func:`hvdlite.tensorflow.reducescatter`)."""
+    return _tf_reducescatter(tf.convert_to_tensor(value), name=name, op=op).numpy()
 
 
 def broadcast_global_variables(root_rank):
