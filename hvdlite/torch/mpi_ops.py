@@ -411,6 +411,8 @@ def grouped_allreduce_(tensors, average: bool | None = None, name: str | None = 
 def grouped_allgather_async(tensors, name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> GroupHandle:
     """Start allgathering a list of tensors as one unit."""
+    for t in tensors:
+        check_tensor(t, f"grouped_allgather {name or ''}".strip())
     tensors = [t.reshape(1) if t.dim() == 0 else t for t in tensors]
     parts = [_shape_later(t) for t in tensors]
     handle = core_grouped.submit_group(
@@ -430,6 +432,8 @@ def grouped_reducescatter_async(tensors, name: str | None = None, op: ReduceOp |
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                                 process_set: ProcessSet = global_process_set) -> GroupHandle:
     """Start reducescattering a list of tensors as one unit."""
+    for t in tensors:
+        check_tensor(t, f"grouped_reducescatter {name or ''}".strip())
     parts = [_shape_later(t) for t in tensors]
     handle = core_grouped.submit_group(
         REDUCESCATTER, [p[1] for p in parts], name=name, allocates=[p[3] for p in parts],
