@@ -39,7 +39,7 @@ def _job(mpi_job, np):
 
 
 # one rank too: SyncBatchNorm then takes nn.BatchNorm's own path
-NP_VALUES = (1, *C.NP_VALUES)
+NP_VALUES = (1, *C.NP_VALUES, 4)
 
 
 @pytest.mark.parametrize("np", NP_VALUES)

@@ -285,12 +285,12 @@ def synced_reporter(rank: int, comm):
 
 
 # --- pytest side -------------------------------------------------------------------------------
-def pytest_params(cases_for, xfail: dict | None = None):
-    """``pytest.param(np, case)`` for every np in NP_VALUES and every case of ``cases_for(np)``
+def pytest_params(cases_for, xfail: dict | None = None, nps=NP_VALUES):
+    """``pytest.param(np, case)`` for every np in ``nps`` and every case of ``cases_for(np)``
     (a function of np, or a fixed list); ``xfail`` maps case names to a known-bug reason."""
     import pytest
     out = []
-    for np_ in NP_VALUES:
+    for np_ in nps:
         cases = cases_for(np_) if callable(cases_for) else cases_for
         for case in cases:
             marks = ()

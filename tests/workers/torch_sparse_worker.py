@@ -80,7 +80,7 @@ def sparse_input(case, k, pattern, dtype=torch.float32):
         shape, idx = (8,), torch.randint(0, 4, (1, nnz), generator=g)
         v = vals((nnz,))
     elif pattern == "distinct":      # rows k*4 .. k*4+3: no other rank touches them
-        shape, idx = (12,), (k * 4 + torch.randperm(4, generator=g)[:3]).reshape(1, 3)
+        shape, idx = (4 * SIZE,), (k * 4 + torch.randperm(4, generator=g)[:3]).reshape(1, 3)
         v = vals((3,))
     elif pattern == "all_empty":
         shape, idx = (6, 3), torch.empty((1, 0), dtype=torch.int64)
