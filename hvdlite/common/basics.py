@@ -226,9 +226,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
                    if i in state.sets]
     for found in removed:
         _stop_set(*found)
-    return set_id is not None and any(ps is process_set or ps.process_set_id is None
-                                      and ps._ranks == process_set._ranks
-                                      for ps, _, _ in removed)
+    return any(ps is process_set for ps, _, _ in removed)
 
 
 def process_set_engine(process_set: ProcessSet | None, what: str):
