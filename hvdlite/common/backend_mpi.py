@@ -113,15 +113,14 @@ class MPIBackend:
 
     def _allgather(self, response: Response, entry: Entry) -> None:
         info = dtype_info(response.dtype)
-        row_shape = tuple(response.shape[1:])
-        row = int(np.prod(row_shape, dtype=np.int64))
+        row_shape, row = _row_layout(response.shape)
         out_shape = (sum(response.first_dims),) + row_shape
         entry.output = entry.allocate(out_shape, info.np_dtype)
         counts = [d * row for d in response.first_dims]
-        displs = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64).tolist()
         mpi_type = mpi_datatype(info)
         self.comm.Allgatherv([entry.array.reshape(-1), mpi_type],
-                             [entry.output.reshape(-1), (counts, displs), mpi_type])
+                             [entry.output.reshape(-1), (counts, _displacements(counts)),
+                              mpi_type])
 
     def _broadcast(self, response: Response, entry: Entry) -> None:
         info = dtype_info(response.dtype)
@@ -135,8 +134,7 @@ class MPIBackend:
         """Rows ``splits[r][j]`` of rank r go to rank j; the result is the received rows in
         rank order, plus how many came from each rank."""
         info = dtype_info(response.dtype)
-        row_shape = tuple(response.shape[1:])
-        row = int(np.prod(row_shape, dtype=np.int64))
+        row_shape, row = _row_layout(response.shape)
         mine = response.splits[self.rank]
         received = [splits[self.rank] for splits in response.splits]
         out = entry.allocate((sum(received),) + row_shape, info.np_dtype)
@@ -152,8 +150,7 @@ class MPIBackend:
     def _reducescatter(self, response: Response, entry: Entry) -> None:
         """Reduce across ranks; rank r keeps its share of the rows (see ``split_rows``)."""
         info = dtype_info(response.dtype)
-        row_shape = tuple(response.shape[1:])
-        row = int(np.prod(row_shape, dtype=np.int64))
+        row_shape, row = _row_layout(response.shape)
         rows = split_rows(response.shape[0], self.size)
         out = entry.allocate((rows[self.rank],) + row_shape, info.np_dtype)
         src = entry.array.reshape(-1)
@@ -170,6 +167,12 @@ class MPIBackend:
         if not info.is_bool:
             scale_in_place(flat, self._postscale(response))
         entry.output = out
+
+
+def _row_layout(shape: tuple) -> tuple[tuple, int]:
+    """Shape of one row (everything after dimension 0) and its number of elements."""
+    row_shape = tuple(shape[1:])
+    return row_shape, int(np.prod(row_shape, dtype=np.int64))
 
 
 def _displacements(counts: list[int]) -> list[int]:

@@ -34,7 +34,8 @@ from .config import Config
 from .errors import StallError
 from .handle import Entry
 from .dtypes import dtype_info, reduction_identity
-from .messages import ERROR_STALL, JOIN, REDUCING_KINDS, Request, Response, build_response
+from .messages import (ERROR_STALL, JOIN, Request, Response, build_response,
+                       runs_while_joined)
 from .reduce_ops import ReduceOp
 from .response_cache import ResponseCache
 from .waiting import wait_until
@@ -246,7 +247,7 @@ class Controller:
             for response in new_responses:
                 entry = self.pending.pop(response.name, None)
                 if (entry is None and response.error is None and self.join_entry is not None
-                        and response.kind in REDUCING_KINDS):
+                        and runs_while_joined(response.kind, response.reduce_op)):
                     entry = _stand_in(response)
                 if response.error is None and entry is not None:
                     self.cache.put(response, entry.request)
@@ -261,7 +262,7 @@ class Controller:
     # --- join --------------------------------------------------------------------------------
     def _reducible_slots(self) -> list[int]:
         return [slot for slot, response in self.cache.items()
-                if response.kind in REDUCING_KINDS and response.reduce_op != ReduceOp.Adasum]
+                if runs_while_joined(response.kind, response.reduce_op)]
 
     def _route_unjoinable(self) -> None:
         """Some rank has joined: cached operations that cannot run without it go to the
@@ -269,7 +270,7 @@ class Controller:
         for entry in self.pending.values():
             if entry.slot is not None:
                 response = self.cache.response(entry.slot)
-                if response.kind not in REDUCING_KINDS or response.reduce_op == ReduceOp.Adasum:
+                if not runs_while_joined(response.kind, response.reduce_op):
                     for member in entry.group or (entry,):
                         member.slot = None
 

@@ -19,6 +19,13 @@ JOIN = "join"
 # Kinds that reduce, i.e. can run while some ranks have joined (they contribute the identity).
 REDUCING_KINDS = (ALLREDUCE,)
 
+
+def runs_while_joined(kind: str, reduce_op: int) -> bool:
+    """Whether an operation can run with joined ranks standing in with the op's identity
+    (Adasum has no neutral contribution)."""
+    from .reduce_ops import ReduceOp
+    return kind in REDUCING_KINDS and reduce_op != ReduceOp.Adasum
+
 ERROR_MISMATCH = "mismatch"
 ERROR_STALL = "stall"
 
@@ -132,20 +139,19 @@ def build_response(requests: Mapping[int, Request], joined: Iterable[int] = ()) 
 
 
 def _joined_error(request: Request, submitted: list[int], joined: list[int]) -> str | None:
-    from .reduce_ops import ReduceOp
+    if runs_while_joined(request.kind, request.reduce_op):
+        return None
     what = f"{request.kind} of {request.name!r}"
     if request.kind not in REDUCING_KINDS:
         return (f"{what} cannot run: ranks {joined} have called join() and no longer take part "
                 f"(submitted on ranks {submitted}). Only allreduce works while ranks are joined; "
                 f"run {request.kind} before join() on every rank.")
-    if request.reduce_op == ReduceOp.Adasum:
-        return (f"{what} with op=Adasum cannot run while ranks {joined} have joined (Adasum has "
-                f"no neutral contribution); use Average or Sum, or reduce before join().")
-    return None
+    return (f"{what} with op=Adasum cannot run while ranks {joined} have joined (Adasum has "
+            f"no neutral contribution); use Average or Sum, or reduce before join().")
 
 
 def split_rows(rows: int, parts: int) -> list[int]:
-    """Rows per rank when ``rows`` are divided as evenly as possible (reducescatter, default
-    alltoall): the first ``rows % parts`` ranks get one extra row."""
+    """Rows per rank when ``rows`` are divided as evenly as possible (reducescatter): the first
+    ``rows % parts`` ranks get one extra row."""
     base, extra = divmod(rows, parts)
     return [base + (1 if i < extra else 0) for i in range(parts)]
