@@ -26,9 +26,8 @@ class _State:
         self.cross_rank, self.cross_size = cross_rank, cross_size
         self.homogeneous = homogeneous
         self.threads_multiple = threads_multiple
-        # process_set_id -> (set, its engine or None where this rank is not a member, its comm)
-        self.sets: dict[int, tuple[ProcessSet, object, object]] = {
-            0: (global_process_set, engine, None)}
+        # process_set_id -> (set, its engine or None where this rank is not a member)
+        self.sets: dict[int, tuple[ProcessSet, object]] = {0: (global_process_set, engine)}
         self.next_set_id = 1
 
 
@@ -123,9 +122,9 @@ def shutdown() -> None:
         return
     from .ops import reset_auto_names
     reset_auto_names()   # every rank re-inits together, so unnamed ops restart in step
-    for set_id, (ps, set_engine, set_comm) in sorted(state.sets.items(), reverse=True):
+    for set_id, (ps, set_engine) in sorted(state.sets.items(), reverse=True):
         if set_id != 0:
-            _stop_set(ps, set_engine, set_comm)
+            _stop_set(ps, set_engine)
     state.engine.shutdown()
     try:
         state.engine.comm.Free()
@@ -134,7 +133,7 @@ def shutdown() -> None:
         pass
 
 
-def _stop_set(ps: ProcessSet, set_engine, set_comm) -> None:
+def _stop_set(ps: ProcessSet, set_engine) -> None:
     ps.process_set_id = None
     if set_engine is not None:
         set_engine.shutdown()
@@ -164,7 +163,7 @@ def _register(state: _State, process_set: ProcessSet) -> ProcessSet:
         candidates = [check_ranks(mine, state.size)]
     else:              # communicators (e.g. from Split): each distinct one becomes a set
         candidates = sorted({tuple(r) for r in every if r is not None})
-    known = {tuple(ps.ranks): ps for ps, _, _ in state.sets.values()}
+    known = {tuple(ps.ranks): ps for ps, _ in state.sets.values()}
     for ranks in candidates:
         if tuple(ranks) in known:
             raise ValueError(f"a process set with ranks {list(ranks)} is already registered "
@@ -186,7 +185,7 @@ def _register(state: _State, process_set: ProcessSet) -> ProcessSet:
         if set_comm != MPI.COMM_NULL:
             set_engine = Engine(set_comm, state.config, ranks)
             set_engine.start()
-        state.sets[set_id] = (target, set_engine, set_comm)
+        state.sets[set_id] = (target, set_engine)   # the engine owns (and frees) set_comm
     return process_set
 
 
@@ -226,7 +225,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
                    if i in state.sets]
     for found in removed:
         _stop_set(*found)
-    return any(ps is process_set for ps, _, _ in removed)
+    return any(ps is process_set for ps, _ in removed)
 
 
 def process_set_engine(process_set: ProcessSet | None, what: str):
@@ -245,7 +244,7 @@ def process_set_engine(process_set: ProcessSet | None, what: str):
         raise ValueError(f"{what}: {process_set!r} is not registered (never added, or "
                          f"removed); register it with hvd.init(process_sets=[...]) or "
                          f"hvd.add_process_set().")
-    registered, set_engine, _ = found
+    registered, set_engine = found
     if set_engine is None:
         raise ValueError(f"{what}: rank {state.rank} is not a member of process set "
                          f"{set_id} (ranks {registered.ranks}); only its members may run "
@@ -256,14 +255,14 @@ def process_set_engine(process_set: ProcessSet | None, what: str):
 def get_process_set_ids_and_ranks() -> dict[int, list[int]]:
     """Every registered process set's id and global ranks (Horovod's helper)."""
     state = _get("hvd.get_process_set_ids_and_ranks()")
-    return {set_id: ps.ranks for set_id, (ps, _, _) in sorted(state.sets.items())}
+    return {set_id: ps.ranks for set_id, (ps, _) in sorted(state.sets.items())}
 
 
 def comm_process_set(comm) -> ProcessSet:
     """The registered process set whose ranks are those of the mpi4py communicator ``comm``."""
     state = _get("hvd.comm_process_set()")
     ranks = resolve_ranks(ProcessSet(comm), state.world)
-    for ps, _, _ in state.sets.values():
+    for ps, _ in state.sets.values():
         if ps.ranks == ranks:
             return ps
     raise ValueError(f"no registered process set has the ranks {ranks} of this communicator.")
