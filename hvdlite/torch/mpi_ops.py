@@ -149,18 +149,6 @@ def _shape_later(tensor: torch.Tensor):
     return src, array, dtype, allocate, holder
 
 
-def _set_rank(process_set) -> int:
-    if process_set is None or process_set.process_set_id == 0:
-        return rank()
-    return process_set.rank()
-
-
-def _set_size(process_set) -> int:
-    if process_set is None or process_set.process_set_id == 0:
-        return size()
-    return process_set.size()
-
-
 class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, process_set):
@@ -173,7 +161,7 @@ class _Allgather(torch.autograd.Function):
         grad = allreduce(grad_output, op=ReduceOp.Sum, process_set=ctx.process_set)
         rows = allgather(torch.tensor([ctx.rows], dtype=torch.int64),
                          process_set=ctx.process_set)
-        offset = int(rows[:_set_rank(ctx.process_set)].sum())
+        offset = int(rows[:(ctx.process_set or global_process_set).rank()].sum())
         return grad.narrow(0, offset, ctx.rows), None, None
 
 
@@ -298,7 +286,7 @@ def _scatter_grad(grad: torch.Tensor, op: ReduceOp, scales, process_set) -> torc
     full = allgather(grad.contiguous(), process_set=process_set)
     factor = scales[0] * scales[1]
     if op == ReduceOp.Average:
-        factor /= _set_size(process_set)
+        factor /= (process_set or global_process_set).size()
     return full * factor if factor != 1.0 else full
 
 

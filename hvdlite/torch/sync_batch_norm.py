@@ -11,7 +11,7 @@ import itertools
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from hvdlite.common.basics import size
+from hvdlite.common.process_sets import global_process_set
 from hvdlite.common.reduce_ops import ReduceOp
 
 from .mpi_ops import allreduce
@@ -22,11 +22,6 @@ _first_use_counters: dict[int, itertools.count] = {}
 
 def _set_id(process_set) -> int:
     return 0 if process_set is None else int(getattr(process_set, "process_set_id", 0))
-
-
-def _set_size(process_set) -> int:
-    set_size = getattr(process_set, "size", None)
-    return int(set_size()) if callable(set_size) else size()
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -74,7 +69,7 @@ class SyncBatchNorm(_BatchNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         use_batch_stats = self.training or (self.running_mean is None
                                             and self.running_var is None)
-        if not use_batch_stats or _set_size(self.process_set) == 1:
+        if not use_batch_stats or (self.process_set or global_process_set).size() == 1:
             return super().forward(input)   # nn.BatchNorm's own path; no communication
         self._check_input_dim(input)
         factor = 0.0
