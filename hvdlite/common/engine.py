@@ -73,8 +73,11 @@ class Engine:
         return Handle(name, self.alive)
 
     def submit(self, entry: Entry) -> Handle:
-        with self._lock:
-            self._admit((entry,))
+        name = entry.name
+        with self._lock:   # one entry: the checks of _admit, without its loops (hot path)
+            if self._stopped is not None or self._shutdown_requested or name in self._in_flight:
+                self._admit((entry,))   # raises the right error
+            self._in_flight[name] = entry
         self._queue.put(entry)
         return entry.handle
 

@@ -19,7 +19,7 @@ from .errors import HvdliteError
 from .handle import Entry, GroupHandle, Handle
 from .messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN, REDUCESCATTER,
                        Request)
-from .process_sets import ProcessSet
+from .process_sets import ProcessSet, global_process_set
 from .reduce_ops import ReduceOp, resolve_op
 
 _counter_lock = threading.Lock()
@@ -65,16 +65,20 @@ def submit(kind: str, array: np.ndarray | None, *, name: str | None = None,
     whose shape is known only after negotiation (allgather, alltoall, reducescatter).
     ``process_set`` (default: all ranks) selects the ranks, and the engine, that run it.
     """
-    engine, members = basics.process_set_engine(process_set, f"{kind} of {name or 'a tensor'}")
-    entry = make_entry(engine, members, kind, array, name=name, output=output,
-                       allocate=allocate, reduce_op=reduce_op, root_rank=root_rank,
-                       prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                       dtype=dtype, device=device, splits=splits,
-                       set_id=0 if members is None else process_set.process_set_id)
+    if process_set is None or process_set is global_process_set:   # the hot path: no lookup
+        engine, members, set_id = basics.engine(), None, 0
+    else:
+        engine, members = basics.process_set_engine(process_set,
+                                                    f"{kind} of {name or 'a tensor'}")
+        set_id = 0 if members is None else process_set.process_set_id
+    # Positional: this runs for every gradient, and keyword passing costs measurably here.
+    entry = make_entry(engine, members, kind, array, name, output, allocate, reduce_op,
+                       root_rank, prescale_factor, postscale_factor, dtype, device, splits,
+                       set_id)
     return engine.submit(entry)
 
 
-def make_entry(engine, members: list[int] | None, kind: str, array: np.ndarray | None, *,
+def make_entry(engine, members: list[int] | None, kind: str, array: np.ndarray | None,
                name: str | None = None, output: np.ndarray | None = None,
                allocate: Callable[[tuple, np.dtype], np.ndarray] | None = None,
                reduce_op: ReduceOp = ReduceOp.Sum, root_rank: int = -1,
@@ -107,7 +111,6 @@ def make_entry(engine, members: list[int] | None, kind: str, array: np.ndarray |
         in_place = output is array
         array = array.view(info.np_dtype)
         output = array if in_place else (None if output is None else output.view(info.np_dtype))
-    set_size = basics.size() if members is None else len(members)
     shape = array.shape
     if kind in (ALLREDUCE, REDUCESCATTER):
         check_reduce_op(info, reduce_op, name)
@@ -116,12 +119,13 @@ def make_entry(engine, members: list[int] | None, kind: str, array: np.ndarray |
             if kind == REDUCESCATTER:
                 raise ValueError(f"reducescatter of {name!r}: op=Adasum is not supported; use "
                                  f"Sum or Average.")
-            check_adasum_size(set_size, f"allreduce of {name!r}")
+            check_adasum_size(_set_size(members), f"allreduce of {name!r}")
         if kind == REDUCESCATTER and not shape:
             raise ValueError(f"reducescatter of {name!r}: a scalar cannot be scattered; pass a "
                              f"tensor with at least one dimension (its rows are split across "
                              f"ranks).")
     elif kind == BROADCAST:
+        set_size = _set_size(members)
         valid = range(set_size) if members is None else members
         if root_rank not in valid:
             where = (f"a job of {set_size} ranks" if members is None
@@ -132,7 +136,7 @@ def make_entry(engine, members: list[int] | None, kind: str, array: np.ndarray |
         if not shape:
             raise ValueError(f"alltoall of {name!r}: a scalar cannot be split; pass a tensor "
                              f"with at least one dimension.")
-        splits = _check_splits(name, splits, shape[0], set_size)
+        splits = _check_splits(name, splits, shape[0], _set_size(members))
     if kind == ALLGATHER and not shape:
         shape = (1,)
         array = array.reshape(1)
@@ -145,6 +149,10 @@ def make_entry(engine, members: list[int] | None, kind: str, array: np.ndarray |
     if output is None and kind in (ALLREDUCE, BROADCAST):
         output = np.empty_like(array)
     return Entry(request, array, output, allocate or _default_allocate, engine.new_handle(name))
+
+
+def _set_size(members: list[int] | None) -> int:
+    return basics.size() if members is None else len(members)
 
 
 def _check_splits(name: str, splits, rows: int, set_size: int) -> tuple:
