@@ -114,7 +114,7 @@ def test_allgather_dtype_mismatch():
     ("reduce op", dict(op=ReduceOp.Max), ["Sum", "Max"]),
     ("prescale", dict(pre=2.0), ["prescale", "1.0", "2.0"]),
     ("postscale", dict(post=0.25), ["postscale", "1.0", "0.25"]),
-    ("device", dict(device=0), ["device", "cpu", "cuda:0"]),
+    ("device", dict(device=0), ["device", "'cpu'", "'gpu'"]),
 ])
 @pytest.mark.parametrize("odd", [0, 1, 2])
 def test_allreduce_field_mismatch(field, kwargs_odd, fragments, odd):
@@ -122,6 +122,12 @@ def test_allreduce_field_mismatch(field, kwargs_odd, fragments, odd):
     msg = assert_mismatch(build_response(reqs), "layer.w", *fragments)
     others = [r for r in range(3) if r != odd]
     assert str([odd]) in msg and str(others) in msg, msg
+
+
+def test_different_gpus_per_rank_agree():
+    """One GPU per rank: rank 0 on cuda:0 and rank 1 on cuda:1 is the normal layout."""
+    response = build_response(per_rank(ar(device=0), ar(device=1), ar(device=3)))
+    assert response.error is None and response.device >= 0
 
 
 def test_reduce_op_reported_by_name_not_number():

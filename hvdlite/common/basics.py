@@ -120,7 +120,9 @@ def shutdown() -> None:
         state, _state = _state, None
     if state is None:
         return
+    from .cuda import reset_process_device
     from .ops import reset_auto_names
+    reset_process_device()
     reset_auto_names()   # every rank re-inits together, so unnamed ops restart in step
     for set_id, (ps, set_engine) in sorted(state.sets.items(), reverse=True):
         if set_id != 0:
@@ -343,8 +345,10 @@ def gloo_enabled() -> bool:
 
 
 def nccl_built() -> int:
-    """NCCL version (as an int, Horovod style) if a NCCL binding is usable, else 0."""
-    return 0
+    """NCCL's version code (e.g. 22703 for 2.27.3, Horovod style) when the NCCL binding (CuPy's)
+    loads, else 0.  Needs no GPU: it says whether GPU tensors can go through NCCL."""
+    from .cuda import nccl_version
+    return nccl_version()
 
 
 def ddl_built() -> bool:
@@ -356,7 +360,9 @@ def ccl_built() -> bool:
 
 
 def cuda_built() -> bool:
-    return False
+    """True when CuPy (hvdlite's CUDA runtime binding) imports, so CUDA tensors are accepted."""
+    from .cuda import cupy_importable
+    return cupy_importable()
 
 
 def rocm_built() -> bool:

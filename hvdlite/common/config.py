@@ -40,6 +40,21 @@ def _number(name: str, default: float, environ: Mapping[str, str] | None, cast=f
     return value
 
 
+GPU_OPERATIONS = ("nccl", "mpi")
+
+
+def _gpu_operations(environ: Mapping[str, str] | None) -> str:
+    raw = env_value("GPU_OPERATIONS", environ)
+    if raw is None:
+        return "nccl"
+    value = raw.lower()
+    if value not in GPU_OPERATIONS:
+        raise ValueError(f"HVDLITE_GPU_OPERATIONS={raw!r} is not one of "
+                         f"{', '.join(GPU_OPERATIONS)} (nccl: reduce GPU tensors with NCCL on the device; mpi: stage them "
+                         f"through host memory and use MPI).")
+    return value
+
+
 def _flag(name: str, environ: Mapping[str, str] | None) -> bool:
     raw = env_value(name, environ)
     return raw is not None and raw.lower() not in ("0", "false", "no", "off")
@@ -55,6 +70,7 @@ class Config:
     stall_shutdown_seconds: float = 0.0  # 0 = never turn a stall into an error
     log_level: str = "WARNING"
     dynamic_process_sets: bool = False   # allow add_process_set / remove_process_set
+    gpu_operations: str = "nccl"         # how GPU tensors move: "nccl" or "mpi" (host-staged)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Config":
@@ -68,4 +84,5 @@ class Config:
             stall_shutdown_seconds=_number("STALL_SHUTDOWN_TIME_SECONDS", 0.0, environ),
             log_level=(env_value("LOG_LEVEL", environ) or "WARNING").upper(),
             dynamic_process_sets=_flag("DYNAMIC_PROCESS_SETS", environ),
+            gpu_operations=_gpu_operations(environ),
         )

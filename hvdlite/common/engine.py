@@ -54,6 +54,8 @@ class Engine:
         self.controller = Controller(comm, config, global_ranks)
         self.rank = self.controller.label   # global rank, for messages
         self.backend = MPIBackend(comm, self.controller.global_ranks)
+        self._gpu = None          # GPU backend and its completion thread, made on first use
+        self._gpu_completions = None
         self._lock = threading.Lock()              # guards _in_flight and the stop state
         self._queue: queue.SimpleQueue = queue.SimpleQueue()   # entries (or None = wake up)
         self._in_flight: dict[str, Entry] = {}   # submitted, not completed
@@ -147,6 +149,8 @@ class Engine:
                     join_entry, last_rank = outcome.joined
                     self._complete(join_entry, last_rank)
                 if outcome.shutdown_ranks:
+                    self._close_gpu(abort=self.rank not in outcome.shutdown_ranks
+                                    or len(outcome.shutdown_ranks) < self.controller.size)
                     self._stop_after_shutdown(outcome.shutdown_ranks)
                     return
                 # Everyone has work but nothing matched (tensors submitted in different orders):
@@ -161,6 +165,7 @@ class Engine:
                 log.exception("hvdlite background thread failed")
                 reason = f"hvdlite's background thread failed: {type(exc).__name__}: {exc}"
                 error = HvdliteError(reason)
+            self._close_gpu(abort=True)
             self._fail_everything(error, reason)
 
     def _execute(self, ready: list[tuple[Response, Entry | None]]) -> None:
@@ -172,8 +177,44 @@ class Engine:
             else:
                 runnable.append((response, entry))
         for batch in plan_batches(runnable, _fusion_key, _nbytes, self.config.fusion_threshold):
+            if batch[0][0].device >= 0:
+                self._execute_on_gpu(batch)
+                continue
             self.backend.execute(batch)
             self._complete_batch([entry for _, entry in batch])
+
+    def _execute_on_gpu(self, batch: list[tuple[Response, Entry]]) -> None:
+        """Queue the batch's device work; its handles complete when the work has finished."""
+        if self._gpu is None:
+            from . import cuda
+            from .backend_nccl import NCCLBackend
+            from .backend_staged import HostStagedBackend
+            from .gpu_completion import GpuCompletions
+            runtime = cuda.runtime()
+            backend_cls = NCCLBackend if self.config.gpu_operations == "nccl" else \
+                HostStagedBackend
+            self._gpu = backend_cls(self.comm, self.controller.global_ranks, runtime)
+            self._gpu_completions = GpuCompletions(runtime, self._complete_batch,
+                                                   lambda e, err: self._complete(e, error=err))
+        from . import cuda
+        device_id = cuda.process_device(self.rank)
+        event, keep_alive = self._gpu.execute(batch, device_id)
+        self._gpu_completions.put(event, [entry for _, entry in batch], keep_alive)
+
+    def _close_gpu(self, abort: bool) -> None:
+        """Let queued device work finish (or abort NCCL when peers are gone), then tear down."""
+        gpu, completions = self._gpu, self._gpu_completions
+        self._gpu = self._gpu_completions = None
+        if completions is not None and not abort:
+            completions.close()
+        close = getattr(gpu, "close", None)
+        if close is not None:
+            try:
+                close(abort=abort)
+            except Exception:   # noqa: BLE001 - teardown must not mask the original outcome
+                log.exception("hvdlite: closing the GPU backend failed")
+        if completions is not None and abort:
+            completions.close(timeout=5.0)
 
     def _complete_batch(self, entries: list[Entry]) -> None:
         """Complete successful entries with one lock round-trip for the whole batch."""

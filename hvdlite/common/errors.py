@@ -45,3 +45,8 @@ class UnsupportedDtypeError(HvdliteError, TypeError):
 
 class StallError(HvdliteError):
     """A tensor stayed unsubmitted on some ranks past HVDLITE_STALL_SHUTDOWN_TIME_SECONDS."""
+
+
+class GpuUnavailableError(HvdliteError):
+    """A GPU tensor was submitted but the GPU data path it needs (CUDA through CuPy, or NCCL)
+    is missing, or the tensor cannot use it (device or dtype)."""

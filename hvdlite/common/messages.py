@@ -105,7 +105,8 @@ def build_response(requests: Mapping[int, Request], joined: Iterable[int] = ()) 
     first = requests[min(requests)]
     kind = first.kind
     fields = [("operation", lambda r: r.kind), ("dtype", lambda r: r.dtype),
-              ("device", lambda r: "cpu" if r.device < 0 else f"cuda:{r.device}"),
+              # CPU against GPU matters; which GPU a rank uses does not (one GPU per rank)
+              ("device", lambda r: "cpu" if r.device < 0 else "gpu"),
               ("group", lambda r: (r.group or None, r.group_size))]
     if kind in (ALLREDUCE, REDUCESCATTER):
         fields += [("reduce op", lambda r: r.reduce_op), ("shape", lambda r: r.shape),

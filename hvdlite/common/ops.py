@@ -43,6 +43,8 @@ def reset_auto_names() -> None:
 def _contiguous(x) -> np.ndarray:
     """``x`` as a C-contiguous array, copying only if needed (0-d stays 0-d, unlike
     np.ascontiguousarray)."""
+    if hasattr(x, "__cuda_array_interface__") and not isinstance(x, np.ndarray):
+        return x if x.flags.c_contiguous else x.copy()   # a CuPy array stays on its GPU
     array = np.asarray(x)
     return array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
@@ -98,16 +100,19 @@ def make_entry(engine, members: list[int] | None, kind: str, array: np.ndarray |
 
     array_dtype = array.dtype
     info = dtype_info(dtype if dtype is not None else array_dtype, kind)
+    on_gpu = device >= 0 or not isinstance(array, np.ndarray)
+    if on_gpu:   # a CuPy view of a GPU tensor
+        device = _check_gpu(engine, kind, info, reduce_op, array, f"{kind} of {name!r}")
     if not array.flags.c_contiguous:
         raise ValueError(f"{kind} of {name!r}: the input array is not contiguous; pass a "
                          f"contiguous array (np.ascontiguousarray) or use the out-of-place "
                          f"operation.")
     if output is not None and output is not array:
         out_flags = output.flags
-        if not out_flags.c_contiguous or not out_flags.writeable:
+        if not out_flags.c_contiguous or not (on_gpu or out_flags.writeable):
             raise ValueError(f"{kind} of {name!r}: the output array must be contiguous and "
                              f"writable.")
-    if array_dtype is not info.np_dtype and array_dtype != info.np_dtype:
+    if array_dtype is not info.np_dtype and array_dtype != info.np_dtype and not on_gpu:
         in_place = output is array
         array = array.view(info.np_dtype)
         output = array if in_place else (None if output is None else output.view(info.np_dtype))
@@ -146,9 +151,37 @@ def make_entry(engine, members: list[int] | None, kind: str, array: np.ndarray |
                       prescale_factor if type(prescale_factor) is float else float(prescale_factor),
                       postscale_factor if type(postscale_factor) is float
                       else float(postscale_factor), splits or (), group, group_size, cacheable)
-    if output is None and kind in (ALLREDUCE, BROADCAST):
+    if on_gpu:
+        if allocate is None:
+            allocate = _device_allocator(array.dtype, device)
+        if output is None and kind in (ALLREDUCE, BROADCAST):
+            output = allocate(array.shape, array.dtype)
+    elif output is None and kind in (ALLREDUCE, BROADCAST):
         output = np.empty_like(array)
     return Entry(request, array, output, allocate or _default_allocate, engine.new_handle(name))
+
+
+def _check_gpu(engine, kind: str, info, reduce_op: ReduceOp, array, what: str) -> int:
+    """Everything about a GPU tensor that can fail is checked here, before it is in flight:
+    CuPy/NCCL present, one GPU per process, a dtype NCCL can reduce.  Returns the device."""
+    from . import cuda
+    runtime = cuda.runtime()
+    runtime.require(what)
+    device = runtime.device_of(array)
+    cuda.claim_device(device, what)
+    if engine.config.gpu_operations == "nccl":
+        runtime.require_nccl(what)
+        if kind == ALLREDUCE:
+            from .backend_nccl import nccl_reduce_check
+            nccl_reduce_check(info.name, reduce_op, what)
+    return device
+
+
+def _device_allocator(dtype, device: int) -> Callable[[tuple, np.dtype], object]:
+    """Outputs on the input's GPU, in the input's (device) dtype: bfloat16 stays a 16-bit view."""
+    from . import cuda
+    runtime = cuda.runtime()
+    return lambda shape, _dtype: runtime.empty(shape, dtype, device)
 
 
 def _set_size(members: list[int] | None) -> int:

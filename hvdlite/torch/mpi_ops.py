@@ -18,7 +18,7 @@ from hvdlite.common.process_sets import ProcessSet, global_process_set
 from hvdlite.common.reduce_ops import ReduceOp, resolve_op
 
 from .compression import Compression
-from .tensor_bridge import as_numpy, check_tensor, empty_numpy_backed
+from .tensor_bridge import as_core_array, check_tensor, empty_core_backed
 
 
 def _submit(kind: str, tensor: torch.Tensor, output: torch.Tensor | None, what: str,
@@ -33,8 +33,8 @@ def _submit(kind: str, tensor: torch.Tensor, output: torch.Tensor | None, what: 
         dst = output
     else:
         dst = torch.empty_like(output, memory_format=torch.contiguous_format)
-    array, dtype = as_numpy(src)
-    out_array = array if in_place else (None if dst is None else as_numpy(dst)[0])
+    array, dtype = as_core_array(src)
+    out_array = array if in_place else (None if dst is None else as_core_array(dst)[0])
     handle = core.submit(kind, array, output=out_array, dtype=dtype, **kwargs)
     if in_place and src is not tensor:
         return handle.then(lambda _: tensor.copy_(src))
@@ -140,12 +140,14 @@ def _shape_later(tensor: torch.Tensor):
     holder: list[torch.Tensor] = []
 
     def allocate(shape, np_dtype):
-        out, array = empty_numpy_backed(shape, tensor)
+        out, array = empty_core_backed(shape, tensor)
         holder.append(out)
+        if out.is_cuda:
+            return array   # device outputs keep the device view's dtype (bfloat16 as 16 bits)
         return array.view(np_dtype) if array.dtype != np_dtype else array
 
     src = tensor.contiguous()
-    array, dtype = as_numpy(src)
+    array, dtype = as_core_array(src)
     return src, array, dtype, allocate, holder
 
 
@@ -321,7 +323,7 @@ def _group_views(tensors, what: str, in_place: bool = False):
         if in_place and not t.is_contiguous():
             raise ValueError(f"{what}: in-place grouped ops need contiguous tensors.")
         src = t.contiguous()
-        array, dtype = as_numpy(src)
+        array, dtype = as_core_array(src)
         srcs.append(src)
         arrays.append(array)
         dtypes.append(dtype)
@@ -337,7 +339,7 @@ def grouped_allreduce_async(tensors, average: bool | None = None, name: str | No
     srcs, arrays, dtypes = _group_views(tensors, f"grouped_allreduce {name or ''}".strip())
     outs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in srcs]
     handle = core_grouped.submit_group(
-        ALLREDUCE, arrays, name=name, outputs=[as_numpy(o)[0] for o in outs], dtypes=dtypes,
+        ALLREDUCE, arrays, name=name, outputs=[as_core_array(o)[0] for o in outs], dtypes=dtypes,
         reduce_op=resolve_op(op, average), prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, process_set=process_set)
     return handle.then(lambda _: (srcs, outs)[1])

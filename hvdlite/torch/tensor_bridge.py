@@ -1,4 +1,7 @@
-"""Zero-copy handoff between torch CPU tensors and the core's numpy views."""
+"""Zero-copy handoff between torch tensors and the core's arrays.
+
+CPU tensors become numpy views; CUDA tensors become CuPy views through DLPack (the exchange makes
+hvdlite's stream wait for the stream that produced the tensor; see ``hvdlite.common.cuda``)."""
 from __future__ import annotations
 
 import numpy as np
@@ -15,10 +18,10 @@ _UNSUPPORTED_HINT = ("cast it to a supported dtype (bool, uint8, int8, int16, in
 def check_tensor(tensor, what: str) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}.")
-    if tensor.device.type != "cpu":
+    if tensor.device.type not in ("cpu", "cuda"):
         raise UnsupportedDtypeError(
-            f"{what}: tensor is on {tensor.device}; this hvdlite build has no GPU data path "
-            f"(NCCL) enabled, so only CPU tensors are supported. Move it with .cpu().")
+            f"{what}: tensor is on {tensor.device}; hvdlite moves CPU tensors (MPI) and CUDA "
+            f"tensors (NCCL, or host-staged MPI). Move it with .cpu() or .cuda().")
     if tensor.is_sparse:
         raise UnsupportedDtypeError(
             f"{what}: sparse tensors are not supported; convert with .to_dense() (or use "
@@ -28,17 +31,22 @@ def check_tensor(tensor, what: str) -> None:
                                     f"{_UNSUPPORTED_HINT}.")
 
 
-def as_numpy(tensor: torch.Tensor) -> tuple[np.ndarray, str | None]:
-    """Numpy view sharing ``tensor``'s memory (contiguous tensors only), and the dtype name to
-    tell the core when numpy cannot express the dtype itself."""
+def as_core_array(tensor: torch.Tensor) -> tuple[np.ndarray, str | None]:
+    """The core's view sharing ``tensor``'s memory (contiguous tensors only): numpy for CPU,
+    CuPy for CUDA; and the dtype name to tell the core when the view's dtype is a stand-in."""
     view_as = _VIEW_AS.get(tensor.dtype)
     t = tensor.detach()
     if view_as is not None:
-        return t.view(view_as[0]).numpy(), view_as[1]
-    return t.numpy(), None
+        t = t.view(view_as[0])
+    if t.is_cuda:
+        from hvdlite.common import cuda
+        array = cuda.runtime().device_view(t, t.device.index, f"tensor on {t.device}")
+    else:
+        array = t.numpy()
+    return array, (view_as[1] if view_as is not None else None)
 
 
-def empty_numpy_backed(shape: tuple, like: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
-    """A new contiguous tensor of ``like``'s dtype and its numpy view."""
-    out = torch.empty(shape, dtype=like.dtype)
-    return out, as_numpy(out)[0]
+def empty_core_backed(shape: tuple, like: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
+    """A new contiguous tensor of ``like``'s dtype on ``like``'s device, and its core view."""
+    out = torch.empty(shape, dtype=like.dtype, device=like.device)
+    return out, as_core_array(out)[0]

@@ -1,0 +1,218 @@
+"""The NCCL data mover for GPU buffers (CuPy's NCCL binding), one communicator per process set.
+
+The communicator is created the first time a set runs a GPU operation: rank 0 of the set makes an
+NCCL unique id and the set's MPI communicator broadcasts it.  Every rank executes the same
+negotiated responses in the same order, so every member reaches that point together.  Work is
+queued on hvdlite's stream of the process's GPU; :meth:`execute` returns an event behind it.
+
+Small allreduces are packed into a persistent device fusion buffer (one concatenate kernel),
+reduced with one NCCL call and unpacked; a lone tensor is reduced in place.  Allgather and
+broadcast move bytes, so they take every dtype.  Operations NCCL has no direct form for
+(alltoall, reducescatter, Adasum) go through the host-staged MPI path.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .backend_staged import HostStagedBackend
+from .dtypes import dtype_info
+from .errors import GpuUnavailableError, HvdliteError
+from .handle import Entry
+from .messages import ALLGATHER, ALLREDUCE, BARRIER, BROADCAST, Response
+from .reduce_ops import ReduceOp
+from .waiting import wait_until
+
+# ncclDataType_t and ncclRedOp_t values (nccl.h; CuPy exposes the same numbers).
+NCCL_TYPES = {"int8": 0, "uint8": 1, "bool": 1, "int32": 2, "uint32": 3, "int64": 4,
+              "uint64": 5, "float16": 6, "float32": 7, "float64": 8, "bfloat16": 9}
+_NCCL_SUM, _NCCL_PROD, _NCCL_MAX, _NCCL_MIN = 0, 1, 2, 3
+_NCCL_OPS = {ReduceOp.Sum: _NCCL_SUM, ReduceOp.Average: _NCCL_SUM, ReduceOp.Product: _NCCL_PROD,
+             ReduceOp.Max: _NCCL_MAX, ReduceOp.Min: _NCCL_MIN}
+# bool travels as bytes 0/1: "or" is max, "and" is min (the CPU path's LOR/LAND).
+_NCCL_BOOL_OPS = {ReduceOp.Sum: _NCCL_MAX, ReduceOp.Max: _NCCL_MAX, ReduceOp.Min: _NCCL_MIN,
+                  ReduceOp.Product: _NCCL_MIN}
+_NCCL_BYTES = 1   # ncclUint8: allgather and broadcast move raw bytes
+
+
+def nccl_reduce_check(dtype_name: str, op: ReduceOp, what: str) -> None:
+    """Raise at submission (before anything is in flight) for reductions NCCL cannot do."""
+    if op == ReduceOp.Adasum:
+        return   # runs host-staged
+    if dtype_name not in NCCL_TYPES:
+        raise GpuUnavailableError(
+            f"{what}: NCCL has no {dtype_name} reduction. Cast the tensor (e.g. int16 to int32) "
+            f"or set HVDLITE_GPU_OPERATIONS=mpi to reduce GPU tensors through host memory.")
+
+
+class NCCLBackend:
+    def __init__(self, comm, global_ranks: list[int] | None, runtime) -> None:
+        self.comm = comm
+        self.size = comm.Get_size()
+        self.rank = comm.Get_rank()
+        self._rt = runtime
+        self._local_rank_of = {g: i for i, g in enumerate(global_ranks or range(self.size))}
+        self._staged = HostStagedBackend(comm, global_ranks, runtime)
+        self._nccl_comm = None
+        self._device: int | None = None
+        self._fusion: Any = None   # device uint8 buffer, grown on demand, never shrunk
+
+    # --- communicator -----------------------------------------------------------------------
+    def _communicator(self, device_id: int):
+        if self._nccl_comm is not None:
+            if device_id != self._device:
+                raise GpuUnavailableError(
+                    f"this process already uses cuda:{self._device} for NCCL, and a tensor on "
+                    f"cuda:{device_id} arrived; hvdlite runs one GPU per process (pick it with "
+                    f"torch.cuda.set_device(hvd.local_rank())).")
+            return self._nccl_comm
+        nccl = self._rt.require_nccl("creating the NCCL communicator")
+        uid = np.zeros(128, dtype=np.int8)
+        if self.rank == 0:
+            uid[:] = np.array(nccl.get_unique_id(), dtype=np.int64).astype(np.int8)
+        request = self.comm.Ibcast(uid, root=0)   # non-blocking: a dead rank is noticed
+        wait_until(request.Test, max_sleep=1e-3, on_slow=self._init_slow, slow_every=30.0)
+        cp = self._rt.require("creating the NCCL communicator")
+        try:
+            with cp.cuda.Device(device_id):
+                self._nccl_comm = nccl.NcclCommunicator(self.size, tuple(int(b) for b in uid),
+                                                        self.rank)
+        except Exception as exc:
+            raise HvdliteError(
+                f"NCCL could not create its communicator on cuda:{device_id} (rank "
+                f"{self.rank} of {self.size}): {exc}. NCCL needs a distinct GPU per rank; ranks "
+                f"that share one GPU must use HVDLITE_GPU_OPERATIONS=mpi.") from exc
+        self._device = device_id
+        return self._nccl_comm
+
+    @staticmethod
+    def _init_slow(waited: float) -> None:
+        if waited > 120.0:
+            raise HvdliteError("creating the NCCL communicator: rank 0's unique id did not "
+                               "arrive within 120 s.")
+
+    def close(self, abort: bool = False) -> None:
+        """Destroy the communicator (abort it instead when peers may be gone: that unblocks
+        kernels still waiting for them)."""
+        comm, self._nccl_comm = self._nccl_comm, None
+        if comm is not None:
+            comm.abort() if abort else comm.destroy()
+        self._fusion = None
+
+    # --- execution ----------------------------------------------------------------------------
+    def execute(self, batch: list[tuple[Response, Entry]], device_id: int) -> tuple[Any, list]:
+        response = batch[0][0]
+        if response.kind not in (ALLREDUCE, ALLGATHER, BROADCAST, BARRIER) or \
+                response.reduce_op == ReduceOp.Adasum:
+            return self._staged.execute(batch, device_id)
+        nccl_comm = self._communicator(device_id)
+        rt = self._rt
+        keep: list = []
+        with rt.on(device_id) as stream:
+            entries = [(r, self._on_device(e, keep)) for r, e in batch]
+            if response.kind == ALLREDUCE:
+                if len(entries) == 1:
+                    self._allreduce_one(nccl_comm, stream, *entries[0])
+                else:
+                    self._allreduce_fused(nccl_comm, stream, entries)
+            elif response.kind == ALLGATHER:
+                self._allgather(nccl_comm, stream, *entries[0])
+            elif response.kind == BROADCAST:
+                self._broadcast(nccl_comm, stream, *entries[0])
+            event = rt.record(device_id)
+        return event, keep
+
+    def _on_device(self, entry: Entry, keep: list) -> Entry:
+        """A joined rank's identity is made on the host; give NCCL a device copy of it."""
+        if entry.stand_in:
+            cp = self._rt.require("join")
+            entry.array = cp.asarray(entry.array.view(np.uint16) if
+                                     entry.array.dtype.name == "bfloat16" else entry.array)
+            entry.output = entry.array
+            keep.append(entry.array)
+        return entry
+
+    def _reduce(self, nccl_comm, stream, src, dst, count: int, response: Response) -> None:
+        info = dtype_info(response.dtype)
+        op = ReduceOp(response.reduce_op)
+        nccl_op = _NCCL_BOOL_OPS[op] if info.is_bool else _NCCL_OPS[op]
+        nccl_comm.allReduce(src.data.ptr, dst.data.ptr, count, NCCL_TYPES[response.dtype],
+                            nccl_op, stream.ptr)
+
+    def _postscale(self, out, response: Response) -> None:
+        factor = response.postscale
+        if response.reduce_op == ReduceOp.Average:
+            factor *= 1.0 / self.size
+        if not dtype_info(response.dtype).is_bool:
+            self._rt.scale(out, factor, response.dtype)
+
+    def _allreduce_one(self, nccl_comm, stream, response: Response, entry: Entry) -> None:
+        src = entry.array.ravel()
+        out = entry.output.ravel()
+        if response.prescale != 1.0 and not entry.stand_in:
+            if entry.output is not entry.array:
+                out[...] = src   # scale a copy: the caller's input stays untouched
+                src = out
+            self._rt.scale(src, response.prescale, response.dtype)
+        self._reduce(nccl_comm, stream, src, out, src.size, response)
+        self._postscale(out, response)
+
+    def _allreduce_fused(self, nccl_comm, stream, batch: list[tuple[Response, Entry]]) -> None:
+        response = batch[0][0]
+        arrays = [e.array for _, e in batch]
+        itemsize = arrays[0].itemsize
+        total = sum(a.size for a in arrays)
+        buf = self._fusion_view(total * itemsize, arrays[0].dtype)
+        self._rt.concatenate_into(arrays, buf)
+        if response.prescale != 1.0:
+            offset = 0
+            for (_, entry), array in zip(batch, arrays):
+                if not entry.stand_in:   # a joined rank's identity must stay neutral
+                    self._rt.scale(buf[offset:offset + array.size], response.prescale,
+                                   response.dtype)
+                offset += array.size
+        self._reduce(nccl_comm, stream, buf, buf, total, response)
+        self._postscale(buf, response)
+        offset = 0
+        for (_, entry), array in zip(batch, arrays):
+            entry.output.ravel()[...] = buf[offset:offset + array.size]
+            offset += array.size
+
+    def _fusion_view(self, nbytes: int, dtype):
+        if self._fusion is None or self._fusion.nbytes < nbytes:
+            cp = self._rt.require("fusion")
+            self._fusion = None   # free the old buffer before allocating the larger one
+            self._fusion = cp.empty(nbytes, dtype=np.uint8)
+        return self._fusion[:nbytes].view(dtype)
+
+    def _allgather(self, nccl_comm, stream, response: Response, entry: Entry) -> None:
+        info = dtype_info(response.dtype)
+        row_shape = tuple(response.shape[1:])
+        row_bytes = int(np.prod(row_shape, dtype=np.int64)) * entry.array.itemsize
+        out_shape = (sum(response.first_dims),) + row_shape
+        entry.output = entry.allocate(out_shape, info.np_dtype)
+        counts = [d * row_bytes for d in response.first_dims]
+        src, out = entry.array, entry.output
+        if len(set(counts)) == 1:
+            nccl_comm.allGather(src.data.ptr, out.data.ptr, counts[0], _NCCL_BYTES, stream.ptr)
+            return
+        from cupy.cuda import nccl   # uneven rows: one broadcast per rank, as one NCCL group
+        nccl.groupStart()
+        try:
+            offset = 0
+            for root, count in enumerate(counts):
+                if count:
+                    send = src.data.ptr if root == self.rank else out.data.ptr + offset
+                    nccl_comm.broadcast(send, out.data.ptr + offset, count, _NCCL_BYTES, root,
+                                        stream.ptr)
+                offset += count
+        finally:
+            nccl.groupEnd()
+
+    def _broadcast(self, nccl_comm, stream, response: Response, entry: Entry) -> None:
+        root = self._local_rank_of[response.root]
+        src, out = entry.array, entry.output
+        if out.nbytes:
+            nccl_comm.broadcast(src.data.ptr, out.data.ptr, out.nbytes, _NCCL_BYTES, root,
+                                stream.ptr)
