@@ -12,7 +12,7 @@ from .basics import (init, shutdown, is_initialized, size, rank, local_size, loc
 from .process_sets import ProcessSet, global_process_set
 from .errors import (HvdliteError, HorovodInternalError, NotInitializedError, ShutdownError,
                      RankExitedError, TensorMismatchError, DuplicateNameError,
-                     UnsupportedDtypeError, StallError)
+                     UnsupportedDtypeError, StallError, GpuUnavailableError)
 from .objects import allgather_object, broadcast_object
 from .reduce_ops import ReduceOp, Average, Sum, Adasum, Min, Max, Product
 
@@ -24,7 +24,7 @@ __all__ = [
     "get_process_set_ids_and_ranks", "comm_process_set", "ProcessSet", "global_process_set",
     "HvdliteError", "HorovodInternalError", "NotInitializedError", "ShutdownError",
     "RankExitedError", "TensorMismatchError", "DuplicateNameError", "UnsupportedDtypeError",
-    "StallError",
+    "StallError", "GpuUnavailableError",
     "allgather_object", "broadcast_object",
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
 ]

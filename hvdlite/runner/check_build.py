@@ -94,7 +94,18 @@ def _features() -> dict[str, object]:
     import hvdlite
     return {"version": hvdlite.__version__, "mpi": bool(hvdlite.mpi_built()),
             "nccl": int(hvdlite.nccl_built() or 0), "gloo": bool(hvdlite.gloo_built()),
-            "ddl": bool(hvdlite.ddl_built()), "ccl": bool(hvdlite.ccl_built())}
+            "ddl": bool(hvdlite.ddl_built()), "ccl": bool(hvdlite.ccl_built()),
+            "cuda": _cuda_line()}
+
+
+def _cuda_line() -> str:
+    """What the GPU data path has here: CuPy's version and the CUDA devices it sees."""
+    from hvdlite.common import cuda
+    if not cuda.cupy_importable():
+        return "not available (pip install 'hvdlite[nccl]' for CUDA tensors)"
+    import cupy
+    count = cuda.cuda_device_count()
+    return f"CuPy {cupy.__version__}, {count} device{'s' if count != 1 else ''} visible"
 
 
 def format_report(features: dict[str, object], frameworks: Sequence[tuple[str, bool]],
@@ -113,6 +124,8 @@ def format_report(features: dict[str, object], frameworks: Sequence[tuple[str, b
                        ("Gloo", bool(features["gloo"]))])
     lines.append(f"MPI library: {library or 'not available (pip install mpi4py)'}")
     lines.append(f"MPI launcher: {launcher}")
+    if features.get("cuda"):
+        lines.append(f"CUDA: {features['cuda']}")
     if mismatch:
         lines.append(f"WARNING: {mismatch}")
     return "\n".join(lines) + "\n"
