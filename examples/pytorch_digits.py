@@ -41,6 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="checkpoint path written by rank 0 ('' disables)")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     p.add_argument("--fp16-allreduce", action="store_true", help="compress gradients to fp16")
+    p.add_argument("--cuda", action="store_true",
+                   help="train on the GPU of this rank's local rank (gradients go through NCCL; "
+                        "with HVDLITE_GPU_OPERATIONS=mpi several ranks may share one GPU)")
     p.add_argument("--min-accuracy", type=float, default=0.0,
                    help="exit non-zero if the final test accuracy is below this")
     return p.parse_args(argv)
@@ -84,7 +87,7 @@ def metric_average(value: float, name: str) -> float:
 def train_epoch(model, optimizer, x, y, batch_size: int, epoch: int) -> tuple[float, float]:
     model.train()
     generator = torch.Generator().manual_seed(1000 * epoch + hvd.rank())
-    order = torch.randperm(len(x), generator=generator)
+    order = torch.randperm(len(x), generator=generator).to(x.device)
     total_loss, correct = 0.0, 0
     for start in range(0, len(x), batch_size):
         idx = order[start:start + batch_size]
@@ -105,8 +108,8 @@ def evaluate(model, x, y) -> float:
     part = slice(hvd.rank() * len(x) // hvd.size(), (hvd.rank() + 1) * len(x) // hvd.size())
     with torch.no_grad():
         correct = (model(x[part]).argmax(1) == y[part]).sum()
-    counts = hvd.allreduce(torch.tensor([correct.item(), len(y[part])], dtype=torch.int64),
-                           op=hvd.Sum, name="test.counts")
+    counts = hvd.allreduce(torch.tensor([correct.item(), len(y[part])], dtype=torch.int64,
+                                        device=x.device), op=hvd.Sum, name="test.counts")
     return counts[0].item() / counts[1].item()
 
 
@@ -120,12 +123,18 @@ def main(argv=None) -> int:
     part = shard(len(x_train))
     x_train, y_train = x_train[part], y_train[part]
 
-    model = DigitsNet()
+    device = torch.device("cpu")
+    if args.cuda:   # one GPU per rank, picked from the local rank (as with Horovod)
+        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    x_train, y_train, x_test, y_test = (t.to(device) for t in (x_train, y_train, x_test, y_test))
+
+    model = DigitsNet().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(),
                                 momentum=args.momentum)
     start_epoch = 0
     if args.resume and hvd.rank() == 0 and args.checkpoint and os.path.exists(args.checkpoint):
-        ckpt = torch.load(args.checkpoint)
+        ckpt = torch.load(args.checkpoint, map_location=device)
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         start_epoch = ckpt["epoch"] + 1
