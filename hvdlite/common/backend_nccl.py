@@ -134,6 +134,8 @@ class NCCLBackend:
         return entry
 
     def _reduce(self, nccl_comm, stream, src, dst, count: int, response: Response) -> None:
+        if count == 0:
+            return   # same on every rank (shapes are negotiated); empty buffers may be null
         info = dtype_info(response.dtype)
         op = ReduceOp(response.reduce_op)
         nccl_op = _NCCL_BOOL_OPS[op] if info.is_bool else _NCCL_OPS[op]
@@ -194,6 +196,8 @@ class NCCLBackend:
         entry.output = entry.allocate(out_shape, info.np_dtype)
         counts = [d * row_bytes for d in response.first_dims]
         src, out = entry.array, entry.output
+        if not any(counts):
+            return
         if len(set(counts)) == 1:
             nccl_comm.allGather(src.data.ptr, out.data.ptr, counts[0], _NCCL_BYTES, stream.ptr)
             return

@@ -197,9 +197,21 @@ class Engine:
             self._gpu_completions = GpuCompletions(runtime, self._complete_batch,
                                                    lambda e, err: self._complete(e, error=err))
         from . import cuda
-        device_id = cuda.process_device(self.rank)
-        event, keep_alive = self._gpu.execute(batch, device_id)
-        self._gpu_completions.put(event, [entry for _, entry in batch], keep_alive)
+        entries = [entry for _, entry in batch]
+        try:
+            event, keep_alive = self._gpu.execute(batch, cuda.process_device(self.rank))
+        except HvdliteError as exc:   # already says what failed and what to do
+            for entry in entries:
+                self._complete(entry, error=exc)
+            return
+        except Exception as exc:   # noqa: BLE001 - a CUDA/NCCL failure fails this batch only
+            log.error("hvdlite: GPU operation failed: %s", exc)
+            error = HvdliteError(f"GPU operation on {[e.name for e in entries]} failed on rank "
+                                 f"{self.rank}: {type(exc).__name__}: {exc}")
+            for entry in entries:
+                self._complete(entry, error=error)
+            return
+        self._gpu_completions.put(event, entries, keep_alive)
 
     def _close_gpu(self, abort: bool) -> None:
         """Let queued device work finish (or abort NCCL when peers are gone), then tear down."""

@@ -77,12 +77,13 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     # Everything but the tensors travels as one pickled object from the root.
     skeleton = {
         "param_groups": state["param_groups"],
-        "state": {pid: {k: (("tensor", tuple(v.shape), str(v.dtype)) if torch.is_tensor(v)
-                            else ("value", v)) for k, v in s.items()}
+        "state": {pid: {k: (("tensor", tuple(v.shape), str(v.dtype), v.device.type)
+                            if torch.is_tensor(v) else ("value", v)) for k, v in s.items()}
                   for pid, s in state["state"].items()},
     }
     skeleton = broadcast_object(skeleton if rank() == root_rank else None, root_rank,
                                 name="optimizer_state")
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     new_state = {}
     handles = []
     for pid, entries in sorted(skeleton["state"].items()):
@@ -92,11 +93,16 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
             if kind == "value":
                 new_state[pid][key] = info[0]
                 continue
-            shape, dtype = info
+            shape, dtype, device_type = info
+            # State lives where the root keeps it: on the parameter's GPU, or on the CPU (e.g.
+            # Adam's step counter), so every rank broadcasts from the same kind of device.
+            device = (params[pid].device if device_type != "cpu" and pid < len(params)
+                      else torch.device("cpu"))
             tensor = local.get(key)
             if (not torch.is_tensor(tensor) or tuple(tensor.shape) != shape
-                    or str(tensor.dtype) != dtype):
-                tensor = torch.empty(shape, dtype=getattr(torch, dtype.split(".")[-1]))
+                    or str(tensor.dtype) != dtype or tensor.device.type != device.type):
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype.split(".")[-1]),
+                                     device=device)
             new_state[pid][key] = tensor
             handles.append(broadcast_async_(tensor, root_rank,
                                             name=f"broadcast.optimizer.{pid}.{key}"))
