@@ -1,10 +1,14 @@
 """Training throughput on synthetic data (samples/sec per rank and in total).
 
     hvdlite run -np 2 python examples/pytorch_synthetic_benchmark.py --model mlp --batch-size 64
+    hvdlite run -np 1 python examples/pytorch_synthetic_benchmark.py --cuda --batch-size 4096
 
 Models need no download: ``mlp`` (~5.3M parameters, matmul-bound) and ``convnet`` (a small
 CNN on 32x32 images, ~1.2M parameters).  ``--no-distributed-optimizer`` runs the bare
-optimizer (for measuring hvdlite's overhead at one rank).
+optimizer (for measuring hvdlite's overhead at one rank).  ``--cuda`` trains on
+``cuda:<local_rank % device_count>`` (gradients go through NCCL, or through host memory with
+HVDLITE_GPU_OPERATIONS=mpi) and synchronizes the device around every timed region, so the
+samples/sec count finished work, not queued kernels.
 """
 from __future__ import annotations
 
@@ -56,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fp16-allreduce", action="store_true")
     p.add_argument("--no-distributed-optimizer", action="store_true",
                    help="use the bare optimizer (no gradient averaging)")
+    p.add_argument("--cuda", action="store_true",
+                   help="train on the GPU cuda:<local_rank %% device count> (default: CPU)")
     p.add_argument("--json", help="write the results to this file (rank 0)")
     return p.parse_args(argv)
 
@@ -63,9 +69,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if args.cuda and not torch.cuda.is_available():
+        print("pytorch_synthetic_benchmark: --cuda needs a CUDA GPU, and torch.cuda.is_available() "
+              "is False here (no GPU/driver, or a CPU-only PyTorch build).", file=sys.stderr)
+        return 2
     hvd.init()
+    device = torch.device("cpu")
+    if args.cuda:   # one GPU per local rank, as in Horovod (ranks share one when GPUs are fewer)
+        device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     torch.manual_seed(1234)
     model, in_shape, classes = build_model(args.model)
+    model.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size(), momentum=0.9)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
@@ -73,8 +88,8 @@ def main(argv=None) -> int:
         compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
         optimizer = hvd.DistributedOptimizer(
             optimizer, named_parameters=model.named_parameters(), compression=compression)
-    data = torch.randn(args.batch_size, *in_shape)
-    target = torch.randint(0, classes, (args.batch_size,))
+    data = torch.randn(args.batch_size, *in_shape).to(device)
+    target = torch.randint(0, classes, (args.batch_size,)).to(device)
 
     def benchmark_step() -> None:
         optimizer.zero_grad()
@@ -82,16 +97,34 @@ def main(argv=None) -> int:
         loss.backward()
         optimizer.step()
 
+    def timed(steps: int) -> float:
+        """Seconds for ``steps`` training steps.  On a GPU the device is synchronized before the
+        clock starts and before it stops: kernels are asynchronous, and without the final
+        synchronize the bare optimizer would be timed on queued, not finished, work."""
+        if device.type != "cuda":
+            return timeit.timeit(benchmark_step, number=steps)
+        torch.cuda.synchronize(device)
+
+        def run() -> None:
+            for _ in range(steps):
+                benchmark_step()
+            torch.cuda.synchronize(device)
+        return timeit.timeit(run, number=1)
+
     params = sum(p.numel() for p in model.parameters())
     if hvd.rank() == 0:
+        where = "CPU"
+        if device.type == "cuda":
+            where = (f"{device} ({torch.cuda.get_device_name(device)}), GPU operations: "
+                     f"{os.environ.get('HVDLITE_GPU_OPERATIONS') or 'nccl'}")
         print(f"model {args.model} ({params / 1e6:.2f}M parameters), batch size "
               f"{args.batch_size}, {hvd.size()} rank(s), "
-              f"{'bare optimizer' if args.no_distributed_optimizer else 'DistributedOptimizer'}",
-              flush=True)
-    timeit.timeit(benchmark_step, number=args.num_warmup_batches)
+              f"{'bare optimizer' if args.no_distributed_optimizer else 'DistributedOptimizer'}"
+              f", on {where}", flush=True)
+    timed(args.num_warmup_batches)
     rates = []
     for i in range(args.num_iters):
-        seconds = timeit.timeit(benchmark_step, number=args.num_batches_per_iter)
+        seconds = timed(args.num_batches_per_iter)
         rates.append(args.batch_size * args.num_batches_per_iter / seconds)
         if hvd.rank() == 0:
             print(f"iter #{i}: {rates[-1]:.1f} samples/sec per rank", flush=True)
@@ -107,7 +140,10 @@ def main(argv=None) -> int:
             with open(args.json, "w") as f:
                 json.dump({"model": args.model, "params": params, "ranks": hvd.size(),
                            "batch_size": args.batch_size, "per_rank": slowest, "total": total,
-                           "distributed_optimizer": not args.no_distributed_optimizer}, f)
+                           "distributed_optimizer": not args.no_distributed_optimizer,
+                           "device": device.type,
+                           "gpu_operations": (os.environ.get("HVDLITE_GPU_OPERATIONS") or "nccl")
+                           if device.type == "cuda" else None}, f)
     hvd.shutdown()
     return 0
 

@@ -1,0 +1,191 @@
+#!/usr/bin/env bash
+# One command for a machine with an NVIDIA GPU: versions (nvidia-smi, torch, CuPy, NCCL, MPI),
+# `hvdlite run --check-build`, the GPU test set (tests/gpu) and the GPU overhead benchmark
+# (benchmarks/gpu_overhead.py). Every step runs under its own timeout and the script goes on
+# after a failed step; the summary at the end lists each step's status, and the exit status is
+# non-zero if the tests or the benchmark failed.
+#
+#   bash scripts/gpu_check.sh                 # every step
+#   bash scripts/gpu_check.sh info tests      # only some: info, tests, bench
+#
+# The log (and the benchmark's JSON, the tests' JUnit XML) go to $OUT when it is set.
+# Environment knobs: PYTHON (interpreter; default: the first of .venv/bin/python, python3, python
+# whose torch sees a GPU), GPU_CHECK_TEST_TIMEOUT (s, default 480), GPU_CHECK_BENCH_TIMEOUT
+# (s, default 330), GPU_CHECK_PYTEST_ARGS (extra pytest arguments, e.g. "-k staged"),
+# GPU_CHECK_BENCH_ARGS (extra benchmark arguments, e.g. "--rounds 5 --batch-size 4096").
+#
+# MPI: the tests and the benchmark launch ranks with mpiexec (the one next to $PYTHON first, then
+# PATH). A GPU image without MPI needs the MPICH wheel: put it in .whl/ (ignored by git, e.g.
+# `pip download --no-deps --only-binary=:all: -d .whl mpich` for the machine's Python), carry
+# .whl along, and this script installs every wheel there before it starts.
+set -u
+cd "$(dirname "$0")/.." || exit 2
+REPO="$PWD"
+STEPS=("$@")
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(info tests bench)
+TEST_TIMEOUT="${GPU_CHECK_TEST_TIMEOUT:-480}"
+BENCH_TIMEOUT="${GPU_CHECK_BENCH_TIMEOUT:-330}"
+OUT_DIR="${OUT:-}"
+
+want() {   # want STEP: was STEP asked for?
+  local s
+  for s in "${STEPS[@]}"; do [ "$s" = "$1" ] && return 0; done
+  return 1
+}
+
+run_step() {   # run_step NAME SECONDS CMD...: run with a timeout, record and report the status
+  local name="$1" secs="$2" rc shown
+  shift 2
+  shown="$*"
+  shown="${shown//$'\n'/ }"
+  [ "${#shown}" -gt 160 ] && shown="${shown:0:160}..."
+  echo
+  echo "===== [$name] $shown (timeout ${secs}s)"
+  timeout --kill-after=20 "$secs" "$@"
+  rc=$?
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    echo "===== [$name] TIMED OUT after ${secs}s"
+  else
+    echo "===== [$name] exit status $rc"
+  fi
+  RESULTS+=("$name: $( [ "$rc" -eq 0 ] && echo ok || echo "FAILED (exit $rc)")")
+  return "$rc"
+}
+
+pick_python() {
+  local cand
+  if [ -n "${PYTHON:-}" ]; then echo "$PYTHON"; return; fi
+  for cand in .venv/bin/python python3 python; do
+    if command -v "$cand" >/dev/null 2>&1 && timeout 120 "$cand" -c \
+        'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+      echo "$cand"; return
+    fi
+  done
+  for cand in .venv/bin/python python3 python; do   # no GPU seen: still report, then skip
+    if command -v "$cand" >/dev/null 2>&1; then echo "$cand"; return; fi
+  done
+  echo python3
+}
+
+install_carried_wheels() {
+  compgen -G ".whl/*.whl" >/dev/null || return 0
+  echo "===== installing carried wheels: $(ls .whl/*.whl | xargs -n1 basename | tr '\n' ' ')"
+  if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl; then
+    return 0
+  fi
+  echo "could not install into $PY's environment; installing into /tmp/hvdlite-site instead"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target /tmp/hvdlite-site .whl/*.whl || { echo "WARNING: wheel install failed"; return 1; }
+  export PYTHONPATH="/tmp/hvdlite-site${PYTHONPATH:+:$PYTHONPATH}"
+  export PATH="/tmp/hvdlite-site/bin:$PATH"
+  export LD_LIBRARY_PATH="/tmp/hvdlite-site/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+}
+
+VERSIONS_PY='
+import importlib, platform, sys
+print(f"python {platform.python_version()} at {sys.executable}")
+def show(label, fn):
+    try:
+        print(f"{label}: {fn()}")
+    except Exception as exc:
+        print(f"{label}: unavailable ({type(exc).__name__}: {exc})")
+def torch_info():
+    import torch
+    s = f"{torch.__version__}, CUDA {torch.version.cuda}, cudnn {torch.backends.cudnn.version()}"
+    s += f", cuda available {torch.cuda.is_available()}, {torch.cuda.device_count()} device(s)"
+    for i in range(torch.cuda.device_count()):
+        major, minor = torch.cuda.get_device_capability(i)
+        s += f"; cuda:{i} {torch.cuda.get_device_name(i)} (sm_{major}{minor})"
+    return s
+def cupy_info():
+    import cupy
+    rt = cupy.cuda.runtime
+    return (f"{cupy.__version__}, runtime {rt.runtimeGetVersion()}, driver {rt.driverGetVersion()}, "
+            f"{rt.getDeviceCount()} device(s)")
+def nccl_info():
+    from hvdlite.common import cuda
+    from hvdlite.runner.check_build import nccl_version_string
+    code = cuda.nccl_version()
+    if not code:
+        return f"NOT usable ({cuda._import_nccl()[2]})"
+    from cupy.cuda import nccl
+    return f"{nccl_version_string(code)} (code {code}; CuPy built against {nccl.get_build_version()})"
+def mpi_info():
+    import mpi4py
+    from mpi4py import MPI
+    return f"mpi4py {mpi4py.__version__}; " + MPI.Get_library_version().splitlines()[0].strip()
+def mpiexec_info():
+    from tests.mpi_harness import mpiexec_path
+    return mpiexec_path()
+show("torch", torch_info)
+show("cupy", cupy_info)
+show("nccl (via hvdlite)", nccl_info)
+show("numpy", lambda: importlib.import_module("numpy").__version__)
+show("ml_dtypes", lambda: importlib.import_module("ml_dtypes").__version__)
+show("pytest", lambda: importlib.import_module("pytest").__version__)
+show("mpi", mpi_info)
+show("mpiexec (as the tests find it)", mpiexec_info)
+'
+
+main() {
+  RESULTS=()
+  local failed=0
+  echo "hvdlite GPU check, $(date -u '+%Y-%m-%d %H:%M:%S UTC'), repo $REPO, steps: ${STEPS[*]}"
+  PY="$(pick_python)"
+  echo "python: $PY"
+  export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"   # hvdlite need not be installed
+  export PYTHONUNBUFFERED=1
+  install_carried_wheels
+
+  if want info; then
+    echo
+    echo "===== [nvidia-smi]"
+    if command -v nvidia-smi >/dev/null 2>&1; then
+      timeout 60 nvidia-smi || echo "nvidia-smi failed (exit $?)"
+    else
+      echo "nvidia-smi not found"
+    fi
+    run_step versions 180 "$PY" -c "$VERSIONS_PY"
+    run_step check-build 120 "$PY" -m hvdlite.runner run --check-build
+  fi
+
+  # mpiexec: the same search as tests/mpi_harness.py
+  if ! "$PY" -c 'from tests.mpi_harness import mpiexec_path; mpiexec_path()' >/dev/null 2>&1; then
+    echo
+    echo "!!!!! no mpiexec found (next to $PY or on PATH): every multi-process GPU test and the"
+    echo "!!!!! benchmark will fail. Carry the MPICH wheel: on a machine with PyPI access, in the"
+    echo "!!!!! repo root: pip download --no-deps --only-binary=:all: --python-version 3.12"
+    echo "!!!!!   --platform manylinux_2_17_x86_64 -d .whl mpich   (match this machine's Python),"
+    echo "!!!!! carry .whl, and run this script again (it installs .whl/*.whl first)."
+  fi
+
+  if want tests; then
+    local junit=()
+    [ -n "$OUT_DIR" ] && junit=(--junitxml "$OUT_DIR/gpu_tests.xml")
+    # shellcheck disable=SC2086  # GPU_CHECK_PYTEST_ARGS is split on purpose
+    run_step tests "$TEST_TIMEOUT" "$PY" -m pytest -q -rfEs tests/gpu "${junit[@]}" \
+      ${GPU_CHECK_PYTEST_ARGS:-} || failed=1
+  fi
+
+  if want bench; then
+    local json=()
+    [ -n "$OUT_DIR" ] && json=(--json "$OUT_DIR/gpu_overhead.json")
+    # shellcheck disable=SC2086
+    run_step bench "$BENCH_TIMEOUT" "$PY" benchmarks/gpu_overhead.py "${json[@]}" \
+      ${GPU_CHECK_BENCH_ARGS:-} || failed=1
+  fi
+
+  echo
+  echo "===== summary"
+  local line
+  for line in "${RESULTS[@]}"; do echo "  $line"; done
+  return "$failed"
+}
+
+if [ -n "$OUT_DIR" ]; then
+  mkdir -p "$OUT_DIR"
+  set -o pipefail
+  main 2>&1 | tee "$OUT_DIR/gpu_check.log"
+  exit "${PIPESTATUS[0]}"
+fi
+main
