@@ -47,13 +47,14 @@ def nccl_reduce_check(dtype_name: str, op: ReduceOp, what: str) -> None:
 
 
 class NCCLBackend:
-    def __init__(self, comm, global_ranks: list[int] | None, runtime) -> None:
+    def __init__(self, comm, global_ranks: list[int] | None, runtime, agree) -> None:
+        self._agree = agree   # see HostStagedBackend: every rank prepared, or all fail
         self.comm = comm
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
         self._rt = runtime
         self._local_rank_of = {g: i for i, g in enumerate(global_ranks or range(self.size))}
-        self._staged = HostStagedBackend(comm, global_ranks, runtime)
+        self._staged = HostStagedBackend(comm, global_ranks, runtime, agree)
         self._nccl_comm = None
         self._device: int | None = None
         self._fusion: Any = None   # device uint8 buffer, grown on demand, never shrunk
@@ -110,16 +111,22 @@ class NCCLBackend:
         rt = self._rt
         keep: list = []
         with rt.on(device_id) as stream:
-            entries = [(r, self._on_device(e, keep)) for r, e in batch]
-            if response.kind == ALLREDUCE:
-                if len(entries) == 1:
-                    self._allreduce_one(nccl_comm, stream, *entries[0])
-                else:
-                    self._allreduce_fused(nccl_comm, stream, entries)
-            elif response.kind == ALLGATHER:
-                self._allgather(nccl_comm, stream, *entries[0])
-            elif response.kind == BROADCAST:
-                self._broadcast(nccl_comm, stream, *entries[0])
+            entries, call, error = batch, None, None
+            try:   # everything local (copies, packing, prescaling, allocations) comes first
+                entries = [(r, self._on_device(e, keep)) for r, e in batch]
+                if response.kind == ALLREDUCE and len(entries) == 1:
+                    call = self._allreduce_one(nccl_comm, stream, *entries[0])
+                elif response.kind == ALLREDUCE:
+                    call = self._allreduce_fused(nccl_comm, stream, entries)
+                elif response.kind == ALLGATHER:
+                    call = self._allgather(nccl_comm, stream, *entries[0])
+                elif response.kind == BROADCAST:
+                    call = self._broadcast(nccl_comm, stream, *entries[0])
+            except Exception as exc:   # noqa: BLE001 - reported to every rank by agree()
+                error = exc
+            self._agree(error)
+            if call is not None:
+                call()   # the NCCL collective and the local work after it
             event = rt.record(device_id)
         return event, keep
 
@@ -157,8 +164,11 @@ class NCCLBackend:
                 out[...] = src   # scale a copy: the caller's input stays untouched
                 src = out
             self._rt.scale(src, response.prescale, response.dtype)
-        self._reduce(nccl_comm, stream, src, out, src.size, response)
-        self._postscale(out, response)
+
+        def call() -> None:
+            self._reduce(nccl_comm, stream, src, out, src.size, response)
+            self._postscale(out, response)
+        return call
 
     def _allreduce_fused(self, nccl_comm, stream, batch: list[tuple[Response, Entry]]) -> None:
         response = batch[0][0]
@@ -174,12 +184,15 @@ class NCCLBackend:
                     self._rt.scale(buf[offset:offset + array.size], response.prescale,
                                    response.dtype)
                 offset += array.size
-        self._reduce(nccl_comm, stream, buf, buf, total, response)
-        self._postscale(buf, response)
-        offset = 0
-        for (_, entry), array in zip(batch, arrays):
-            entry.output.ravel()[...] = buf[offset:offset + array.size]
-            offset += array.size
+
+        def call() -> None:
+            self._reduce(nccl_comm, stream, buf, buf, total, response)
+            self._postscale(buf, response)
+            offset = 0
+            for (_, entry), array in zip(batch, arrays):
+                entry.output.ravel()[...] = buf[offset:offset + array.size]
+                offset += array.size
+        return call
 
     def _fusion_view(self, nbytes: int, dtype):
         if self._fusion is None or self._fusion.nbytes < nbytes:
@@ -196,27 +209,34 @@ class NCCLBackend:
         entry.output = entry.allocate(out_shape, info.np_dtype)
         counts = [d * row_bytes for d in response.first_dims]
         src, out = entry.array, entry.output
-        if not any(counts):
-            return
-        if len(set(counts)) == 1:
-            nccl_comm.allGather(src.data.ptr, out.data.ptr, counts[0], _NCCL_BYTES, stream.ptr)
-            return
-        from cupy.cuda import nccl   # uneven rows: one broadcast per rank, as one NCCL group
-        nccl.groupStart()
-        try:
-            offset = 0
-            for root, count in enumerate(counts):
-                if count:
-                    send = src.data.ptr if root == self.rank else out.data.ptr + offset
-                    nccl_comm.broadcast(send, out.data.ptr + offset, count, _NCCL_BYTES, root,
-                                        stream.ptr)
-                offset += count
-        finally:
-            nccl.groupEnd()
+        nccl = self._rt.require_nccl("allgather")
+
+        def call() -> None:
+            if not any(counts):
+                return
+            if len(set(counts)) == 1:
+                nccl_comm.allGather(src.data.ptr, out.data.ptr, counts[0], _NCCL_BYTES,
+                                    stream.ptr)
+                return
+            nccl.groupStart()   # uneven rows: one broadcast per rank, as one NCCL group
+            try:
+                offset = 0
+                for root, count in enumerate(counts):
+                    if count:
+                        send = src.data.ptr if root == self.rank else out.data.ptr + offset
+                        nccl_comm.broadcast(send, out.data.ptr + offset, count, _NCCL_BYTES,
+                                            root, stream.ptr)
+                    offset += count
+            finally:
+                nccl.groupEnd()
+        return call
 
     def _broadcast(self, nccl_comm, stream, response: Response, entry: Entry) -> None:
         root = self._local_rank_of[response.root]
         src, out = entry.array, entry.output
-        if out.nbytes:
-            nccl_comm.broadcast(src.data.ptr, out.data.ptr, out.nbytes, _NCCL_BYTES, root,
-                                stream.ptr)
+
+        def call() -> None:
+            if out.nbytes:
+                nccl_comm.broadcast(src.data.ptr, out.data.ptr, out.nbytes, _NCCL_BYTES, root,
+                                    stream.ptr)
+        return call

@@ -24,9 +24,13 @@ def _host_allocate(shape: tuple, dtype: np.dtype) -> np.ndarray:
 
 
 class HostStagedBackend:
-    def __init__(self, comm, global_ranks: list[int] | None, runtime) -> None:
+    """``agree(error)`` is the engine's check that every rank prepared its part of a batch: it
+    raises on every rank if any rank failed, so no rank is left alone inside a collective."""
+
+    def __init__(self, comm, global_ranks: list[int] | None, runtime, agree) -> None:
         self._mpi = MPIBackend(comm, global_ranks)
         self._rt = runtime
+        self._agree = agree
 
     def execute(self, batch: list[tuple[Response, Entry]], device_id: int) -> tuple[Any, list]:
         """Run ``batch`` (device entries); returns the event that fires once every result is
@@ -34,17 +38,21 @@ class HostStagedBackend:
         rt = self._rt
         info = dtype_info(batch[0][0].dtype)
         with rt.on(device_id):
-            host_batch = []
-            for response, entry in batch:   # a joined rank's identity is already on the host
-                host_in = entry.array if entry.stand_in else self._to_host(entry.array, info)
-                in_place = entry.output is entry.array
-                host_out = host_in if in_place else (
-                    None if entry.output is None else np.empty(entry.output.shape,
-                                                               info.np_dtype))
-                staged = Entry(entry.request, host_in, host_out, _host_allocate, None)
-                staged.stand_in = entry.stand_in
-                host_batch.append((response, staged))
-            rt.synchronize(device_id)   # MPI reads host memory: the copies must have landed
+            host_batch, error = [], None
+            try:
+                for response, entry in batch:   # a joined rank's identity is already on the host
+                    host_in = entry.array if entry.stand_in else self._to_host(entry.array, info)
+                    in_place = entry.output is entry.array
+                    host_out = host_in if in_place else (
+                        None if entry.output is None else np.empty(entry.output.shape,
+                                                                   info.np_dtype))
+                    staged = Entry(entry.request, host_in, host_out, _host_allocate, None)
+                    staged.stand_in = entry.stand_in
+                    host_batch.append((response, staged))
+                rt.synchronize(device_id)   # MPI reads host memory: the copies must have landed
+            except Exception as exc:   # noqa: BLE001 - reported to every rank by agree()
+                error = exc
+            self._agree(error)
             self._mpi.execute(host_batch)
             for (_, entry), (_, staged) in zip(batch, host_batch):
                 if entry.stand_in:

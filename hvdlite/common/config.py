@@ -50,8 +50,8 @@ def _gpu_operations(environ: Mapping[str, str] | None) -> str:
     value = raw.lower()
     if value not in GPU_OPERATIONS:
         raise ValueError(f"HVDLITE_GPU_OPERATIONS={raw!r} is not one of "
-                         f"{', '.join(GPU_OPERATIONS)} (nccl: reduce GPU tensors with NCCL on the device; mpi: stage them "
-                         f"through host memory and use MPI).")
+                         f"{', '.join(GPU_OPERATIONS)} (nccl: reduce GPU tensors with NCCL on "
+                         f"the device; mpi: stage them through host memory and use MPI).")
     return value
 
 

@@ -11,6 +11,8 @@ import operator
 import queue
 import threading
 
+import numpy as np
+
 from .backend_mpi import MPIBackend
 from .config import Config
 from .controller import Controller, IDLE_TICK_SECONDS
@@ -19,6 +21,7 @@ from .errors import (DuplicateNameError, HvdliteError, RankExitedError, Shutdown
 from .fusion import plan_batches
 from .handle import Entry, Handle
 from .messages import ALLREDUCE, ERROR_STALL, Response
+from .waiting import wait_until
 
 log = logging.getLogger("hvdlite")
 
@@ -193,7 +196,8 @@ class Engine:
             runtime = cuda.runtime()
             backend_cls = NCCLBackend if self.config.gpu_operations == "nccl" else \
                 HostStagedBackend
-            self._gpu = backend_cls(self.comm, self.controller.global_ranks, runtime)
+            self._gpu = backend_cls(self.comm, self.controller.global_ranks, runtime,
+                                    self._agree_prepared)
             self._gpu_completions = GpuCompletions(runtime, self._complete_batch,
                                                    lambda e, err: self._complete(e, error=err))
         from . import cuda
@@ -212,6 +216,24 @@ class Engine:
                 self._complete(entry, error=error)
             return
         self._gpu_completions.put(event, entries, keep_alive)
+
+    def _agree_prepared(self, error: BaseException | None) -> None:
+        """Before a GPU batch's collective: did every rank prepare its part (device copies,
+        buffers)?  If any failed, every rank raises (naming those ranks) and none enters the
+        collective, so a local failure cannot leave the others waiting inside it."""
+        mine = np.array([0 if error is None else 1], dtype=np.int32)
+        every = np.empty(self.controller.size, dtype=np.int32)
+        request = self.comm.Iallgather(mine, every)
+        wait_until(request.Test, self.controller.max_sleep)
+        failed = [self.controller.global_ranks[i] for i in np.flatnonzero(every)]
+        if not failed:
+            return
+        if error is not None:
+            raise HvdliteError(f"GPU operation failed on rank {self.rank} before its collective: "
+                               f"{type(error).__name__}: {error}. No rank ran it (failed on "
+                               f"ranks {failed}).") from error
+        raise HvdliteError(f"GPU operation failed on rank(s) {failed} before its collective, so "
+                           f"no rank ran it; their output says why.")
 
     def _close_gpu(self, abort: bool) -> None:
         """Let queued device work finish (or abort NCCL when peers are gone), then tear down."""

@@ -9,6 +9,7 @@ check (CUDA streams, DLPack, NCCL itself) is covered by tests/gpu/ on a GPU mach
 from __future__ import annotations
 
 import contextlib
+import types
 
 import numpy as np
 
@@ -17,7 +18,24 @@ from hvdlite.common.dtypes import scale_in_place
 from hvdlite.common.errors import GpuUnavailableError
 
 
+class _CupyStandIn:
+    """What the core asks of CuPy itself rather than of the runtime: the current device
+    (``cuda.process_device`` for a rank that joined before using any GPU tensor), numpy for
+    everything else."""
+
+    def __init__(self, runtime: "LoopbackRuntime") -> None:
+        rt = runtime
+        self.cuda = types.SimpleNamespace(
+            Device=lambda device=None: types.SimpleNamespace(
+                id=rt.device_id if device is None else int(device)))
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+
 class LoopbackRuntime(cuda.GpuRuntime):
+    device_id = 0   # the "GPU" every device array of this process is on
+
     def __init__(self, nccl: bool = False) -> None:
         super().__init__()
         self.nccl = nccl
@@ -25,9 +43,10 @@ class LoopbackRuntime(cuda.GpuRuntime):
         self.to_device_calls = 0
         self.synchronize_calls = 0
         self.records = 0
+        self._cupy = _CupyStandIn(self)
 
     def require(self, what):
-        return np
+        return self._cupy
 
     def require_nccl(self, what):
         if not self.nccl:
@@ -67,7 +86,7 @@ class LoopbackRuntime(cuda.GpuRuntime):
         return isinstance(obj, np.ndarray)
 
     def device_of(self, array):
-        return 0
+        return self.device_id
 
     def empty(self, shape, dtype, device_id):
         return np.empty(shape, dtype=dtype)

@@ -1,0 +1,63 @@
+"""The GPU data path without a GPU, under real MPI launches (2 and 3 ranks).
+
+tests/workers/gpu_staged_worker.py runs the host-staged backend (HVDLITE_GPU_OPERATIONS=mpi) over
+the loopback runtime (tests/workers/gpu_loopback.py): every collective, op and dtype on "device"
+arrays against numpy references, fusion of device entries, join, grouped operations, process
+sets, CPU-vs-GPU mismatches and the one-GPU-per-process check.  tests/workers/gpu_errors_worker.py
+runs with the default HVDLITE_GPU_OPERATIONS (nccl) where NCCL (or CuPy) is missing: GPU tensors
+fail at submission with an error saying what to do, and CPU work goes on.  One launch per rank
+count and worker; each case is its own test here.
+"""
+import pytest
+
+from tests.mpi_harness import case_failures, check_job
+from tests.workers import gpu_errors_worker, gpu_staged_worker
+
+NP_VALUES = (2, 3)
+TIMEOUT = 240   # generous: the test machine is small and shared
+STALL_ENV = {"HVDLITE_STALL_CHECK_TIME_SECONDS": "10",
+             "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "20"}
+STAGED_ENV = {"HVDLITE_GPU_OPERATIONS": "mpi", **STALL_ENV}
+ERRORS_NP = 2
+
+
+def _staged(mpi_job, np_):
+    return mpi_job(np_, ["gpu_staged_worker.py"], timeout=TIMEOUT, env=STAGED_ENV)
+
+
+def _errors(mpi_job):
+    return mpi_job(ERRORS_NP, ["gpu_errors_worker.py"], timeout=TIMEOUT, env=STALL_ENV)
+
+
+def _assert_case(job, np_, case):
+    check_job(job, np_)
+    problems = case_failures(job, case)
+    assert not problems, "\n".join(problems)
+
+
+def _assert_all_reported(job, np_, want):
+    check_job(job, np_)
+    for rank, report in enumerate(job.results):
+        assert set(report) == set(want), (
+            f"rank {rank}: missing {sorted(set(want) - set(report))[:10]}, "
+            f"unexpected {sorted(set(report) - set(want))[:10]}")
+
+
+@pytest.mark.parametrize("np_,case", [pytest.param(n, c, id=f"np{n}-{c}") for n in NP_VALUES
+                                      for c in gpu_staged_worker.cases_for(n)])
+def test_staged(mpi_job, np_, case):
+    _assert_case(_staged(mpi_job, np_), np_, case)
+
+
+@pytest.mark.parametrize("np_", NP_VALUES)
+def test_staged_every_case_reported(mpi_job, np_):
+    _assert_all_reported(_staged(mpi_job, np_), np_, gpu_staged_worker.cases_for(np_))
+
+
+@pytest.mark.parametrize("case", gpu_errors_worker.cases())
+def test_gpu_unavailable(mpi_job, case):
+    _assert_case(_errors(mpi_job), ERRORS_NP, case)
+
+
+def test_gpu_unavailable_every_case_reported(mpi_job):
+    _assert_all_reported(_errors(mpi_job), ERRORS_NP, gpu_errors_worker.cases())

@@ -1,0 +1,622 @@
+"""The GPU data path's pure logic, no MPI and no GPU: the HVDLITE_GPU_OPERATIONS knob, NCCL's dtype
+check, the lazy CuPy/NCCL probes and their error messages, nccl_built()/cuda_built(), the
+one-GPU-per-process claim, submission checks (ops.make_entry with a stand-in engine), the
+host-staged backend's copies around a stand-in MPI backend, and the GPU completion thread.
+Multi-rank behaviour under real MPI is in tests/test_gpu_staged.py.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hvdlite.common import cuda
+from hvdlite.common.backend_nccl import NCCL_TYPES, nccl_reduce_check
+from hvdlite.common.backend_staged import HostStagedBackend
+from hvdlite.common.config import Config
+from hvdlite.common.errors import GpuUnavailableError, HvdliteError
+from hvdlite.common.gpu_completion import GpuCompletions
+from hvdlite.common.handle import Entry, Handle
+from hvdlite.common.messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER,
+                                     Request, Response)
+from hvdlite.common.reduce_ops import ReduceOp
+from tests.workers import gpu_loopback
+
+REPO = Path(__file__).resolve().parent.parent
+ALL_DTYPES = ["bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
+              "float16", "bfloat16", "float32", "float64"]
+
+
+@pytest.fixture(autouse=True)
+def clean_gpu_state():
+    """Every test starts and ends with the real runtime and no GPU claimed."""
+    cuda.set_runtime_for_tests(None)
+    cuda.reset_process_device()
+    yield
+    cuda.set_runtime_for_tests(None)
+    cuda.reset_process_device()
+
+
+# --- HVDLITE_GPU_OPERATIONS -----------------------------------------------------------------------
+@pytest.mark.parametrize("env,want", [
+    ({}, "nccl"),
+    ({"HVDLITE_GPU_OPERATIONS": "nccl"}, "nccl"),
+    ({"HVDLITE_GPU_OPERATIONS": "mpi"}, "mpi"),
+    ({"HVDLITE_GPU_OPERATIONS": "MPI"}, "mpi"),
+    ({"HVDLITE_GPU_OPERATIONS": "Nccl"}, "nccl"),
+    ({"HVDLITE_GPU_OPERATIONS": " mpi "}, "mpi"),
+    ({"HVDLITE_GPU_OPERATIONS": ""}, "nccl"),          # empty = unset
+    ({"HOROVOD_GPU_OPERATIONS": "mpi"}, "mpi"),        # Horovod's spelling
+    ({"HOROVOD_GPU_OPERATIONS": "NCCL"}, "nccl"),
+    ({"HVDLITE_GPU_OPERATIONS": "nccl", "HOROVOD_GPU_OPERATIONS": "mpi"}, "nccl"),   # ours wins
+    ({"HVDLITE_GPU_OPERATIONS": "mpi", "HOROVOD_GPU_OPERATIONS": "nccl"}, "mpi"),
+    ({"HVDLITE_GPU_OPERATIONS": "", "HOROVOD_GPU_OPERATIONS": "mpi"}, "mpi"),
+])
+def test_gpu_operations_knob(env, want):
+    assert Config.from_env(env).gpu_operations == want
+
+
+def test_gpu_operations_default_matches_dataclass():
+    assert Config().gpu_operations == "nccl" == Config.from_env({}).gpu_operations
+
+
+@pytest.mark.parametrize("env", [
+    {"HVDLITE_GPU_OPERATIONS": "gloo"},
+    {"HOROVOD_GPU_OPERATIONS": "gloo"},
+    {"HVDLITE_GPU_OPERATIONS": "gloo", "HOROVOD_GPU_OPERATIONS": "mpi"},   # ours wins, bad
+])
+def test_gpu_operations_invalid_value(env):
+    with pytest.raises(ValueError) as err:
+        Config.from_env(env)
+    msg = str(err.value)
+    for part in ("HVDLITE_GPU_OPERATIONS", "'gloo'", "nccl", "mpi", "host memory"):
+        assert part in msg, msg
+
+
+def test_gpu_operations_invalid_value_keeps_the_spelling_given():
+    with pytest.raises(ValueError, match="'Ddl'"):
+        Config.from_env({"HVDLITE_GPU_OPERATIONS": "Ddl"})
+
+
+# --- nccl_reduce_check ----------------------------------------------------------------------------
+REDUCING = [ReduceOp.Sum, ReduceOp.Average, ReduceOp.Min, ReduceOp.Max, ReduceOp.Product]
+
+
+@pytest.mark.parametrize("dtype", ["int16", "uint16"])
+@pytest.mark.parametrize("op", REDUCING)
+def test_nccl_reduce_check_rejects_16_bit_integers(dtype, op):
+    with pytest.raises(GpuUnavailableError) as err:
+        nccl_reduce_check(dtype, op, "allreduce of 'grad'")
+    msg = str(err.value)
+    for part in ("allreduce of 'grad'", f"NCCL has no {dtype} reduction", "Cast",
+                 "int32", "HVDLITE_GPU_OPERATIONS=mpi"):
+        assert part in msg, msg
+
+
+@pytest.mark.parametrize("dtype", [d for d in ALL_DTYPES if d not in ("int16", "uint16")])
+@pytest.mark.parametrize("op", REDUCING)
+def test_nccl_reduce_check_accepts_what_nccl_reduces(dtype, op):
+    nccl_reduce_check(dtype, op, "allreduce of 'grad'")
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_nccl_reduce_check_never_raises_for_adasum(dtype):
+    nccl_reduce_check(dtype, ReduceOp.Adasum, "allreduce of 'grad'")   # host-staged
+
+
+def test_nccl_types_cover_every_other_dtype():
+    assert set(NCCL_TYPES) == set(ALL_DTYPES) - {"int16", "uint16"}
+
+
+# --- CuPy / NCCL probes and messages --------------------------------------------------------------
+WHY_CUPY = "ModuleNotFoundError: No module named 'cupy'"
+
+
+def _no_cupy(monkeypatch):
+    """CuPy absent: both probes report it (NCCL's derives from CuPy's, uncached)."""
+    monkeypatch.setattr(cuda, "_import_cupy", lambda: (None, WHY_CUPY))
+    monkeypatch.setattr(cuda, "_import_nccl", cuda._import_nccl.__wrapped__)
+
+
+def _fake_cupy(monkeypatch, nccl_available=True, version=22703, version_error=None,
+               device_count=2):
+    """Fake ``cupy``/``cupy.cuda``/``cupy.cuda.nccl`` modules, seen by uncached probes."""
+    cupy = types.ModuleType("cupy")
+    cupy_cuda = types.ModuleType("cupy.cuda")
+    nccl = types.ModuleType("cupy.cuda.nccl")
+    nccl.available = nccl_available
+
+    def get_version():
+        if version_error is not None:
+            raise version_error
+        return version
+    nccl.get_version = get_version
+
+    def get_device_count():
+        if isinstance(device_count, Exception):
+            raise device_count
+        return device_count
+    cupy_cuda.runtime = types.SimpleNamespace(getDeviceCount=get_device_count)
+    cupy_cuda.nccl = nccl
+    cupy.cuda = cupy_cuda
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cupy_cuda)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", nccl)
+    monkeypatch.setattr(cuda, "_import_cupy", cuda._import_cupy.__wrapped__)
+    monkeypatch.setattr(cuda, "_import_nccl", cuda._import_nccl.__wrapped__)
+    return cupy
+
+
+def test_require_without_cupy(monkeypatch):
+    _no_cupy(monkeypatch)
+    with pytest.raises(GpuUnavailableError) as err:
+        cuda.GpuRuntime().require("allreduce of 'grad'")
+    msg = str(err.value)
+    for part in ("allreduce of 'grad'", "GPU", "CuPy", WHY_CUPY, cuda.INSTALL_HINT,
+                 "move the tensor to the CPU"):
+        assert part in msg, msg
+
+
+def test_require_returns_and_keeps_cupy(monkeypatch):
+    fake = _fake_cupy(monkeypatch)
+    rt = cuda.GpuRuntime()
+    assert rt.require("x") is fake
+    monkeypatch.setattr(cuda, "_import_cupy", lambda: (None, "gone"))
+    assert rt.require("x") is fake   # looked up once per runtime
+
+
+def test_require_nccl_without_cupy(monkeypatch):
+    _no_cupy(monkeypatch)
+    with pytest.raises(GpuUnavailableError) as err:
+        cuda.GpuRuntime().require_nccl("allgather of 'w'")
+    msg = str(err.value)
+    for part in ("allgather of 'w'", "HVDLITE_GPU_OPERATIONS=nccl", "CuPy cannot be imported",
+                 WHY_CUPY, cuda.INSTALL_HINT, "HVDLITE_GPU_OPERATIONS=mpi", "host memory"):
+        assert part in msg, msg
+
+
+@pytest.mark.parametrize("why", ["this CuPy was built without NCCL",
+                                 "NCCL cannot be loaded (OSError: libnccl.so.2: not found)"])
+def test_require_nccl_reports_why(monkeypatch, why):
+    monkeypatch.setattr(cuda, "_import_nccl", lambda: (None, 0, why))
+    with pytest.raises(GpuUnavailableError) as err:
+        cuda.GpuRuntime().require_nccl("allreduce of 'g'")
+    msg = str(err.value)
+    for part in ("allreduce of 'g'", why, cuda.INSTALL_HINT, "HVDLITE_GPU_OPERATIONS=mpi"):
+        assert part in msg, msg
+
+
+def test_require_nccl_returns_the_binding(monkeypatch):
+    _fake_cupy(monkeypatch)
+    assert cuda.GpuRuntime().require_nccl("x") is sys.modules["cupy.cuda.nccl"]
+
+
+def test_import_cupy_probe_reports_the_import_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)   # makes `import cupy` raise ImportError
+    module, why = cuda._import_cupy.__wrapped__()
+    assert module is None and "Error: " in why and "cupy" in why, why
+
+
+def test_probes_are_cached():
+    assert hasattr(cuda._import_cupy, "cache_info") and hasattr(cuda._import_nccl, "cache_info")
+
+
+def test_nccl_probe_built_without_nccl(monkeypatch):
+    _fake_cupy(monkeypatch, nccl_available=False)
+    assert cuda._import_nccl() == (None, 0, "this CuPy was built without NCCL")
+
+
+def test_nccl_probe_library_fails_to_load(monkeypatch):
+    _fake_cupy(monkeypatch, version_error=OSError("libnccl.so.2: cannot open"))
+    module, version, why = cuda._import_nccl()
+    assert module is None and version == 0
+    assert "NCCL cannot be loaded" in why and "libnccl.so.2" in why
+
+
+def test_built_queries_without_cupy(monkeypatch):
+    import hvdlite as hvd
+    _no_cupy(monkeypatch)
+    assert hvd.nccl_built() == 0 and type(hvd.nccl_built()) is int
+    assert hvd.cuda_built() is False
+    assert cuda.nccl_version() == 0 and cuda.cupy_importable() is False
+    assert cuda.cuda_device_count() == 0
+
+
+def test_built_queries_with_cupy_and_nccl(monkeypatch):
+    import hvdlite as hvd
+    _fake_cupy(monkeypatch, version=22703)
+    assert hvd.nccl_built() == 22703
+    assert hvd.cuda_built() is True
+    assert cuda.cuda_device_count() == 2
+
+
+def test_built_queries_with_cupy_without_nccl(monkeypatch):
+    import hvdlite as hvd
+    _fake_cupy(monkeypatch, nccl_available=False)
+    assert hvd.nccl_built() == 0
+    assert hvd.cuda_built() is True
+
+
+def test_device_count_without_a_driver(monkeypatch):
+    _fake_cupy(monkeypatch, device_count=RuntimeError("cudaErrorInsufficientDriver"))
+    assert cuda.cuda_device_count() == 0
+
+
+def test_built_queries_on_this_machine_agree_with_the_probe():
+    import importlib.util
+    import hvdlite as hvd
+    if importlib.util.find_spec("cupy") is None:
+        assert hvd.cuda_built() is False and hvd.nccl_built() == 0
+
+
+# --- runtime replacement and the process's GPU ----------------------------------------------------
+def test_set_runtime_for_tests():
+    real = cuda.runtime()
+    assert type(real) is cuda.GpuRuntime and cuda.runtime() is real
+    loop = gpu_loopback.install()
+    assert cuda.runtime() is loop
+    cuda.set_runtime_for_tests(None)
+    again = cuda.runtime()
+    assert type(again) is cuda.GpuRuntime and again is not loop
+
+
+def test_claim_device_one_gpu_per_process():
+    cuda.claim_device(0, "allreduce of 'a'")
+    cuda.claim_device(0, "allreduce of 'b'")   # the same GPU again: fine
+    with pytest.raises(GpuUnavailableError) as err:
+        cuda.claim_device(1, "allreduce of 'c'")
+    msg = str(err.value)
+    for part in ("allreduce of 'c'", "cuda:1", "cuda:0", "one GPU per process",
+                 "set_device"):
+        assert part in msg, msg
+    assert cuda.process_device(5) == 0   # the failed claim changed nothing
+
+
+def test_reset_process_device_allows_another_gpu():
+    cuda.claim_device(2, "x")
+    assert cuda.process_device(0) == 2
+    cuda.reset_process_device()
+    cuda.claim_device(1, "y")
+    assert cuda.process_device(0) == 1
+
+
+def test_process_device_before_any_claim_asks_the_runtime(monkeypatch):
+    loop = gpu_loopback.install()
+    loop.device_id = 3
+    assert cuda.process_device(0) == 3
+    cuda.set_runtime_for_tests(None)
+    _no_cupy(monkeypatch)
+    with pytest.raises(GpuUnavailableError, match="on rank 7"):
+        cuda.process_device(7)
+
+
+def test_shutdown_forgets_the_gpu(monkeypatch):
+    """basics.shutdown() resets the claim (a later init may use another GPU)."""
+    from hvdlite.common import basics
+    cuda.claim_device(1, "x")
+    monkeypatch.setattr(basics, "_state", None)
+    basics.shutdown()   # not initialised: nothing to do
+    assert cuda.process_device(0) == 1
+    stopped = []
+    engine = types.SimpleNamespace(shutdown=lambda: stopped.append(True),
+                                   comm=types.SimpleNamespace(Free=lambda: None))
+    monkeypatch.setattr(basics, "_state", types.SimpleNamespace(
+        sets={}, engine=engine, world=types.SimpleNamespace(Free=lambda: None)))
+    basics.shutdown()
+    assert stopped == [True]
+    cuda.claim_device(0, "y")   # no error: the claim was forgotten
+    assert cuda.process_device(0) == 0
+
+
+# --- importing never imports CuPy -----------------------------------------------------------------
+def test_importing_hvdlite_does_not_import_cupy(tmp_path):
+    """A fake ``cupy`` on the path records being imported: importing hvdlite (core, GPU
+    backends, the torch adapter) and running a CPU job must not import it; asking whether CUDA
+    is built does (the positive control that the probe works)."""
+    fake = tmp_path / "cupy"
+    fake.mkdir()
+    marker = tmp_path / "imported"
+    (fake / "__init__.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\nraise ImportError('fake cupy for the test')\n")
+    code = (
+        "import os, sys\n"
+        "import numpy as np\n"
+        "import hvdlite as hvd\n"
+        "import hvdlite.common.cuda, hvdlite.common.backend_nccl, hvdlite.common.backend_staged\n"
+        "import hvdlite.common.gpu_completion, hvdlite.common.engine, hvdlite.common.ops\n"
+        "import importlib.util\n"
+        "if importlib.util.find_spec('torch') is not None:\n"
+        "    import hvdlite.torch\n"
+        "hvd.init()\n"
+        "assert hvd.allreduce(np.ones(3), name='x').tolist() == [1.0, 1.0, 1.0]\n"
+        "hvd.shutdown()\n"
+        f"assert not os.path.exists({str(marker)!r}), 'cupy was imported'\n"
+        "assert 'cupy' not in sys.modules\n"
+        "assert hvd.cuda_built() is False and hvd.nccl_built() == 0\n"
+        f"assert os.path.exists({str(marker)!r}), 'the probe never imported the fake cupy'\n"
+        "print('ok')\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(REPO), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    for key in [k for k in env if k.startswith(("HVDLITE_", "HOROVOD_"))]:
+        del env[key]
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
+        f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+# --- submission checks (ops.make_entry) -----------------------------------------------------------
+def _engine(mode: str):
+    return types.SimpleNamespace(config=Config(gpu_operations=mode),
+                                 new_handle=lambda name: Handle(name, lambda: True))
+
+
+def _entry(mode, kind, array, **kw):
+    from hvdlite.common.ops import make_entry
+    kw.setdefault("name", "t")
+    return make_entry(_engine(mode), [0, 1], kind, array, **kw)
+
+
+class _NcclPresent(gpu_loopback.LoopbackRuntime):
+    def require_nccl(self, what):
+        return object()
+
+
+def test_mpi_mode_accepts_device_tensors():
+    loop = gpu_loopback.install()
+    loop.device_id = 2
+    x = np.arange(4, dtype=np.float32)
+    entry = _entry("mpi", ALLREDUCE, x, reduce_op=ReduceOp.Sum, device=0)
+    assert entry.request.device == 2       # the runtime's device, not the argument's flag
+    assert entry.array is x
+    assert entry.output is not x and entry.output.shape == x.shape   # allocated "on the device"
+    assert cuda.process_device(0) == 2
+
+
+def test_mpi_mode_skips_nccl_checks():
+    gpu_loopback.install(nccl=False)
+    for dtype in ("int16", "uint16"):
+        _entry("mpi", ALLREDUCE, np.zeros(3, dtype), reduce_op=ReduceOp.Sum, name=dtype,
+               device=0)
+
+
+def test_bfloat16_device_view_stays_16_bit():
+    gpu_loopback.install()
+    x = np.zeros(3, np.int16)
+    entry = _entry("mpi", ALLREDUCE, x, dtype="bfloat16", device=0)
+    assert entry.request.dtype == "bfloat16"
+    assert entry.array is x and entry.output.dtype == np.int16
+    gathered = _entry("mpi", ALLGATHER, x, dtype="bfloat16", name="g", device=0)
+    assert gathered.allocate((5,), np.dtype("float64")).dtype == np.int16
+
+
+@pytest.mark.parametrize("kind", [ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER])
+def test_nccl_mode_without_nccl_fails_at_submission(kind):
+    gpu_loopback.install(nccl=False)
+    kw = {"root_rank": 0} if kind == BROADCAST else {}
+    with pytest.raises(GpuUnavailableError) as err:
+        _entry("nccl", kind, np.zeros((2, 2), np.float32), name="w", device=0, **kw)
+    msg = str(err.value)
+    assert f"{kind} of 'w'" in msg and "HVDLITE_GPU_OPERATIONS=mpi" in msg, msg
+
+
+def test_nccl_mode_dtype_check_only_for_allreduce():
+    cuda.set_runtime_for_tests(_NcclPresent())
+    with pytest.raises(GpuUnavailableError, match="NCCL has no int16 reduction"):
+        _entry("nccl", ALLREDUCE, np.zeros(3, np.int16), reduce_op=ReduceOp.Sum, device=0)
+    _entry("nccl", ALLREDUCE, np.zeros(3, np.int32), reduce_op=ReduceOp.Sum, device=0)
+    _entry("nccl", ALLGATHER, np.zeros(3, np.int16), name="ag", device=0)   # bytes: fine
+    _entry("nccl", ALLREDUCE, np.zeros(2, np.float32), reduce_op=ReduceOp.Adasum, name="ad",
+           device=0)
+
+
+def test_real_runtime_without_cupy_fails_at_submission(monkeypatch):
+    _no_cupy(monkeypatch)
+    for mode in ("nccl", "mpi"):
+        with pytest.raises(GpuUnavailableError) as err:
+            _entry(mode, ALLREDUCE, np.zeros(3, np.float32), device=0)
+        assert "CuPy" in str(err.value) and "allreduce of 't'" in str(err.value)
+    assert cuda._process_device is None   # nothing claimed by a failed submission
+
+
+def test_second_gpu_fails_at_submission():
+    loop = gpu_loopback.install()
+    _entry("mpi", ALLREDUCE, np.zeros(3, np.float32), name="a", device=0)
+    loop.device_id = 1
+    with pytest.raises(GpuUnavailableError) as err:
+        _entry("mpi", ALLREDUCE, np.zeros(3, np.float32), name="b", device=0)
+    assert "cuda:1" in str(err.value) and "cuda:0" in str(err.value)
+
+
+def test_non_contiguous_device_input_is_refused():
+    gpu_loopback.install()
+    with pytest.raises(ValueError, match="not contiguous"):
+        _entry("mpi", ALLREDUCE, np.zeros(6, np.float32)[::2], device=0)
+
+
+def test_cpu_tensors_never_touch_the_gpu_runtime():
+    class Exploding(gpu_loopback.LoopbackRuntime):
+        def require(self, what):
+            raise AssertionError("CPU tensor reached the GPU runtime")
+    cuda.set_runtime_for_tests(Exploding())
+    entry = _entry("nccl", ALLREDUCE, np.zeros(3, np.float32))
+    assert entry.request.device == -1
+
+
+# --- the host-staged backend around a stand-in MPI backend ----------------------------------------
+class _FakeMPI:
+    """Checks that staging finished before MPI reads host memory; 'reduces' by doubling."""
+
+    def __init__(self, rt):
+        self.rt = rt
+        self.batches = []
+
+    def execute(self, batch):
+        assert self.rt.synchronize_calls == 1, "MPI ran before the host copies were waited for"
+        self.batches.append(batch)
+        for response, entry in batch:
+            assert isinstance(entry.array, np.ndarray)
+            if response.kind == ALLREDUCE:
+                factor = 1 if entry.stand_in else 2
+                if entry.output is entry.array:
+                    entry.array *= factor
+                else:
+                    np.multiply(entry.array, factor, out=entry.output)
+            elif response.kind == ALLGATHER:
+                entry.output = entry.allocate((2,) + entry.array.shape[1:], entry.array.dtype)
+                entry.output[...] = entry.array[:1] if entry.array.shape[0] else 0
+            elif response.kind == ALLTOALL:
+                entry.output = (entry.array[::-1].copy(), np.array([1, 2], np.int32))
+
+
+def _agree_alone(error):
+    """The engine's agreement with a single rank: a local failure is everyone's failure."""
+    if error is not None:
+        raise error
+
+
+def _staged(rt):
+    backend = HostStagedBackend.__new__(HostStagedBackend)
+    backend._rt = rt
+    backend._mpi = _FakeMPI(rt)
+    backend._agree = _agree_alone
+    return backend
+
+
+def _item(kind, array, output, dtype=None, allocate=None, stand_in=False):
+    dtype = dtype or array.dtype.name
+    request = Request("t", kind, dtype, array.shape)
+    response = Response("t", kind, dtype, array.shape, int(ReduceOp.Sum), -1, 0)
+    entry = Entry(request, array, output, allocate or (lambda s, d: np.empty(s, array.dtype)),
+                  Handle("t", lambda: True))
+    entry.stand_in = stand_in
+    return response, entry
+
+
+def test_staged_out_of_place_and_in_place():
+    rt = gpu_loopback.LoopbackRuntime()
+    x = np.arange(4, dtype=np.float32)
+    out = np.zeros(4, np.float32)
+    y = np.arange(3, dtype=np.float32)
+    backend = _staged(rt)
+    event, keep = backend.execute([_item(ALLREDUCE, x, out), _item(ALLREDUCE, y, y)], 0)
+    assert rt.event_done(event) and rt.records == 1
+    np.testing.assert_array_equal(out, 2 * np.arange(4))
+    np.testing.assert_array_equal(x, np.arange(4))     # the input is untouched
+    np.testing.assert_array_equal(y, 2 * np.arange(3))   # in place: written back
+    assert rt.to_host_calls == 2 and rt.to_device_calls == 2 and rt.synchronize_calls == 1
+    staged = [e for _, e in keep]
+    assert staged[0].array is not x and staged[1].output is staged[1].array   # host copies
+
+
+def test_staged_bfloat16_travels_as_int16_on_the_device():
+    import ml_dtypes
+    rt = gpu_loopback.LoopbackRuntime()
+    values = np.array([1.5, -2.0, 0.25], dtype=ml_dtypes.bfloat16)
+    x = values.view(np.int16).copy()
+    _staged(rt).execute([_item(ALLREDUCE, x, x, dtype="bfloat16")], 0)
+    assert x.dtype == np.int16
+    np.testing.assert_array_equal(x.view(ml_dtypes.bfloat16), values * 2)
+
+
+def test_staged_stand_in_stays_on_the_host():
+    rt = gpu_loopback.LoopbackRuntime()
+    identity = np.zeros(3, np.float32)
+    _staged(rt).execute([_item(ALLREDUCE, identity, identity, stand_in=True)], 0)
+    assert rt.to_host_calls == 0 and rt.to_device_calls == 0
+
+
+def test_staged_allocates_device_outputs_after_mpi():
+    rt = gpu_loopback.LoopbackRuntime()
+    allocated = []
+
+    def allocate(shape, dtype):
+        allocated.append((shape, dtype))
+        return np.full(shape, -1, np.int32)
+    x = np.array([[7, 8]], np.int32)
+    _, entry = item = _item(ALLGATHER, x, None, allocate=allocate)
+    _staged(rt).execute([item], 0)
+    assert allocated == [((2, 2), np.dtype(np.int32))]
+    np.testing.assert_array_equal(entry.output, [[7, 8], [7, 8]])
+    assert rt.to_device_calls == 1
+
+
+def test_staged_alltoall_keeps_received_splits():
+    rt = gpu_loopback.LoopbackRuntime()
+    x = np.arange(6, dtype=np.float64).reshape(3, 2)
+    _, entry = item = _item(ALLTOALL, x, None)
+    _staged(rt).execute([item], 0)
+    rows, splits = entry.output
+    np.testing.assert_array_equal(rows, x[::-1])
+    assert splits.tolist() == [1, 2]
+
+
+# --- the GPU completion thread --------------------------------------------------------------------
+class _Events:
+    """event_wait: events are ints; a negative one fails like a CUDA error."""
+
+    def __init__(self):
+        self.waited = []
+        self.gate = threading.Event()
+
+    def event_wait(self, event):
+        if event == 0:
+            assert self.gate.wait(10)
+        self.waited.append(event)
+        if event < 0:
+            raise RuntimeError("cudaErrorIllegalAddress")
+
+
+def _entries(*names):
+    return [Entry(Request(n, ALLREDUCE, "float32", (1,)), None, None, None,
+                  Handle(n, lambda: True)) for n in names]
+
+
+def test_completions_in_order_after_their_event():
+    rt = _Events()
+    done, failed = [], []
+    c = GpuCompletions(rt, lambda es: done.append([e.name for e in es]),
+                       lambda e, err: failed.append((e.name, err)))
+    first, second = _entries("a", "b"), _entries("c")
+    c.put(0, first, keep_alive=object())
+    c.put(1, second, keep_alive=None)
+    assert done == []   # the first event has not fired: nothing completes, not even later ones
+    rt.gate.set()
+    c.close()
+    assert done == [["a", "b"], ["c"]] and failed == [] and rt.waited == [0, 1]
+
+
+def test_completions_device_error_fails_those_entries_and_keeps_serving():
+    rt = _Events()
+    rt.gate.set()
+    done, failed = [], []
+    c = GpuCompletions(rt, lambda es: done.append([e.name for e in es]),
+                       lambda e, err: failed.append((e.name, err)))
+    c.put(-1, _entries("x", "y"), None)
+    c.put(2, _entries("z"), None)
+    c.close()
+    assert done == [["z"]]
+    assert [name for name, _ in failed] == ["x", "y"]
+    for _, err in failed:
+        assert isinstance(err, HvdliteError)
+        msg = str(err)
+        assert "'x'" in msg and "'y'" in msg and "cudaErrorIllegalAddress" in msg, msg
+
+
+def test_completions_close_from_its_own_thread_does_not_deadlock():
+    rt = _Events()
+    rt.gate.set()
+    holder = {}
+    c = GpuCompletions(rt, lambda es: holder["c"].close(), lambda e, err: None)
+    holder["c"] = c
+    c.put(1, _entries("a"), None)
+    c._thread.join(10)
+    c.close()
+    assert not c._thread.is_alive()
