@@ -188,8 +188,8 @@ class Engine:
 
     def _execute_on_gpu(self, batch: list[tuple[Response, Entry]]) -> None:
         """Queue the batch's device work; its handles complete when the work has finished."""
+        from . import cuda
         if self._gpu is None:
-            from . import cuda
             from .backend_nccl import NCCLBackend
             from .backend_staged import HostStagedBackend
             from .gpu_completion import GpuCompletions
@@ -200,18 +200,13 @@ class Engine:
                                     self._agree_prepared)
             self._gpu_completions = GpuCompletions(runtime, self._complete_batch,
                                                    lambda e, err: self._complete(e, error=err))
-        from . import cuda
         entries = [entry for _, entry in batch]
         try:
             event, keep_alive = self._gpu.execute(batch, cuda.process_device(self.rank))
-        except HvdliteError as exc:   # already says what failed and what to do
-            for entry in entries:
-                self._complete(entry, error=exc)
-            return
         except Exception as exc:   # noqa: BLE001 - a CUDA/NCCL failure fails this batch only
-            log.error("hvdlite: GPU operation failed: %s", exc)
-            error = HvdliteError(f"GPU operation on {[e.name for e in entries]} failed on rank "
-                                 f"{self.rank}: {type(exc).__name__}: {exc}")
+            error = exc if isinstance(exc, HvdliteError) else HvdliteError(
+                f"GPU operation on {[e.name for e in entries]} failed on rank {self.rank}: "
+                f"{type(exc).__name__}: {exc}")
             for entry in entries:
                 self._complete(entry, error=error)
             return
