@@ -23,3 +23,38 @@ class Reporter:
         out = os.environ["HVDLITE_TEST_OUT"]
         with open(os.path.join(out, f"rank{self.rank}.json"), "w") as f:
             json.dump(self.results, f)
+
+
+def always(size: int) -> bool:
+    return True
+
+
+def pow2(size: int) -> bool:
+    return size & (size - 1) == 0
+
+
+class CaseRegistry:
+    """A worker's named cases, each run only at the job sizes its ``when(size)`` accepts.
+
+    The test file parametrises over ``names_for(size)`` and the worker runs the same list, so
+    a case that never reports shows up as a missing result, not as silence."""
+
+    def __init__(self) -> None:
+        self._cases: dict[str, tuple] = {}   # name -> (function, which sizes run it)
+
+    def register(self, name: str, fn, when=always) -> None:
+        assert name not in self._cases, name
+        self._cases[name] = (fn, when)
+
+    def case(self, name: str, when=always):
+        """Decorator form of :meth:`register`."""
+        def deco(fn):
+            self.register(name, fn, when)
+            return fn
+        return deco
+
+    def names_for(self, size: int) -> list[str]:
+        return [name for name, (_, when) in self._cases.items() if when(size)]
+
+    def function(self, name: str):
+        return self._cases[name][0]

@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # sibling helpe
 import numpy as np  # noqa: E402
 
 import hvdlite as hvd  # noqa: E402
+from _report import CaseRegistry, pow2  # noqa: E402
 import core_cases as cc  # noqa: E402
 from core_adasum_kernel_worker import adasum_tree, check_close  # noqa: E402
 from core_refs import Expected, allreduce_expected, attempt, check_array, check_exact  # noqa: E402
@@ -28,35 +29,16 @@ RANK = SIZE = LAST = -1      # set by main() after hvd.init()
 OP = {name: getattr(hvd, name) for name in cc.OPS}
 
 # --- case registry -----------------------------------------------------------------------------
-CASES: dict[str, tuple] = {}   # name -> (function, which sizes run it)
-
-
-def _always(size: int) -> bool:
-    return True
-
-
-def _pow2(size: int) -> bool:
-    return size & (size - 1) == 0
+CASES = CaseRegistry()
+register, case = CASES.register, CASES.case
 
 
 def _not_pow2(size: int) -> bool:
-    return not _pow2(size)
-
-
-def register(name: str, fn, when=_always) -> None:
-    assert name not in CASES, name
-    CASES[name] = (fn, when)
-
-
-def case(name: str, when=_always):
-    def deco(fn):
-        register(name, fn, when)
-        return fn
-    return deco
+    return not pow2(size)
 
 
 def cases_for(size: int) -> list[str]:
-    return [name for name, (_, when) in CASES.items() if when(size)]
+    return CASES.names_for(size)
 
 
 # --- shared helpers ----------------------------------------------------------------------------
@@ -1074,7 +1056,7 @@ for _dt in ("float32", "float64"):
                        ("scaled", adasum_scaled), ("repeated_named", adasum_repeated),
                        ("grouped", adasum_grouped)):
         _name = f"adasum.{_dt}.{_kind}"
-        register(_name, functools.partial(_fn, _name, _dt), when=_pow2)
+        register(_name, functools.partial(_fn, _name, _dt), when=pow2)
 
 
 @case("adasum.integer_dtypes_unsupported")
@@ -1117,7 +1099,7 @@ def main() -> None:
     LAST = SIZE - 1
     r = Reporter(RANK)
     for name in cases_for(SIZE):
-        r.case(name, CASES[name][0])
+        r.case(name, CASES.function(name))
     r.write()
     hvd.shutdown()
 

@@ -26,37 +26,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # sibling helpe
 import numpy as np  # noqa: E402
 
 import hvdlite as hvd  # noqa: E402
+from _report import CaseRegistry, always, pow2  # noqa: E402
 import core_cases as cc  # noqa: E402
 from core_refs import Expected, allreduce_expected, attempt, check_array, check_exact  # noqa: E402
 
 RANK = SIZE = LAST = -1      # set by main() after hvd.init()
 OP = {name: getattr(hvd, name) for name in cc.OPS}
 
-CASES: dict[str, tuple] = {}   # name -> (function, which sizes run it)
-
-
-def _always(size: int) -> bool:
-    return True
-
-
-def _pow2(size: int) -> bool:
-    return size & (size - 1) == 0
-
-
-def register(name: str, fn, when=_always) -> None:
-    assert name not in CASES, name
-    CASES[name] = (fn, when)
-
-
-def case(name: str, when=_always):
-    def deco(fn):
-        register(name, fn, when)
-        return fn
-    return deco
+CASES = CaseRegistry()
+register, case = CASES.register, CASES.case
 
 
 def cases_for(size: int) -> list[str]:
-    return [name for name, (_, when) in CASES.items() if when(size)]
+    return CASES.names_for(size)
 
 
 # --- helpers -----------------------------------------------------------------------------------
@@ -454,7 +436,7 @@ for _kind in UNJOINABLE:
     for _cached in (False, True):
         _name = f"join.unjoinable.{_kind}.{'cached' if _cached else 'fresh'}"
         register(_name, functools.partial(unjoinable_case, _name, _kind, _cached),
-                 when=_pow2 if _kind == "adasum" else _always)
+                 when=pow2 if _kind == "adasum" else always)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -466,7 +448,7 @@ def main() -> None:
     LAST = SIZE - 1
     r = Reporter(RANK)
     for name in cases_for(SIZE):
-        r.case(name, CASES[name][0])
+        r.case(name, CASES.function(name))
     r.write()
     hvd.shutdown()
 

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # sibling helpe
 import numpy as np  # noqa: E402
 
 import hvdlite as hvd  # noqa: E402
+from _report import CaseRegistry, pow2  # noqa: E402
 import core_cases as cc  # noqa: E402
 import gpu_loopback  # noqa: E402
 from core_refs import Expected, allreduce_expected, attempt, check_array, check_exact  # noqa: E402
@@ -49,27 +50,8 @@ DTYPES = ["uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "fl
 NUMERIC = [d for d in DTYPES if d != "bool"]
 SHAPES = ("scalar", "vec", "cube", "empty")
 
-CASES: dict[str, tuple] = {}   # name -> (function, which sizes run it)
-
-
-def _always(size: int) -> bool:
-    return True
-
-
-def _pow2(size: int) -> bool:
-    return size & (size - 1) == 0
-
-
-def register(name: str, fn, when=_always) -> None:
-    assert name not in CASES, name
-    CASES[name] = (fn, when)
-
-
-def case(name: str, when=_always):
-    def deco(fn):
-        register(name, fn, when)
-        return fn
-    return deco
+CASES = CaseRegistry()
+register, case = CASES.register, CASES.case
 
 
 # Cases that rely on the response cache run before ~1000 other names fill it (it never evicts).
@@ -80,7 +62,7 @@ EARLY = ["join.before_any_device_tensor",   # must be first: no device tensor us
 
 
 def cases_for(size: int) -> list[str]:
-    names = [name for name, (_, when) in CASES.items() if when(size)]
+    names = CASES.names_for(size)
     return [n for n in EARLY if n in names] + [n for n in names if n not in EARLY]
 
 
@@ -404,7 +386,7 @@ def fusion_one_round():
         expect_counts(f"step {step}", moved, to_host=1 + n, to_device=1 + n, synchronize=1 + 3)
 
 
-@case("adasum.matches_cpu_path", when=_pow2)
+@case("adasum.matches_cpu_path", when=pow2)
 def adasum_matches_cpu():
     """Adasum (host-staged on every GPU backend) gives the CPU path's bits."""
     pending = []
@@ -864,7 +846,7 @@ def main() -> None:
     RT.device_id = RANK   # one GPU per rank: cuda:<rank>
     r = Reporter(RANK)
     for name in cases_for(SIZE):
-        r.case(name, CASES[name][0])
+        r.case(name, CASES.function(name))
         r.write()   # a job killed on timeout still shows which case hung
     hvd.shutdown()
 
