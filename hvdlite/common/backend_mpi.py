@@ -11,6 +11,15 @@ from .messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUC
 from .reduce_ops import ReduceOp
 
 
+def postscale_factor(response: Response, size: int) -> float:
+    """What a reduction's result is multiplied by: the postscale factor, and 1/size for
+    Average (every backend, so GPU and CPU results follow the same rules)."""
+    factor = response.postscale
+    if response.reduce_op == ReduceOp.Average:
+        factor *= 1.0 / size
+    return factor
+
+
 class MPIBackend:
     def __init__(self, comm, global_ranks: list[int] | None = None) -> None:
         from mpi4py import MPI
@@ -23,10 +32,7 @@ class MPIBackend:
         self._fusion = FusionBuffer()
 
     def _postscale(self, response: Response) -> float:
-        factor = response.postscale
-        if response.reduce_op == ReduceOp.Average:
-            factor *= 1.0 / self.size
-        return factor
+        return postscale_factor(response, self.size)
 
     def _reduce(self, buf: np.ndarray, response: Response, info, segments=None) -> None:
         """In-place reduction of ``buf`` across the set (Adasum or an MPI reduction)."""

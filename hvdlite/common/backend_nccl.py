@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from .backend_mpi import postscale_factor
 from .backend_staged import HostStagedBackend
 from .dtypes import dtype_info
 from .errors import GpuUnavailableError, HvdliteError
@@ -56,17 +57,13 @@ class NCCLBackend:
         self._local_rank_of = {g: i for i, g in enumerate(global_ranks or range(self.size))}
         self._staged = HostStagedBackend(comm, global_ranks, runtime, agree)
         self._nccl_comm = None
-        self._device: int | None = None
         self._fusion: Any = None   # device uint8 buffer, grown on demand, never shrunk
 
     # --- communicator -----------------------------------------------------------------------
     def _communicator(self, device_id: int):
+        # One GPU per process is enforced at submission (cuda.claim_device), so the device
+        # never changes under a communicator.
         if self._nccl_comm is not None:
-            if device_id != self._device:
-                raise GpuUnavailableError(
-                    f"this process already uses cuda:{self._device} for NCCL, and a tensor on "
-                    f"cuda:{device_id} arrived; hvdlite runs one GPU per process (pick it with "
-                    f"torch.cuda.set_device(hvd.local_rank())).")
             return self._nccl_comm
         nccl = self._rt.require_nccl("creating the NCCL communicator")
         uid = np.zeros(128, dtype=np.int8)
@@ -84,7 +81,6 @@ class NCCLBackend:
                 f"NCCL could not create its communicator on cuda:{device_id} (rank "
                 f"{self.rank} of {self.size}): {exc}. NCCL needs a distinct GPU per rank; ranks "
                 f"that share one GPU must use HVDLITE_GPU_OPERATIONS=mpi.") from exc
-        self._device = device_id
         return self._nccl_comm
 
     @staticmethod
@@ -150,11 +146,8 @@ class NCCLBackend:
                             nccl_op, stream.ptr)
 
     def _postscale(self, out, response: Response) -> None:
-        factor = response.postscale
-        if response.reduce_op == ReduceOp.Average:
-            factor *= 1.0 / self.size
         if not dtype_info(response.dtype).is_bool:
-            self._rt.scale(out, factor, response.dtype)
+            self._rt.scale(out, postscale_factor(response, self.size), response.dtype)
 
     def _allreduce_one(self, nccl_comm, stream, response: Response, entry: Entry) -> None:
         src = entry.array.ravel()

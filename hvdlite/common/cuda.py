@@ -150,10 +150,6 @@ class GpuRuntime:
         with self.on(device_id):
             return cp.from_dlpack(obj)
 
-    def is_device_array(self, obj: Any) -> bool:
-        cp = _import_cupy()[0]
-        return cp is not None and isinstance(obj, cp.ndarray)
-
     def device_of(self, array: Any) -> int:
         return int(array.device.id)
 

@@ -82,9 +82,6 @@ class LoopbackRuntime(cuda.GpuRuntime):
     def device_view(self, obj, device_id, what):
         return obj
 
-    def is_device_array(self, obj):
-        return isinstance(obj, np.ndarray)
-
     def device_of(self, array):
         return self.device_id
 
