@@ -316,3 +316,25 @@ def check_reported_cases(job, np_, expected):
         missing = sorted(set(expected) - set(report))
         extra = sorted(set(report) - set(expected))
         assert not missing and not extra, f"rank {rank}: missing {missing[:10]}, extra {extra[:10]}"
+
+
+# --- checking collectives in workers -------------------------------------------------------
+def attempt(fn, *args, **kwargs):
+    """(result, None) or (None, exception): run a collective, check afterwards."""
+    try:
+        return fn(*args, **kwargs), None
+    except Exception as exc:  # noqa: BLE001 - re-raised or checked by the caller
+        return None, exc
+
+
+def expect_raises(fn, cls, *needles):
+    """``fn()`` must raise ``cls`` with every needle in the message; return the exception."""
+    try:
+        fn()
+    except cls as exc:
+        for needle in needles:
+            assert needle in str(exc), f"{needle!r} not in the message: {exc}"
+        return exc
+    except Exception as exc:  # noqa: BLE001
+        raise AssertionError(f"expected {cls.__name__}, got {type(exc).__name__}: {exc}")
+    raise AssertionError(f"expected {cls.__name__}, nothing was raised")

@@ -294,25 +294,7 @@ def assert_unchanged(t, original, what="input"):
     assert torch.equal(bits(t), bits(original)), f"{what} was modified"
 
 
-def attempt(fn, *args, **kwargs):
-    """(result, None) or (None, exception): run a collective, check afterwards."""
-    try:
-        return fn(*args, **kwargs), None
-    except Exception as exc:  # noqa: BLE001 - re-raised or checked by the caller
-        return None, exc
-
-
-def expect_raises(fn, cls, *needles):
-    """``fn()`` must raise ``cls`` with every needle in the message; return the exception."""
-    try:
-        fn()
-    except cls as exc:
-        for needle in needles:
-            assert needle in str(exc), f"{needle!r} not in the message: {exc}"
-        return exc
-    except Exception as exc:  # noqa: BLE001
-        raise AssertionError(f"expected {cls.__name__}, got {type(exc).__name__}: {exc}")
-    raise AssertionError(f"expected {cls.__name__}, nothing was raised")
+attempt, expect_raises = C.attempt, C.expect_raises   # shared with the other torch workers
 
 
 def make_input(case, k, dt, op, shape, small=False):
