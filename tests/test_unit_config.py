@@ -13,6 +13,7 @@ def test_defaults_from_empty_environment():
     assert cfg.stall_check_seconds == 60.0
     assert cfg.stall_shutdown_seconds == 0.0
     assert cfg.log_level == "WARNING"
+    assert cfg.result_pool_bytes == 512 * 2**20
     assert cfg == Config()
 
 
@@ -25,6 +26,8 @@ def test_defaults_from_empty_environment():
     ("STALL_CHECK_TIME_SECONDS", "stall_check_seconds", "1", 1.0),
     ("STALL_SHUTDOWN_TIME_SECONDS", "stall_shutdown_seconds", "2.5", 2.5),
     ("LOG_LEVEL", "log_level", "debug", "DEBUG"),
+    ("RESULT_POOL_MB", "result_pool_bytes", "1.5", 3 * 2**19),
+    ("RESULT_POOL_MB", "result_pool_bytes", "0", 0),
 ])
 @pytest.mark.parametrize("prefix", ["HVDLITE_", "HOROVOD_"])
 def test_each_knob_under_both_prefixes(knob, field, raw, value, prefix):
@@ -69,7 +72,8 @@ def test_stall_check_disable_flag(raw, enabled):
 
 
 @pytest.mark.parametrize("knob", ["FUSION_THRESHOLD", "CACHE_CAPACITY", "CYCLE_TIME",
-                                  "STALL_CHECK_TIME_SECONDS", "STALL_SHUTDOWN_TIME_SECONDS"])
+                                  "STALL_CHECK_TIME_SECONDS", "STALL_SHUTDOWN_TIME_SECONDS",
+                                  "RESULT_POOL_MB"])
 @pytest.mark.parametrize("raw", ["abc", "12MB", "-1", "1..2"])
 @pytest.mark.parametrize("prefix", ["HVDLITE_", "HOROVOD_"])
 def test_bad_values_raise(knob, raw, prefix):

@@ -9,6 +9,7 @@ import threading
 
 from .config import Config
 from .errors import NotInitializedError
+from .memory import result_pool
 from .process_sets import ProcessSet, check_ranks, global_process_set, resolve_ranks
 
 log = logging.getLogger("hvdlite")
@@ -91,6 +92,7 @@ def init(comm=None, process_sets=None) -> None:
             import dataclasses
             config = dataclasses.replace(config, dynamic_process_sets=True)
         own = Config.from_env()
+        result_pool().max_idle_bytes = own.result_pool_bytes   # this rank's memory: its own say
         local.Free()
         cross.Free()
         _configure_logging(own.log_level, rank)
@@ -123,6 +125,7 @@ def shutdown() -> None:
     from .cuda import reset_process_device
     from .ops import reset_auto_names
     reset_process_device()
+    result_pool().clear()
     reset_auto_names()   # every rank re-inits together, so unnamed ops restart in step
     for set_id, (ps, set_engine) in sorted(state.sets.items(), reverse=True):
         if set_id != 0:

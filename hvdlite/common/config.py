@@ -15,6 +15,7 @@ DEFAULT_FUSION_THRESHOLD = 128 * 1024 * 1024  # bytes, Horovod's default since v
 DEFAULT_CYCLE_TIME_MS = 1.0
 DEFAULT_CACHE_CAPACITY = 1024
 DEFAULT_STALL_CHECK_SECONDS = 60.0
+DEFAULT_RESULT_POOL_MB = 512.0
 
 
 def env_value(name: str, environ: Mapping[str, str] | None = None) -> str | None:
@@ -71,6 +72,8 @@ class Config:
     log_level: str = "WARNING"
     dynamic_process_sets: bool = False   # allow add_process_set / remove_process_set
     gpu_operations: str = "nccl"         # how GPU tensors move: "nccl" or "mpi" (host-staged)
+    # Idle host result memory kept for reuse (memory.BufferPool); per rank, need not agree.
+    result_pool_bytes: int = int(DEFAULT_RESULT_POOL_MB * 2**20)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Config":
@@ -85,4 +88,6 @@ class Config:
             log_level=(env_value("LOG_LEVEL", environ) or "WARNING").upper(),
             dynamic_process_sets=_flag("DYNAMIC_PROCESS_SETS", environ),
             gpu_operations=_gpu_operations(environ),
+            result_pool_bytes=int(_number("RESULT_POOL_MB", DEFAULT_RESULT_POOL_MB, environ)
+                                  * 2**20),
         )

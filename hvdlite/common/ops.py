@@ -17,6 +17,7 @@ from . import basics
 from .dtypes import check_reduce_op, dtype_info
 from .errors import HvdliteError
 from .handle import Entry, GroupHandle, Handle
+from .memory import result_empty
 from .messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN, REDUCESCATTER,
                        Request)
 from .process_sets import ProcessSet, global_process_set
@@ -50,7 +51,7 @@ def _contiguous(x) -> np.ndarray:
 
 
 def _default_allocate(shape: tuple, dtype: np.dtype) -> np.ndarray:
-    return np.empty(shape, dtype=dtype)
+    return result_empty(shape, dtype)
 
 
 def submit(kind: str, array: np.ndarray | None, *, name: str | None = None,
@@ -157,7 +158,7 @@ def make_entry(engine, members: list[int] | None, kind: str, array: np.ndarray |
         if output is None and kind in (ALLREDUCE, BROADCAST):
             output = allocate(array.shape, array.dtype)
     elif output is None and kind in (ALLREDUCE, BROADCAST):
-        output = np.empty_like(array)
+        output = result_empty(array.shape, array.dtype)
     return Entry(request, array, output, allocate or _default_allocate, engine.new_handle(name))
 
 

@@ -1,0 +1,153 @@
+"""memory.aligned_empty and memory.BufferPool: alignment, reuse only after the last user of a
+block is gone, the idle cap, thread safety (pure logic, one process)."""
+import gc
+import threading
+
+import numpy as np
+import pytest
+
+from hvdlite.common import ops
+from hvdlite.common.dtypes import dtype_info
+from hvdlite.common.memory import ALIGNMENT, BufferPool, aligned_empty, result_empty
+
+SHAPES = [(), (0,), (1,), (3, 5), (7, 0, 2), (1000, 333), (2**20 + 3,)]
+DTYPES = ["bool", "uint8", "int16", "float16", "bfloat16", "int32", "float32", "int64",
+          "float64"]
+
+
+def _np_dtype(name):
+    return dtype_info(name).np_dtype
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("make", [aligned_empty, result_empty,
+                                  lambda s, d: BufferPool(min_bytes=0).empty(s, d)],
+                         ids=["aligned_empty", "result_empty", "pool"])
+def test_shape_dtype_alignment(make, shape, dtype):
+    a = make(shape, _np_dtype(dtype))
+    assert a.shape == shape and a.dtype == _np_dtype(dtype)
+    assert a.flags.c_contiguous and a.flags.writeable
+    if a.size:   # (an empty array has no data to align)
+        assert a.ctypes.data % ALIGNMENT == 0
+    a[...] = 1   # the whole extent is usable
+    assert (a == 1).all()
+
+
+def test_default_allocator_of_the_core_is_aligned():
+    for n in (1, 5, 4099, 300_000):
+        out = ops._default_allocate((n,), np.dtype(np.float32))
+        assert out.ctypes.data % ALIGNMENT == 0 and out.shape == (n,)
+
+
+def _addr(a):
+    return a.__array_interface__["data"][0]
+
+
+def test_block_reused_once_the_last_view_is_gone():
+    pool = BufferPool(min_bytes=1024)
+    a = pool.empty((4096,), np.float32)
+    first = _addr(a)
+    view = a[100:200].reshape(10, 10).T   # a derived view keeps the block leased
+    del a
+    gc.collect()
+    assert pool.idle_bytes == 0
+    b = pool.empty((4096,), np.float32)
+    assert _addr(b) != first, "a block was handed out while a view of it was alive"
+    view[...] = 7
+    b[...] = 3
+    assert (view == 7).all(), "two live arrays share memory"
+    del view
+    gc.collect()
+    assert pool.idle_bytes == 4096 * 4
+    c = pool.empty((64, 64), np.float32)   # same byte size, another shape: reused
+    assert _addr(c) == first
+    assert pool.hits == 1 and pool.misses == 2
+
+
+def test_framework_tensor_keeps_the_block_leased():
+    torch = pytest.importorskip("torch")
+    pool = BufferPool(min_bytes=1024)
+    a = pool.empty((1 << 12,), np.float32)
+    t = torch.from_numpy(a)
+    del a
+    gc.collect()
+    assert pool.idle_bytes == 0
+    t.fill_(2.0)
+    del t
+    gc.collect()
+    assert pool.idle_bytes == (1 << 12) * 4
+
+
+def test_other_sizes_get_other_blocks():
+    pool = BufferPool(min_bytes=1024)
+    a = pool.empty((1000,), np.float64)
+    del a
+    gc.collect()
+    b = pool.empty((1001,), np.float64)
+    assert pool.hits == 0 and pool.misses == 2 and b.size == 1001
+
+
+def test_small_results_are_not_pooled():
+    pool = BufferPool(min_bytes=1 << 20)
+    a = pool.empty((10,), np.float32)
+    del a
+    gc.collect()
+    assert pool.idle_bytes == 0 and pool.hits == pool.misses == 0
+
+
+def test_idle_cap_drops_extra_blocks():
+    pool = BufferPool(min_bytes=1024, max_idle_bytes=3 * 8192)
+    arrays = [pool.empty((2048,), np.float32) for _ in range(5)]   # 8 KiB each
+    del arrays
+    gc.collect()
+    assert pool.idle_bytes == 3 * 8192
+
+
+def test_zero_cap_turns_pooling_off():
+    pool = BufferPool(min_bytes=1024, max_idle_bytes=0)
+    a = pool.empty((4096,), np.float32)
+    assert a.ctypes.data % ALIGNMENT == 0
+    del a
+    gc.collect()
+    assert pool.idle_bytes == 0 and pool.hits == pool.misses == 0
+
+
+def test_clear_releases_idle_blocks():
+    pool = BufferPool(min_bytes=1024)
+    a = pool.empty((4096,), np.float32)
+    del a
+    gc.collect()
+    assert pool.idle_bytes > 0
+    pool.clear()
+    assert pool.idle_bytes == 0
+    pool.empty((4096,), np.float32)
+    assert pool.hits == 0
+
+
+def test_threads_never_share_a_live_block():
+    pool = BufferPool(min_bytes=1024)
+    errors = []
+
+    def work(seed):
+        try:
+            for i in range(300):
+                a = pool.empty((512,), np.int64)
+                a[...] = seed * 1000 + i
+                b = pool.empty((512,), np.int64)
+                b[...] = -1
+                if not (a == seed * 1000 + i).all():
+                    errors.append(f"thread {seed}: block shared while leased")
+                del a, b
+        except Exception as exc:  # noqa: BLE001
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors[:3]
+    gc.collect()
+    assert pool.hits > 0
+    assert pool.idle_bytes == (pool.misses) * 512 * 8
