@@ -3,7 +3,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from hvdlite.common.dtypes import SUPPORTED_DTYPES, check_reduce_op, dtype_info, scale_in_place
+from hvdlite.common.dtypes import (SUPPORTED_DTYPES, check_reduce_op, dtype_info,
+                                   scale_in_place, scale_into)
 from hvdlite.common.errors import HvdliteError, UnsupportedDtypeError
 from hvdlite.common.reduce_ops import ReduceOp, resolve_op
 
@@ -164,6 +165,28 @@ def test_scaling_keeps_views_in_place():
     base = np.arange(10, dtype=np.float32)
     scale_in_place(base[2:6], 2.0)
     assert base.tolist() == [0, 1, 4, 6, 8, 10, 6, 7, 8, 9]
+
+
+@pytest.mark.parametrize("name", [n for n in SUPPORTED_DTYPES if n != "bool"])
+@pytest.mark.parametrize("factor", [1.0, 0.5, 1 / 3, -2.0])
+def test_scale_into_matches_scale_in_place_and_leaves_its_input(name, factor):
+    dt = dtype_info(name).np_dtype
+    rng = np.random.default_rng(3)
+    src = (rng.standard_normal(257) * 40).astype(dt)
+    if dt.kind == "u":   # (a negative result does not fit: undefined, not a scaling rule)
+        src = np.abs(rng.standard_normal(257) * 40).astype(dt)
+        factor = abs(factor)
+    keep = src.copy()
+    want = src.copy()
+    scale_in_place(want, factor)
+    out = np.full_like(src, 99)
+    scale_into(out, src, factor)
+    assert np.array_equal(out.view(np.uint8), want.view(np.uint8)), f"{name} x {factor}"
+    assert np.array_equal(src.view(np.uint8), keep.view(np.uint8)), "the input was modified"
+
+
+def test_scale_into_empty_is_noop():
+    scale_into(np.empty(0, np.float32), np.empty(0, np.float32), 0.5)
 
 
 # --- resolve_op (Horovod's op= / average= rules) -------------------------------------------------

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .dtypes import dtype_info, mpi_datatype, mpi_reduce_op, scale_in_place
+from .dtypes import dtype_info, mpi_datatype, mpi_reduce_op, scale_in_place, scale_into
 from .fusion import FusionBuffer
 from .handle import Entry
 from .messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCESCATTER,
@@ -110,11 +110,10 @@ class MPIBackend:
         else:
             scale_in_place(buf, response.prescale)
         self._reduce(buf, response, info, segments=sizes)
-        scale_in_place(buf, self._postscale(response))
+        factor = self._postscale(response)
         offset = 0
-        copyto = np.copyto
-        for (_, entry), n in zip(batch, sizes):
-            copyto(entry.output.ravel(), buf[offset:offset + n])
+        for (_, entry), n in zip(batch, sizes):   # the postscale rides along with the copy-out
+            scale_into(entry.output.ravel(), buf[offset:offset + n], factor)
             offset += n
 
     def _allgather(self, response: Response, entry: Entry) -> None:

@@ -133,15 +133,23 @@ def mpi_reduce_op(info: DtypeInfo, op: ReduceOp):
 def scale_in_place(array: np.ndarray, factor: float) -> None:
     """Multiply by ``factor`` in place, as Horovod does: integers are scaled in float64 and
     truncated toward zero, 16-bit floats are scaled in float32."""
+    scale_into(array, array, factor)
+
+
+def scale_into(out: np.ndarray, array: np.ndarray, factor: float) -> None:
+    """``out = array * factor`` with :func:`scale_in_place`'s rules; a plain copy when the
+    factor is 1 (so a copy that must also scale costs one pass, not two)."""
     if factor == 1.0 or array.size == 0:
+        if out is not array:
+            np.copyto(out, array)
         return
     kind = array.dtype.kind
     if kind in "iu":
-        np.multiply(array, np.float64(factor), out=array, casting="unsafe")
+        np.multiply(array, np.float64(factor), out=out, casting="unsafe")
     elif array.dtype.itemsize >= 4:
-        np.multiply(array, array.dtype.type(factor), out=array)
+        np.multiply(array, array.dtype.type(factor), out=out)
     else:
-        np.multiply(array, np.float32(factor), out=array, casting="unsafe")
+        np.multiply(array, np.float32(factor), out=out, casting="unsafe")
 
 
 def reduction_identity(info: DtypeInfo, op: ReduceOp, shape: tuple) -> np.ndarray:
