@@ -1,15 +1,18 @@
-"""Training-throughput scaling of hvdlite.torch on this machine.
+"""Training-throughput scaling of hvdlite.torch or hvdlite.tensorflow on this machine.
 
-Runs examples/pytorch_synthetic_benchmark.py in three configurations, interleaved over several
+Runs examples/pytorch_synthetic_benchmark.py (or, with ``--framework tf``,
+examples/tensorflow2_synthetic_benchmark.py) in three configurations, interleaved over several
 rounds so that machine noise hits all of them alike, and reports medians:
 
-  bare-1     1 rank, plain torch optimizer (the reference)
-  hvd-1      1 rank, hvd.DistributedOptimizer        -> overhead = 1 - hvd-1 / bare-1
-  hvd-N      N ranks, hvd.DistributedOptimizer       -> efficiency = total(hvd-N) / (N * hvd-1)
+  bare-1     1 rank, plain optimizer / plain GradientTape (the reference)
+  hvd-1      1 rank, hvd.DistributedOptimizer / DistributedGradientTape
+                                                     -> overhead = 1 - hvd-1 / bare-1
+  hvd-N      N ranks, the same                       -> efficiency = total(hvd-N) / (N * hvd-1)
 
 Each rank uses one intra-op thread (OMP_NUM_THREADS=1), so N ranks need N cores.
 
     python benchmarks/training_scaling.py --ranks 2 --rounds 3
+    python benchmarks/training_scaling.py --framework tf --ranks 2 --rounds 3
 """
 from __future__ import annotations
 
@@ -23,7 +26,10 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-EXAMPLE = REPO / "examples" / "pytorch_synthetic_benchmark.py"
+EXAMPLES = {"torch": (REPO / "examples" / "pytorch_synthetic_benchmark.py",
+                     "--no-distributed-optimizer"),
+            "tf": (REPO / "examples" / "tensorflow2_synthetic_benchmark.py",
+                   "--no-distributed-tape")}
 
 
 def mpiexec() -> str:
@@ -31,12 +37,13 @@ def mpiexec() -> str:
     return str(local) if local.exists() else "mpiexec"
 
 
-def run_once(ranks: int, extra: list[str], bench_args: list[str], timeout: float) -> float:
+def run_once(example: Path, ranks: int, extra: list[str], bench_args: list[str],
+             timeout: float) -> float:
     """Total samples/sec of one benchmark run."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-        cmd = [mpiexec(), "-n", str(ranks), sys.executable, str(EXAMPLE), "--json", out.name,
+        cmd = [mpiexec(), "-n", str(ranks), sys.executable, str(example), "--json", out.name,
                *bench_args, *extra]
         subprocess.run(cmd, check=True, env=env, timeout=timeout, stdout=subprocess.DEVNULL,
                        start_new_session=True)
@@ -45,6 +52,7 @@ def run_once(ranks: int, extra: list[str], bench_args: list[str], timeout: float
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--framework", choices=sorted(EXAMPLES), default="torch")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--model", default="mlp")
@@ -56,12 +64,13 @@ def main(argv=None) -> int:
     bench = ["--model", args.model, "--batch-size", str(args.batch_size),
              "--num-iters", str(args.num_iters),
              "--num-batches-per-iter", str(args.num_batches_per_iter)]
-    configs = {"bare-1": (1, ["--no-distributed-optimizer"]), "hvd-1": (1, []),
+    example, bare_flag = EXAMPLES[args.framework]
+    configs = {"bare-1": (1, [bare_flag]), "hvd-1": (1, []),
                f"hvd-{args.ranks}": (args.ranks, [])}
     samples: dict[str, list[float]] = {name: [] for name in configs}
     for r in range(args.rounds):
         for name, (ranks, extra) in configs.items():
-            samples[name].append(run_once(ranks, extra, bench, args.timeout))
+            samples[name].append(run_once(example, ranks, extra, bench, args.timeout))
             print(f"round {r}: {name:8s} {samples[name][-1]:9.1f} samples/sec total",
                   flush=True)
     med = {name: statistics.median(v) for name, v in samples.items()}
@@ -69,13 +78,14 @@ def main(argv=None) -> int:
     overhead = 1.0 - med["hvd-1"] / med["bare-1"]
     efficiency = med[f"hvd-{n}"] / (n * med["hvd-1"])
     efficiency_bare = med[f"hvd-{n}"] / (n * med["bare-1"])
-    print(f"\nmodel {args.model}, batch {args.batch_size} per rank, 1 thread per rank, "
+    print(f"\n{args.framework}: model {args.model}, batch {args.batch_size} per rank, 1 thread per rank, "
           f"medians of {args.rounds} rounds")
     print("| configuration | samples/sec (total) |")
     print("|---|---|")
     for name in configs:
         print(f"| {name} | {med[name]:.1f} |")
-    print(f"\nDistributedOptimizer overhead at 1 rank: {overhead * 100:.1f}%")
+    wrapper = "DistributedOptimizer" if args.framework == "torch" else "DistributedGradientTape"
+    print(f"\n{wrapper} overhead at 1 rank: {overhead * 100:.1f}%")
     print(f"scaling efficiency at {n} ranks: {efficiency:.3f} "
           f"(vs bare 1-rank optimizer: {efficiency_bare:.3f})")
     return 0
