@@ -5,12 +5,14 @@ every configuration must give the numpy reference results.
 
 argv[1]: configuration name (a key of core_cases.STEADY_CONFIGS).
 """
+import gc
 import sys
 
 import numpy as np
 
 import hvdlite as hvd
 from hvdlite.common import basics
+from hvdlite.common.memory import result_pool
 import core_cases as cc
 from core_refs import allreduce_expected, attempt, check_array, check_exact, noncontiguous
 from _report import Reporter
@@ -55,6 +57,8 @@ def config_applied():
     want_cache = int(env.get("HVDLITE_CACHE_CAPACITY", env.get("HOROVOD_CACHE_CAPACITY", 1024)))
     assert cfg.fusion_threshold == want_fusion, (cfg.fusion_threshold, want_fusion)
     assert cfg.cache_capacity == want_cache, (cfg.cache_capacity, want_cache)
+    want_pool = float(env.get("HVDLITE_RESULT_POOL_MB", 512)) * 2**20
+    assert result_pool().max_idle_bytes == want_pool, (result_pool().max_idle_bytes, want_pool)
 
 
 def same_names_mixed():
@@ -221,6 +225,34 @@ def out_of_order_repeated():
         run_allreduces(specs, step, order=order)
 
 
+def pooled_results():
+    """Large results (>= 256 KiB) come from the result pool: every result 64-byte aligned and
+    correct, a result still alive is never handed out again (old results kept across steps
+    stay intact), and dropped ones are reused (pool hits) unless the pool is off."""
+    pool = result_pool()
+    hits_before = pool.hits
+    kept = []
+    for step in range(6):
+        xs = [inp(f"pool@{step}", k, "float32", "Sum", (300, 257)) for k in range(SIZE)]
+        got = attempt(lambda: hvd.allreduce(xs[RANK], op=hvd.Sum, name="pool.ar"))
+        exp = allreduce_expected(xs, "float32", "Sum", SIZE)
+        check_array(f"step {step} allreduce", got, exp)
+        gathered = attempt(lambda: hvd.allgather(xs[RANK], name="pool.ag"))
+        check_exact(f"step {step} allgather", gathered, np.concatenate(xs))
+        for name, arr in (("allreduce", got), ("allgather", gathered)):
+            assert arr.ctypes.data % 64 == 0, f"step {step} {name} result not 64-byte aligned"
+        if step % 2 == 0:   # keep every other step's result alive until the end
+            kept.append((step, got, exp))
+        del got, gathered
+    for step, arr, exp in kept:
+        check_array(f"result of step {step}, kept while later steps ran", arr, exp)
+    gc.collect()
+    if float(cc.STEADY_CONFIGS[CONFIG].get("HVDLITE_RESULT_POOL_MB", 512)) > 0:
+        assert pool.hits > hits_before, "no result block was ever reused"
+    else:
+        assert pool.hits == hits_before and pool.idle_bytes == 0, "pool used although off"
+
+
 CASES = {
     "config_applied": config_applied,
     "steady.same_names_mixed": same_names_mixed,
@@ -238,6 +270,7 @@ CASES = {
     "steady.unnamed": unnamed,
     "steady.more_names_than_cache": more_names_than_cache,
     "steady.out_of_order_repeated": out_of_order_repeated,
+    "steady.pooled_results": pooled_results,
 }
 assert list(CASES) == cc.STEADY_CASES
 for name, fn in CASES.items():
