@@ -78,8 +78,8 @@ def main(argv=None) -> int:
     overhead = 1.0 - med["hvd-1"] / med["bare-1"]
     efficiency = med[f"hvd-{n}"] / (n * med["hvd-1"])
     efficiency_bare = med[f"hvd-{n}"] / (n * med["bare-1"])
-    print(f"\n{args.framework}: model {args.model}, batch {args.batch_size} per rank, 1 thread per rank, "
-          f"medians of {args.rounds} rounds")
+    print(f"\n{args.framework}: model {args.model}, batch {args.batch_size} per rank, "
+          f"1 thread per rank, medians of {args.rounds} rounds")
     print("| configuration | samples/sec (total) |")
     print("|---|---|")
     for name in configs:
