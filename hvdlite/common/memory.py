@@ -93,7 +93,7 @@ class BufferPool:
         if block is None:
             block = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
         lease = _Lease(block)
-        weakref.finalize(lease, self._give_back, block, nbytes)
+        weakref.finalize(lease, self._give_back, block, nbytes).atexit = False   # (exit frees all)
         return _carve(np.asarray(lease), nbytes, dtype, shape)
 
     def _give_back(self, block: np.ndarray, nbytes: int) -> None:
