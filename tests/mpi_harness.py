@@ -102,3 +102,20 @@ def case_failures(job: JobResult, case: str) -> list[str]:
         elif report[case] is not None:
             problems.append(f"rank {rank}: {report[case]}")
     return problems
+
+
+def assert_case_passed(job: JobResult, np: int, case: str) -> None:
+    """The job ran cleanly on every rank and every rank reported ``case`` as passed."""
+    check_job(job, np)
+    problems = case_failures(job, case)
+    assert not problems, "\n".join(problems)
+
+
+def assert_every_case_reported(job: JobResult, np: int, want) -> None:
+    """Every rank reported exactly the cases ``want`` (a worker that skipped or invented one
+    would otherwise go unnoticed by the per-case tests)."""
+    check_job(job, np)
+    want = set(want)
+    for rank, report in enumerate(job.results):
+        assert set(report) == want, (f"rank {rank}: missing {sorted(want - set(report))[:10]}, "
+                                     f"unexpected {sorted(set(report) - want)[:10]}")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hvdlite.common.adasum import adasum_allreduce_, check_adasum_size
-from tests.mpi_harness import case_failures, check_job
+from tests.mpi_harness import assert_case_passed
 from tests.workers.core_adasum_kernel_worker import (
     NP_BAD,
     NP_POW2,
@@ -125,6 +125,4 @@ def _params():
 @pytest.mark.parametrize("np_,case", _params())
 def test_kernel_under_mpi(mpi_job, np_, case):
     job = mpi_job(np_, ["core_adasum_kernel_worker.py"], timeout=120)
-    check_job(job, np_)
-    problems = case_failures(job, case)
-    assert not problems, "\n".join(problems)
+    assert_case_passed(job, np_, case)

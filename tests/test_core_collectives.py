@@ -6,7 +6,7 @@ every rank reported exactly the expected cases.
 """
 import pytest
 
-from tests.mpi_harness import case_failures, check_job
+from tests.mpi_harness import assert_case_passed, assert_every_case_reported
 from tests.workers.core_collectives_worker import cases_for
 
 NP_VALUES = (2, 3, 4)
@@ -24,16 +24,10 @@ def _params():
 @pytest.mark.parametrize("np_,case", _params())
 def test_collectives(mpi_job, np_, case):
     job = _job(mpi_job, np_)
-    check_job(job, np_)
-    problems = case_failures(job, case)
-    assert not problems, "\n".join(problems)
+    assert_case_passed(job, np_, case)
 
 
 @pytest.mark.parametrize("np_", NP_VALUES)
 def test_every_case_reported(mpi_job, np_):
     job = _job(mpi_job, np_)
-    check_job(job, np_)
-    want = set(cases_for(np_))
-    for rank, report in enumerate(job.results):
-        assert set(report) == want, (f"rank {rank}: missing {sorted(want - set(report))[:10]}, "
-                                     f"unexpected {sorted(set(report) - want)[:10]}")
+    assert_every_case_reported(job, np_, cases_for(np_))

@@ -2,7 +2,7 @@
 a useful message and the job keeps working afterwards (tests/workers/core_errors_worker.py)."""
 import pytest
 
-from tests.mpi_harness import case_failures, check_job
+from tests.mpi_harness import assert_case_passed
 from tests.workers import core_cases as cc
 
 
@@ -10,6 +10,4 @@ from tests.workers import core_cases as cc
 @pytest.mark.parametrize("case", cc.ERROR_CASES)
 def test_errors(mpi_job, np_, case):
     job = mpi_job(np_, ["core_errors_worker.py"], timeout=120)
-    check_job(job, np_)
-    problems = case_failures(job, case)
-    assert not problems, "\n".join(problems)
+    assert_case_passed(job, np_, case)

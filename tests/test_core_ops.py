@@ -6,7 +6,7 @@ invalidation, fusion batches) under several fusion/cache configurations.
 """
 import pytest
 
-from tests.mpi_harness import case_failures, check_job
+from tests.mpi_harness import assert_case_passed
 from tests.workers import core_cases as cc
 
 def _params(cases_for):
@@ -17,15 +17,9 @@ def _params(cases_for):
     return params
 
 
-def _assert_case(job, np_, case):
-    check_job(job, np_)
-    problems = case_failures(job, case)
-    assert not problems, "\n".join(problems)
-
-
 @pytest.mark.parametrize("np_,case", _params(cc.ops_cases))
 def test_ops(mpi_job, np_, case):
-    _assert_case(mpi_job(np_, ["core_ops_worker.py"], timeout=150), np_, case)
+    assert_case_passed(mpi_job(np_, ["core_ops_worker.py"], timeout=150), np_, case)
 
 
 @pytest.mark.parametrize("config", sorted(cc.STEADY_CONFIGS))
@@ -33,4 +27,4 @@ def test_ops(mpi_job, np_, case):
 def test_steady_state(mpi_job, np_, case, config):
     job = mpi_job(np_, ["core_steady_worker.py", config], timeout=120,
                   env=cc.STEADY_CONFIGS[config])
-    _assert_case(job, np_, case)
+    assert_case_passed(job, np_, case)

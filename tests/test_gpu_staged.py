@@ -10,7 +10,7 @@ count and worker; each case is its own test here.
 """
 import pytest
 
-from tests.mpi_harness import case_failures, check_job
+from tests.mpi_harness import assert_case_passed, assert_every_case_reported
 from tests.workers import gpu_errors_worker, gpu_staged_worker
 
 NP_VALUES = (2, 3)
@@ -29,35 +29,21 @@ def _errors(mpi_job):
     return mpi_job(ERRORS_NP, ["gpu_errors_worker.py"], timeout=TIMEOUT, env=STALL_ENV)
 
 
-def _assert_case(job, np_, case):
-    check_job(job, np_)
-    problems = case_failures(job, case)
-    assert not problems, "\n".join(problems)
-
-
-def _assert_all_reported(job, np_, want):
-    check_job(job, np_)
-    for rank, report in enumerate(job.results):
-        assert set(report) == set(want), (
-            f"rank {rank}: missing {sorted(set(want) - set(report))[:10]}, "
-            f"unexpected {sorted(set(report) - set(want))[:10]}")
-
-
 @pytest.mark.parametrize("np_,case", [pytest.param(n, c, id=f"np{n}-{c}") for n in NP_VALUES
                                       for c in gpu_staged_worker.cases_for(n)])
 def test_staged(mpi_job, np_, case):
-    _assert_case(_staged(mpi_job, np_), np_, case)
+    assert_case_passed(_staged(mpi_job, np_), np_, case)
 
 
 @pytest.mark.parametrize("np_", NP_VALUES)
 def test_staged_every_case_reported(mpi_job, np_):
-    _assert_all_reported(_staged(mpi_job, np_), np_, gpu_staged_worker.cases_for(np_))
+    assert_every_case_reported(_staged(mpi_job, np_), np_, gpu_staged_worker.cases_for(np_))
 
 
 @pytest.mark.parametrize("case", gpu_errors_worker.cases())
 def test_gpu_unavailable(mpi_job, case):
-    _assert_case(_errors(mpi_job), ERRORS_NP, case)
+    assert_case_passed(_errors(mpi_job), ERRORS_NP, case)
 
 
 def test_gpu_unavailable_every_case_reported(mpi_job):
-    _assert_all_reported(_errors(mpi_job), ERRORS_NP, gpu_errors_worker.cases())
+    assert_every_case_reported(_errors(mpi_job), ERRORS_NP, gpu_errors_worker.cases())

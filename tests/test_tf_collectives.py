@@ -7,7 +7,7 @@ register the process sets of even and odd ranks at ``hvd.init`` and allow dynami
 """
 import pytest
 
-from tests.mpi_harness import case_failures, check_job
+from tests.mpi_harness import assert_case_passed, assert_every_case_reported
 
 pytest.importorskip("tensorflow")
 
@@ -48,16 +48,9 @@ def _job(mpi_job, np):
 
 @pytest.mark.parametrize("np", sorted(JOBS))
 def test_worker_reports_every_case(mpi_job, np):
-    job = _job(mpi_job, np)
-    check_job(job, np)
-    expected = set(JOBS[np][1])
-    for rank, report in enumerate(job.results):
-        assert set(report) == expected, (f"rank {rank}: missing {sorted(expected - set(report))}, "
-                                         f"unexpected {sorted(set(report) - expected)}")
+    assert_every_case_reported(_job(mpi_job, np), np, JOBS[np][1])
 
 
 @pytest.mark.parametrize("np, case", [(np, case) for np in sorted(JOBS) for case in JOBS[np][1]])
 def test_tf_collectives(mpi_job, np, case):
-    job = _job(mpi_job, np)
-    check_job(job, np)
-    assert not case_failures(job, case), "\n".join(case_failures(job, case))
+    assert_case_passed(_job(mpi_job, np), np, case)
