@@ -14,6 +14,7 @@ def test_defaults_from_empty_environment():
     assert cfg.stall_shutdown_seconds == 0.0
     assert cfg.log_level == "WARNING"
     assert cfg.result_pool_bytes == 512 * 2**20
+    assert cfg.shm_fusion_bytes == 64 * 2**20
     assert cfg == Config()
 
 
@@ -28,6 +29,8 @@ def test_defaults_from_empty_environment():
     ("LOG_LEVEL", "log_level", "debug", "DEBUG"),
     ("RESULT_POOL_MB", "result_pool_bytes", "1.5", 3 * 2**19),
     ("RESULT_POOL_MB", "result_pool_bytes", "0", 0),
+    ("SHM_FUSION_MB", "shm_fusion_bytes", "16", 16 * 2**20),
+    ("SHM_FUSION_MB", "shm_fusion_bytes", "0", 0),
 ])
 @pytest.mark.parametrize("prefix", ["HVDLITE_", "HOROVOD_"])
 def test_each_knob_under_both_prefixes(knob, field, raw, value, prefix):

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from .dtypes import dtype_info, mpi_datatype, mpi_reduce_op, scale_in_place, scale_into
+from .dtypes import (dtype_info, mpi_datatype, mpi_reduce_op, numpy_reduce_ufunc,
+                     scale_in_place, scale_into)
 from .fusion import FusionBuffer
 from .handle import Entry
 from .messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCESCATTER,
                        Response, split_rows)
 from .reduce_ops import ReduceOp
+from .shm_fusion import SharedFusion
 
 
 def postscale_factor(response: Response, size: int) -> float:
@@ -21,7 +23,10 @@ def postscale_factor(response: Response, size: int) -> float:
 
 
 class MPIBackend:
-    def __init__(self, comm, global_ranks: list[int] | None = None) -> None:
+    def __init__(self, comm, global_ranks: list[int] | None = None,
+                 shm_fusion_bytes: int = 0) -> None:
+        """``shm_fusion_bytes``: fused batches up to this size are reduced through an
+        intra-node shared-memory window when all ranks share a node (0: always MPI)."""
         from mpi4py import MPI
         self._MPI = MPI
         self.comm = comm
@@ -30,6 +35,7 @@ class MPIBackend:
         # Roots arrive as global ranks; MPI wants the rank in this process set's communicator.
         self._local_rank_of = {g: i for i, g in enumerate(global_ranks or range(self.size))}
         self._fusion = FusionBuffer()
+        self.shared = SharedFusion(comm, shm_fusion_bytes) if shm_fusion_bytes > 0 else None
 
     def _postscale(self, response: Response) -> float:
         return postscale_factor(response, self.size)
@@ -98,7 +104,13 @@ class MPIBackend:
         response = batch[0][0]
         info = dtype_info(response.dtype)
         sizes = [e.array.size for _, e in batch]
-        buf = self._fusion.view(sum(sizes) * info.itemsize, info.np_dtype)
+        count = sum(sizes)
+        shared = self.shared
+        if shared is not None and (response.reduce_op == ReduceOp.Adasum
+                                   or not shared.usable(count * info.itemsize)):
+            shared = None
+        buf = (shared.pack_buffer(count, info.np_dtype) if shared is not None
+               else self._fusion.view(count * info.itemsize, info.np_dtype))
         # One C-level pass packs every input (ravel of a contiguous array is a view).
         np.concatenate([e.array.ravel() for _, e in batch], out=buf)
         if response.prescale != 1.0 and any(e.stand_in for _, e in batch):
@@ -109,12 +121,20 @@ class MPIBackend:
                 offset += n
         else:
             scale_in_place(buf, response.prescale)
-        self._reduce(buf, response, info, segments=sizes)
-        factor = self._postscale(response)
-        offset = 0
-        for (_, entry), n in zip(batch, sizes):   # the postscale rides along with the copy-out
-            scale_into(entry.output.ravel(), buf[offset:offset + n], factor)
-            offset += n
+        if shared is None:
+            self._reduce(buf, response, info, segments=sizes)
+            pieces = [(0, count, buf)]
+        else:
+            pieces = shared.reduce(count, info.np_dtype,
+                                   numpy_reduce_ufunc(info, ReduceOp(response.reduce_op)))
+        # The postscale rides along with the copy-out.
+        _copy_out_pieces([entry.output.ravel() for _, entry in batch], sizes, pieces,
+                         self._postscale(response))
+
+    def close(self, collective: bool) -> None:
+        """Release shared resources; ``collective`` when every rank of the set calls it."""
+        if self.shared is not None:
+            self.shared.close(collective)
 
     def _allgather(self, response: Response, entry: Entry) -> None:
         info = dtype_info(response.dtype)
@@ -172,6 +192,34 @@ class MPIBackend:
         if not info.is_bool:
             scale_in_place(flat, self._postscale(response))
         entry.output = out
+
+
+def _copy_out_pieces(outputs: list[np.ndarray], sizes: list[int],
+                     pieces: list[tuple[int, int, np.ndarray]], factor: float) -> None:
+    """Scatter a result held as consecutive pieces ``(start, stop, elements)`` into the flat
+    outputs (``sizes[i]`` elements each, back to back), multiplying by ``factor``."""
+    if factor == 1.0:
+        copy = np.copyto   # the common case (Sum, or Average's 1/size applied as prescale)
+    else:
+        def copy(out, src):
+            scale_into(out, src, factor)
+    chunks = iter(pieces)
+    start, stop, src = next(chunks)
+    offset = 0
+    for out, n in zip(outputs, sizes):
+        end = offset + n
+        if end <= stop:   # the whole output lies in the current piece (nearly always)
+            copy(out, src[offset - start:end - start])
+            offset = end
+            continue
+        pos = offset
+        while pos < end:
+            while pos >= stop:
+                start, stop, src = next(chunks)
+            cut = min(end, stop)
+            copy(out[pos - offset:cut - offset], src[pos - start:cut - start])
+            pos = cut
+        offset = end
 
 
 def _row_layout(shape: tuple) -> tuple[tuple, int]:

@@ -16,6 +16,7 @@ DEFAULT_CYCLE_TIME_MS = 1.0
 DEFAULT_CACHE_CAPACITY = 1024
 DEFAULT_STALL_CHECK_SECONDS = 60.0
 DEFAULT_RESULT_POOL_MB = 512.0
+DEFAULT_SHM_FUSION_MB = 64.0
 
 
 def env_value(name: str, environ: Mapping[str, str] | None = None) -> str | None:
@@ -74,6 +75,8 @@ class Config:
     gpu_operations: str = "nccl"         # how GPU tensors move: "nccl" or "mpi" (host-staged)
     # Idle host result memory kept for reuse (memory.BufferPool); per rank, need not agree.
     result_pool_bytes: int = int(DEFAULT_RESULT_POOL_MB * 2**20)
+    # Largest fused batch reduced through intra-node shared memory (shm_fusion.SharedFusion).
+    shm_fusion_bytes: int = int(DEFAULT_SHM_FUSION_MB * 2**20)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Config":
@@ -90,4 +93,6 @@ class Config:
             gpu_operations=_gpu_operations(environ),
             result_pool_bytes=int(_number("RESULT_POOL_MB", DEFAULT_RESULT_POOL_MB, environ)
                                   * 2**20),
+            shm_fusion_bytes=int(_number("SHM_FUSION_MB", DEFAULT_SHM_FUSION_MB, environ)
+                                 * 2**20),
         )

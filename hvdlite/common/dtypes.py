@@ -107,6 +107,18 @@ _NUMPY_UFUNCS: dict[ReduceOp, Callable] = {
 }
 
 
+_BOOL_UFUNCS: dict[ReduceOp, Callable] = {
+    ReduceOp.Sum: np.logical_or, ReduceOp.Max: np.logical_or,
+    ReduceOp.Min: np.logical_and, ReduceOp.Product: np.logical_and,
+}
+
+
+def numpy_reduce_ufunc(info: DtypeInfo, op: ReduceOp) -> Callable:
+    """The numpy ufunc that combines two buffers as ``mpi_reduce_op(info, op)`` does (Average
+    sums; bool reductions are logical or/and)."""
+    return (_BOOL_UFUNCS if info.is_bool else _NUMPY_UFUNCS)[op]
+
+
 def mpi_datatype(info: DtypeInfo):
     from mpi4py import MPI
     return getattr(MPI, info.mpi_name)

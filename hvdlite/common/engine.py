@@ -56,7 +56,8 @@ class Engine:
         self.config = config
         self.controller = Controller(comm, config, global_ranks)
         self.rank = self.controller.label   # global rank, for messages
-        self.backend = MPIBackend(comm, self.controller.global_ranks)
+        self.backend = MPIBackend(comm, self.controller.global_ranks,
+                                  shm_fusion_bytes=config.shm_fusion_bytes)
         self._gpu = None          # GPU backend and its completion thread, made on first use
         self._gpu_completions = None
         self._lock = threading.Lock()              # guards _in_flight and the stop state
@@ -152,8 +153,10 @@ class Engine:
                     join_entry, last_rank = outcome.joined
                     self._complete(join_entry, last_rank)
                 if outcome.shutdown_ranks:
+                    everyone = len(outcome.shutdown_ranks) == self.controller.size
                     self._close_gpu(abort=self.rank not in outcome.shutdown_ranks
-                                    or len(outcome.shutdown_ranks) < self.controller.size)
+                                    or not everyone)
+                    self.backend.close(collective=everyone)
                     self._stop_after_shutdown(outcome.shutdown_ranks)
                     return
                 # Everyone has work but nothing matched (tensors submitted in different orders):
@@ -169,6 +172,7 @@ class Engine:
                 reason = f"hvdlite's background thread failed: {type(exc).__name__}: {exc}"
                 error = HvdliteError(reason)
             self._close_gpu(abort=True)
+            self.backend.close(collective=False)
             self._fail_everything(error, reason)
 
     def _execute(self, ready: list[tuple[Response, Entry | None]]) -> None:

@@ -135,6 +135,7 @@ STEADY_CASES = [
     "steady.more_names_than_cache",
     "steady.out_of_order_repeated",
     "steady.pooled_results",
+    "steady.shared_fusion",
 ]
 
 # name -> extra environment for the steady-state worker
@@ -146,6 +147,7 @@ STEADY_CONFIGS = {
     "cache_3_fusion_4096": {"HVDLITE_CACHE_CAPACITY": "3", "HVDLITE_FUSION_THRESHOLD": "4096"},
     "horovod_alias_fusion_off": {"HOROVOD_FUSION_THRESHOLD": "0", "HOROVOD_CACHE_CAPACITY": "0"},
     "result_pool_off": {"HVDLITE_RESULT_POOL_MB": "0"},
+    "shm_fusion_off": {"HVDLITE_SHM_FUSION_MB": "0"},
 }
 
 # --- errors ------------------------------------------------------------------------------------

@@ -397,8 +397,21 @@ def case_grouped(case: str, ps) -> None:
     rs = attempt(lambda: hvd.grouped_reducescatter([e[RANK], b[RANK].reshape(-1)], op=hvd.Sum,
                                                    name=case + ".rs", **kw))
     unnamed = attempt(lambda: hvd.grouped_allreduce([b[RANK], a[RANK]], op=hvd.Sum, **kw))
+    # 360 KB fuse into one batch: reduced through the set's own shared-memory window
+    big = {g: [vals(f"{case}.big{i}", g, (30000,), np.float32) for i in range(3)] for g in M}
+    got_big = attempt(lambda: hvd.grouped_allreduce(big[RANK], op=hvd.Sum, name=case + ".big",
+                                                    **kw))
 
     A, B = [a[g] for g in M], [b[g] for g in M]
+    got_big = ok("large grouped_allreduce", got_big)
+    for i in range(3):
+        check_array(f"large grouped_allreduce[{i}]", got_big[i],
+                    allreduce_expected([big[g][i] for g in M], "float32", "Sum", k))
+    if k > 1:
+        from hvdlite.common.basics import process_set_engine
+        shared = process_set_engine(ps, "test")[0].backend.shared
+        assert shared is not None and shared.batches > 0, \
+            "the large group did not go through the set's shared-memory window"
     ar = ok("grouped_allreduce", ar)
     assert isinstance(ar, list) and len(ar) == 2, f"grouped_allreduce returned {ar!r}"
     check_array("grouped_allreduce[0]", ar[0], allreduce_expected(A, "float32", "Sum", k))

@@ -57,6 +57,8 @@ def config_applied():
     want_cache = int(env.get("HVDLITE_CACHE_CAPACITY", env.get("HOROVOD_CACHE_CAPACITY", 1024)))
     assert cfg.fusion_threshold == want_fusion, (cfg.fusion_threshold, want_fusion)
     assert cfg.cache_capacity == want_cache, (cfg.cache_capacity, want_cache)
+    want_shm = int(float(env.get("HVDLITE_SHM_FUSION_MB", 64)) * 2**20)
+    assert cfg.shm_fusion_bytes == want_shm, (cfg.shm_fusion_bytes, want_shm)
     want_pool = float(env.get("HVDLITE_RESULT_POOL_MB", 512)) * 2**20
     assert result_pool().max_idle_bytes == want_pool, (result_pool().max_idle_bytes, want_pool)
 
@@ -253,6 +255,55 @@ def pooled_results():
         assert pool.hits == hits_before and pool.idle_bytes == 0, "pool used although off"
 
 
+def shared_fusion():
+    """Fused batches of 64 KiB or more are reduced through the intra-node shared-memory window
+    (unless fusion or the window is off): every dtype and op against numpy, outputs straddling
+    the ranks' shares, scale factors, ranks arriving at different times, several batches back
+    to back (the two slots alternate) and a window that grows between steps."""
+    import time
+    shared = basics.engine().backend.shared
+    before = 0 if shared is None else shared.batches
+    # 79,490 elements: even a 1-byte dtype fuses to >= 64 KiB; no single output reaches 1 MiB
+    shapes = [(1,), (33, 7), (9000,), (0,), (17, 3, 5), (70000,), (3,)]
+    step = 0
+    for dtype in cc.DTYPES:
+        specs = [(f"shf.{dtype}.{op}.{i}", dtype, op, shape, 1.0, 1.0)
+                 for op in cc.OPS if not (dtype == "bool" and op == "Average")
+                 for i, shape in enumerate(shapes)]
+        if RANK == SIZE - 1:
+            time.sleep(0.005)   # the last rank arrives late: the others wait at the barriers
+        run_allreduces(specs, step, in_place=step % 2 == 1)   # one batch per op, back to back
+        step += 1
+    for dtype in ("float32", "int32", "float16"):
+        specs = [(f"shf.scaled.{dtype}.{op}.{i}", dtype, op, shape, 0.5, 3.0)
+                 for op in ("Sum", "Average") for i, shape in enumerate(shapes)]
+        run_allreduces(specs, step)
+        step += 1
+    # Groups are negotiated in one round, so each is exactly one fused batch: 0.3 MiB, 3.1 MiB,
+    # then 12 x 1,000,000 bytes (the window grows).
+    for count, n in ((20, 4096), (200, 4096), (12, 250000)):
+        xs = [[inp(f"shf.grow.{count}.{i}", k, "float32", "Sum", (n,)) for k in range(SIZE)]
+              for i in range(count)]
+        got = attempt(lambda: hvd.grouped_allreduce([x[RANK] for x in xs], op=hvd.Sum,
+                                                    name=f"shf.grow.{count}"))
+        assert not isinstance(got, Exception), got
+        for i, (x, g) in enumerate(zip(xs, got)):
+            check_array(f"group of {count}, member {i}", g,
+                        allreduce_expected(x, "float32", "Sum", SIZE))
+    env = cc.STEADY_CONFIGS[CONFIG]
+    fusion = int(env.get("HVDLITE_FUSION_THRESHOLD",
+                         env.get("HOROVOD_FUSION_THRESHOLD", 128 * 1024 * 1024)))
+    if float(env.get("HVDLITE_SHM_FUSION_MB", 64)) == 0:
+        assert shared is None, "shared-memory fusion exists although HVDLITE_SHM_FUSION_MB=0"
+    elif fusion >= 1 << 20:
+        assert shared.batches >= before + 3, \
+            f"only {shared.batches - before} fused batches went through shared memory"
+        # (the largest ever: a peer that is done may already have shut the window down)
+        assert shared.largest_slot_bytes >= 12 * 10**6, "the window did not grow for 12 MB"
+    else:
+        assert shared.batches == before, "batches above the fusion threshold used the window"
+
+
 CASES = {
     "config_applied": config_applied,
     "steady.same_names_mixed": same_names_mixed,
@@ -271,6 +322,7 @@ CASES = {
     "steady.more_names_than_cache": more_names_than_cache,
     "steady.out_of_order_repeated": out_of_order_repeated,
     "steady.pooled_results": pooled_results,
+    "steady.shared_fusion": shared_fusion,
 }
 assert list(CASES) == cc.STEADY_CASES
 for name, fn in CASES.items():
