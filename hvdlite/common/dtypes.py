@@ -132,7 +132,7 @@ def mpi_reduce_op(info: DtypeInfo, op: ReduceOp):
         return getattr(MPI, _BOOL_OPS[op])
     if not info.custom_reduce:
         return getattr(MPI, _NATIVE_OPS[op])
-    ufunc, np_dtype = _NUMPY_UFUNCS[op], info.np_dtype
+    ufunc, np_dtype = numpy_reduce_ufunc(info, op), info.np_dtype
 
     def reduce_words(inbuf, inoutbuf, _datatype):
         a = np.frombuffer(inbuf, dtype=np_dtype)

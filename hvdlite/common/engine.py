@@ -172,8 +172,11 @@ class Engine:
                 reason = f"hvdlite's background thread failed: {type(exc).__name__}: {exc}"
                 error = HvdliteError(reason)
             self._close_gpu(abort=True)
-            self.backend.close(collective=False)
             self._fail_everything(error, reason)
+            try:   # after the waiters are told: a broken MPI must not keep them waiting
+                self.backend.close(collective=False)
+            except Exception:   # noqa: BLE001 - teardown must not mask the original failure
+                log.exception("hvdlite: releasing the shared fusion window failed")
 
     def _execute(self, ready: list[tuple[Response, Entry | None]]) -> None:
         runnable = []
