@@ -89,6 +89,7 @@ class SharedFusion:
         fits = space is None or space + self._window_bytes() >= need + _SHM_MARGIN
         if not self.comm.allreduce(fits, op=MPI.LAND):
             self._disabled = True
+            self.close(collective=True)   # every rank is here: a window never used again goes
             log.warning("hvdlite: %s has too little free space for a %d MiB shared fusion "
                         "window; fused allreduces use MPI instead. Enlarge it (docker run "
                         "--shm-size) or set HVDLITE_SHM_FUSION_MB=0 to silence this.",

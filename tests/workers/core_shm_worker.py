@@ -2,7 +2,8 @@
 too little free space in /dev/shm (a warning and a correct MPI fallback), and a window that is
 freed at shutdown and made anew after a second init().
 
-argv[1]: "no_space" (pretend /dev/shm is full) or "reinit".
+argv[1]: "no_space" (pretend /dev/shm is full), "space_runs_out" (full only after the first
+window was made) or "reinit".
 """
 import logging
 import sys
@@ -35,9 +36,10 @@ RANK, SIZE = hvd.rank(), hvd.size()
 r = Reporter(RANK)
 
 
-def big_group(tag):
-    """Three 120 KB tensors in one group: one fused batch, large enough for the window."""
-    xs = [[np.arange(30000, dtype=np.float32) * (k + 1) + i for k in range(SIZE)]
+def big_group(tag, n=30000):
+    """Three tensors of ``n`` float32 in one group: one fused batch (360 KB by default, large
+    enough for the window)."""
+    xs = [[np.arange(n, dtype=np.float32) * (k + 1) + i for k in range(SIZE)]
           for i in range(3)]
     got = hvd.grouped_allreduce([x[RANK] for x in xs], op=hvd.Sum, name=tag)
     for i, (x, g) in enumerate(zip(xs, got)):
@@ -54,6 +56,18 @@ def no_space_falls_back():
     assert "HVDLITE_SHM_FUSION_MB=0" in warnings[0], warnings[0]
 
 
+def space_runs_out_frees_the_window():
+    shared = big_group("runsout.1")   # fits: a 1 MiB-slot window is made
+    assert shared.batches == 1 and shared._win is not None
+    shm_fusion._shm_space = lambda: 0
+    big_group("runsout.2", n=100000)   # 1.2 MB needs a larger window: refused
+    big_group("runsout.3")             # would fit the old window, but the path is off for good
+    assert shared._disabled and shared._win is None, "the refused window was kept"
+    assert shared.batches == 1, "batches went through shared memory after it was turned off"
+    warnings = [m for m in captured.messages if "too little free space" in m]
+    assert len(warnings) == 1, f"expected one warning, got {captured.messages}"
+
+
 def reinit_gets_a_new_window():
     first = big_group("reinit.1")
     assert first.batches == 1 and first._win is not None
@@ -66,6 +80,8 @@ def reinit_gets_a_new_window():
 
 if MODE == "no_space":
     r.case("shm.no_space_falls_back", no_space_falls_back)
+elif MODE == "space_runs_out":
+    r.case("shm.space_runs_out_frees_the_window", space_runs_out_frees_the_window)
 else:
     r.case("shm.reinit_gets_a_new_window", reinit_gets_a_new_window)
 r.write()
