@@ -57,7 +57,8 @@ class Engine:
         self.controller = Controller(comm, config, global_ranks)
         self.rank = self.controller.label   # global rank, for messages
         self.backend = MPIBackend(comm, self.controller.global_ranks,
-                                  shm_fusion_bytes=config.shm_fusion_bytes)
+                                  shm_fusion_bytes=config.shm_fusion_bytes,
+                                  max_sleep=self.controller.max_sleep)
         self._gpu = None          # GPU backend and its completion thread, made on first use
         self._gpu_completions = None
         self._lock = threading.Lock()              # guards _in_flight and the stop state

@@ -1,7 +1,8 @@
-"""Intra-node reduction of fused allreduce batches through one MPI shared-memory window.
+"""Intra-node allreduce through one MPI shared-memory window.
 
-When every rank of a process set runs on one node, a fused batch need not go through MPI's
-point-to-point machinery (which copies each chunk into a shared cell and out again).  Instead:
+When every rank of a process set runs on one node, an allreduce need not go through MPI's
+point-to-point machinery (which copies each chunk into a shared cell and out again, and needs
+both ranks' threads scheduled at once for every cell).  A fused batch goes like this:
 
 1. each rank packs its inputs straight into its own segment of a shared window (the pack into a
    fusion buffer happens anyway, so this costs nothing extra);
@@ -9,6 +10,12 @@ point-to-point machinery (which copies each chunk into a shared cell and out aga
    segment directly and writing the result over its own share;
 3. after a second barrier, every rank copies each share out of its owner's segment into the
    outputs (the backend folds the postscale into that copy).
+
+A single large tensor (``allreduce_one``) needs no pack: each rank publishes only the shares
+its peers reduce, reduces its own share straight from its input into its output (prescale,
+reduction and postscale in one cache-sized chunk at a time) and publishes that result; after
+the second barrier it copies the peers' results into its output.  Average's scaling costs no
+extra pass; at 2 ranks a 64 MiB Sum measured 2x faster than MPICH, 16 MiB out of place 1.4x.
 
 Each element is reduced by exactly one rank, so results are bitwise identical on every rank.
 Two slots alternate between consecutive batches: packing batch k+1 cannot overwrite what a slower
@@ -26,10 +33,16 @@ import os
 
 import numpy as np
 
+from .dtypes import scale_into
+from .waiting import PEER_SPIN_SECONDS, wait_until
+
 log = logging.getLogger("hvdlite")
 
-# Below this the two barriers cost more than MPI's own small-message allreduce (measured).
+# Below these the two barriers cost more than MPI's own allreduce (measured): a fused batch
+# saves MPI's copies of a buffer packed anyway; a lone tensor must also pay for publishing.
 MIN_BYTES = 64 * 1024
+MIN_SINGLE_BYTES = 1 << 20
+_CHUNK_BYTES = 256 * 1024   # one step of the single-tensor reduction: stays in L2
 _ALIGN = 64                 # bytes: each rank's share starts on a cache line
 _MIN_SLOT = 1 << 20
 _SHM_DIR = "/dev/shm"       # where MPICH and Open MPI place shared segments on Linux
@@ -43,8 +56,9 @@ def _next_pow2(n: int) -> int:
 class SharedFusion:
     """The shared window of one process set's communicator, grown on demand."""
 
-    def __init__(self, comm, max_batch_bytes: int) -> None:
+    def __init__(self, comm, max_batch_bytes: int, max_sleep: float = 1e-3) -> None:
         self.comm = comm
+        self.max_sleep = max_sleep   # longest sleep while waiting for peers at a barrier
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
         self.max_batch_bytes = max_batch_bytes
@@ -54,14 +68,17 @@ class SharedFusion:
         self._segments: list[np.ndarray] = []   # every rank's segment, as bytes
         self._slot_bytes = 0
         self._slot = 0
-        self.batches = 0                # batches reduced here (for tests and benchmarks)
+        self.batches = 0                # fused batches reduced here (for tests and benchmarks)
+        self.singles = 0                # single tensors reduced here (likewise)
         self.largest_slot_bytes = 0     # the largest window slot ever allocated (likewise)
 
     # --- collective decisions ----------------------------------------------------------------
-    def usable(self, nbytes: int) -> bool:
-        """Whether a fused batch of ``nbytes`` goes through shared memory.  Collective: every
-        rank calls it for the same batch (it may split a communicator or grow the window)."""
-        if self._disabled or self.size < 2 or not MIN_BYTES <= nbytes <= self.max_batch_bytes:
+    def usable(self, nbytes: int, single: bool = False) -> bool:
+        """Whether a fused batch (or, with ``single``, one tensor) of ``nbytes`` goes through
+        shared memory.  Collective: every rank calls it for the same batch (it may split a
+        communicator or grow the window)."""
+        least = MIN_SINGLE_BYTES if single else MIN_BYTES
+        if self._disabled or self.size < 2 or not least <= nbytes <= self.max_batch_bytes:
             return False
         if self._single_node is None:
             self._single_node = self._all_on_one_node()
@@ -119,16 +136,20 @@ class SharedFusion:
         start = self._slot * self._slot_bytes
         return self._segments[self.rank][start:start + count * dtype.itemsize].view(dtype)
 
+    def _next_views(self, count: int, dtype: np.dtype) -> list[np.ndarray]:
+        """Every rank's ``count`` elements in the current slot; the next call gets the other."""
+        start = self._slot * self._slot_bytes
+        stop = start + count * dtype.itemsize
+        self._slot ^= 1
+        return [seg[start:stop].view(dtype) for seg in self._segments]
+
     def reduce(self, count: int, dtype: np.dtype, ufunc) -> list[tuple[int, int, np.ndarray]]:
         """Reduce the packed buffers of every rank with ``ufunc`` (after all ranks packed).
 
         Returns the result as pieces ``(start, stop, elements start..stop)`` in element order;
         they stay valid until the batch after next.
         """
-        start = self._slot * self._slot_bytes
-        stop = start + count * dtype.itemsize
-        views = [seg[start:stop].view(dtype) for seg in self._segments]
-        self._slot ^= 1
+        views = self._next_views(count, dtype)
         bounds = self.shares(count, dtype.itemsize, self.size)
         self._barrier()
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
@@ -143,6 +164,36 @@ class SharedFusion:
         return [(bounds[r], bounds[r + 1], views[r][bounds[r]:bounds[r + 1]])
                 for r in range(self.size) if bounds[r + 1] > bounds[r]]
 
+    def allreduce_one(self, src: np.ndarray, out: np.ndarray, ufunc, prescale: float,
+                      postscale: float) -> None:
+        """``out = postscale * reduce(prescale * src of every rank)`` for one flat contiguous
+        array (``out`` may be ``src``), publishing only what the peers need."""
+        count, dtype = src.size, src.dtype
+        views = self._next_views(count, dtype)
+        bounds = self.shares(count, dtype.itemsize, self.size)
+        published = views[self.rank]
+        others = [r for r in range(self.size) if r != self.rank and bounds[r + 1] > bounds[r]]
+        lo, hi = bounds[self.rank], bounds[self.rank + 1]
+        step = max(1, _CHUNK_BYTES // dtype.itemsize)
+        with np.errstate(all="ignore"):   # overflow wraps/saturates silently, as in MPI
+            for r in others:              # the inputs of the shares the peers reduce
+                scale_into(published[bounds[r]:bounds[r + 1]], src[bounds[r]:bounds[r + 1]],
+                           prescale)
+            self._barrier()
+            for x in range(lo, hi, step):   # my share, from my input into my output
+                y = min(hi, x + step)
+                chunk = out[x:y]
+                scale_into(chunk, src[x:y], prescale)
+                for r in range(self.size):
+                    if r != self.rank:
+                        ufunc(chunk, views[r][x:y], out=chunk)
+                scale_into(chunk, chunk, postscale)
+                np.copyto(published[x:y], chunk)
+            self._barrier()
+        for r in others:   # the peers' results
+            np.copyto(out[bounds[r]:bounds[r + 1]], views[r][bounds[r]:bounds[r + 1]])
+        self.singles += 1
+
     @staticmethod
     def shares(count: int, itemsize: int, size: int) -> list[int]:
         """Element boundaries of each rank's share: nearly equal, each starting on a cache
@@ -153,8 +204,9 @@ class SharedFusion:
 
     def _barrier(self) -> None:
         # Win.Sync orders this rank's stores/loads around the barrier (MPI's unified model).
+        # A blocking Barrier would busy-poll while a peer waits for a core (see backend_mpi).
         self._win.Sync()
-        self.comm.Barrier()
+        wait_until(self.comm.Ibarrier().Test, self.max_sleep, spin_seconds=PEER_SPIN_SECONDS)
         self._win.Sync()
 
     def close(self, collective: bool) -> None:

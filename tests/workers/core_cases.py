@@ -136,6 +136,7 @@ STEADY_CASES = [
     "steady.out_of_order_repeated",
     "steady.pooled_results",
     "steady.shared_fusion",
+    "steady.shared_single",
 ]
 
 # name -> extra environment for the steady-state worker

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # sibling helpe
 import numpy as np  # noqa: E402
 
 import hvdlite as hvd  # noqa: E402
+from hvdlite.common import basics  # noqa: E402
 from _report import CaseRegistry, always, pow2  # noqa: E402
 import core_cases as cc  # noqa: E402
 from core_refs import Expected, allreduce_expected, attempt, check_array, check_exact  # noqa: E402
@@ -167,6 +168,35 @@ for _op in cc.OPS:
     for _dt in ("int32", "float32"):
         _name = f"join.scaled.{_op}.{_dt}"
         register(_name, functools.partial(scaled_case, _name, _op, _dt))
+
+
+def large_case(name: str, op: str) -> None:
+    """Rank 0 has joined; the others reduce single tensors of over 1 MiB (the shared-memory
+    path when every rank is on one node), in place and out of place, with scale factors: the
+    joined rank's identity must stay unscaled there too."""
+    active = list(range(1, SIZE))
+    tags = [f"{name}.{i}" for i in range(2)]
+    inputs = {t: [cc.op_input(t, k, "float32", op, (300007,)) for k in range(SIZE)]
+              for t in tags}
+    if RANK == 0:
+        check_join("join", attempt(hvd.join), LAST)
+        return
+    shared = basics.engine().backend.shared
+    before = shared.singles
+    kw = dict(op=OP[op], prescale_factor=2.0, postscale_factor=0.5)
+    out = attempt(lambda: hvd.allreduce(inputs[tags[0]][RANK], name=tags[0], **kw))
+    work = inputs[tags[1]][RANK].copy()
+    attempt(lambda: hvd.allreduce_(work, name=tags[1], **kw))
+    check = end_epoch(name, LAST)
+    for tag, got in zip(tags, (out, work)):
+        check_array(tag, got, joined_expected(inputs[tag], active, "float32", op, 2.0, 0.5))
+    assert shared.singles == before + 2, "the large tensors did not use the shared window"
+    check()
+
+
+for _op in cc.OPS:
+    _name = f"join.large.{_op}"
+    register(_name, functools.partial(large_case, _name, _op))
 
 
 @case("join.coordinator_joins_last")

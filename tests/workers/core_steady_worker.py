@@ -304,6 +304,37 @@ def shared_fusion():
         assert shared.batches == before, "batches above the fusion threshold used the window"
 
 
+def shared_single():
+    """A single allreduce of 1 MiB or more is reduced through the shared-memory window without a
+    pack (each rank publishes only its peers' shares): every dtype and op against numpy, in
+    place and out of place, odd counts whose shares straddle cache lines, a 3-D shape, scale
+    factors, and a late rank.  With HVDLITE_SHM_FUSION_MB=0 it goes through MPI instead."""
+    import time
+    shared = basics.engine().backend.shared
+    before = 0 if shared is None else shared.singles
+    expected = 0
+    for step, dtype in enumerate(cc.DTYPES):
+        count = (1 << 20) // np.dtype(cc.np_dtype(dtype)).itemsize + 37   # >= 1 MiB, odd
+        shape = (count,) if step % 3 else (37, 1, count // 37 + 1)
+        specs = [(f"shs.{dtype}.{op}", dtype, op, shape, 1.0, 1.0)
+                 for op in cc.OPS if not (dtype == "bool" and op == "Average")]
+        if RANK == SIZE - 1 and step % 2:
+            time.sleep(0.005)   # the last rank arrives late: the others wait at the barriers
+        run_allreduces(specs, step, in_place=step % 2 == 1)
+        expected += len(specs)
+    for i, dtype in enumerate(("float32", "int32", "float16", "float64")):
+        count = (1 << 20) // np.dtype(cc.np_dtype(dtype)).itemsize + 3
+        specs = [(f"shs.scaled.{dtype}.{op}", dtype, op, (count,), 0.5, 3.0)
+                 for op in ("Sum", "Average", "Max")]
+        run_allreduces(specs, 100 + i, in_place=i % 2 == 0)
+        expected += len(specs)
+    if float(cc.STEADY_CONFIGS[CONFIG].get("HVDLITE_SHM_FUSION_MB", 64)) == 0:
+        assert shared is None, "shared-memory fusion exists although HVDLITE_SHM_FUSION_MB=0"
+    else:
+        assert shared.singles == before + expected, \
+            f"{shared.singles - before} of {expected} single tensors went through shared memory"
+
+
 CASES = {
     "config_applied": config_applied,
     "steady.same_names_mixed": same_names_mixed,
@@ -323,6 +354,7 @@ CASES = {
     "steady.out_of_order_repeated": out_of_order_repeated,
     "steady.pooled_results": pooled_results,
     "steady.shared_fusion": shared_fusion,
+    "steady.shared_single": shared_single,
 }
 assert list(CASES) == cc.STEADY_CASES
 for name, fn in CASES.items():
