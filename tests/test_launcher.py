@@ -37,9 +37,9 @@ PROBE = (
 
 
 def run_cli(args: list[str], timeout: float = 60, env: dict | None = None,
-            ) -> subprocess.CompletedProcess:
+            cwd: Path = REPO) -> subprocess.CompletedProcess:
     """Run ``python -m hvdlite.runner <args>`` in its own process group; kill it on timeout."""
-    proc = subprocess.Popen([sys.executable, "-m", "hvdlite.runner"] + args, cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "hvdlite.runner"] + args, cwd=cwd,
                             env=env or base_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -103,6 +103,20 @@ def test_host_list_without_run_word():
     result = run_cli(["-np", "2", "-H", "localhost:2", sys.executable, "-c", PROBE])
     assert result.returncode == 0, _output(result)
     assert [(r["rank"], r["size"]) for r in probes(result)] == [(0, 2), (1, 2)]
+
+
+def test_timeline_filename_records_on_rank_zero(tmp_path):
+    # a relative path, resolved against the launcher's directory
+    script = ("import numpy as np, hvdlite as hvd\n"
+              "hvd.init()\n"
+              "hvd.allreduce(np.ones(3), name='launched')\n")
+    result = run_cli(["run", "-np", "2", "--timeline-filename", "tl.json",
+                      "--timeline-mark-cycles", sys.executable, "-c", script], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    events = json.loads((tmp_path / "tl.json").read_text())
+    rows = [e["args"]["name"] for e in events if e.get("name") == "process_name"]
+    assert "launched" in rows, rows
+    assert any(e.get("name") == "CYCLE_START" for e in events)
 
 
 def test_failing_rank_gives_nonzero_exit():

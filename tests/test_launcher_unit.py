@@ -203,7 +203,9 @@ def test_knob_env_maps_every_flag():
     args = launch.parse_args(["run", "-np", "2", "--fusion-threshold-mb", "64",
                               "--cycle-time-ms", "2.5", "--cache-capacity", "0",
                               "--stall-check-seconds", "30", "--stall-shutdown-seconds", "120",
-                              "--no-stall-check", "--log-level", "debug", "python", "t.py"])
+                              "--no-stall-check", "--log-level", "debug",
+                              "--timeline-filename", "/tmp/tl.json", "--timeline-mark-cycles",
+                              "python", "t.py"])
     assert launch.knob_env(args) == {
         "HVDLITE_FUSION_THRESHOLD": str(64 * 1024 * 1024),
         "HVDLITE_CYCLE_TIME": "2.5",
@@ -212,6 +214,8 @@ def test_knob_env_maps_every_flag():
         "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "120",
         "HVDLITE_STALL_CHECK_DISABLE": "1",
         "HVDLITE_LOG_LEVEL": "DEBUG",
+        "HVDLITE_TIMELINE": "/tmp/tl.json",
+        "HVDLITE_TIMELINE_MARK_CYCLES": "1",
     }
 
 

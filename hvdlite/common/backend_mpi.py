@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import timeline as _timeline
 from .dtypes import (dtype_info, mpi_datatype, mpi_reduce_op, numpy_reduce_ufunc,
                      scale_in_place, scale_into)
 from .fusion import FusionBuffer
@@ -107,10 +108,13 @@ class MPIBackend:
         shared = self.shared
         if (shared is not None and response.reduce_op != ReduceOp.Adasum
                 and shared.usable(src.nbytes, single=True)):
+            _phase([response], "SHM_ALLREDUCE")
             shared.allreduce_one(src, out, numpy_reduce_ufunc(info, ReduceOp(response.reduce_op)),
                                  1.0 if entry.stand_in else response.prescale,   # identity stays
                                  self._postscale(response))
             return
+        _phase([response], "ADASUM_ALLREDUCE" if response.reduce_op == ReduceOp.Adasum
+               else "MPI_ALLREDUCE")
         if entry.output is entry.array:   # in place: no copy at all
             if not entry.stand_in:        # the identity must stay neutral
                 scale_in_place(out, response.prescale)
@@ -136,6 +140,7 @@ class MPIBackend:
             shared = None
         buf = (shared.pack_buffer(count, info.np_dtype) if shared is not None
                else self._fusion.view(count * info.itemsize, info.np_dtype))
+        _phase(batch, "MEMCPY_IN_FUSION_BUFFER")
         # One C-level pass packs every input (ravel of a contiguous array is a view).
         np.concatenate([e.array.ravel() for _, e in batch], out=buf)
         if response.prescale != 1.0 and any(e.stand_in for _, e in batch):
@@ -147,12 +152,16 @@ class MPIBackend:
         else:
             scale_in_place(buf, response.prescale)
         if shared is None:
+            _phase(batch, "ADASUM_ALLREDUCE" if response.reduce_op == ReduceOp.Adasum
+                   else "MPI_ALLREDUCE")
             self._reduce(buf, response, info, segments=sizes)
             pieces = [(0, count, buf)]
         else:
+            _phase(batch, "SHM_ALLREDUCE")
             pieces = shared.reduce(count, info.np_dtype,
                                    numpy_reduce_ufunc(info, ReduceOp(response.reduce_op)))
         # The postscale rides along with the copy-out.
+        _phase(batch, "MEMCPY_OUT_FUSION_BUFFER")
         _copy_out_pieces([entry.output.ravel() for _, entry in batch], sizes, pieces,
                          self._postscale(response))
 
@@ -217,6 +226,14 @@ class MPIBackend:
         if not info.is_bool:
             scale_in_place(flat, self._postscale(response))
         entry.output = out
+
+
+def _phase(batch, activity: str) -> None:
+    """Mark the batch's tensors as being in ``activity`` on the timeline, if one is recording.
+    ``batch``: responses, or (response, entry) pairs."""
+    tl = _timeline.ACTIVE
+    if tl is not None:
+        tl.activity([(b[0] if type(b) is tuple else b).name for b in batch], activity)
 
 
 def _copy_out_pieces(outputs: list[np.ndarray], sizes: list[int],

@@ -7,7 +7,8 @@ import logging
 import sys
 import threading
 
-from .config import Config
+from . import timeline
+from .config import Config, env_flag, env_value
 from .errors import NotInitializedError
 from .memory import result_pool
 from .process_sets import ProcessSet, check_ranks, global_process_set, resolve_ranks
@@ -106,6 +107,9 @@ def init(comm=None, process_sets=None) -> None:
                         MPI.Query_thread() == MPI.THREAD_MULTIPLE)
         for ps in static:
             _register(_state, ps)
+        path = env_value("TIMELINE")
+        if path and rank == 0:
+            timeline.start(path, mark_cycles=env_flag("TIMELINE_MARK_CYCLES"))
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True
@@ -122,6 +126,7 @@ def shutdown() -> None:
         state, _state = _state, None
     if state is None:
         return
+    timeline.stop()
     from .cuda import reset_process_device
     from .ops import reset_auto_names
     reset_process_device()
@@ -271,6 +276,27 @@ def comm_process_set(comm) -> ProcessSet:
         if ps.ranks == ranks:
             return ps
     raise ValueError(f"no registered process set has the ranks {ranks} of this communicator.")
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start recording a Horovod Timeline (Chrome tracing JSON; open it in chrome://tracing or
+    https://ui.perfetto.dev) to ``file_path``, as ``HVDLITE_TIMELINE`` / ``HOROVOD_TIMELINE``
+    does from ``init()``.  As in Horovod only rank 0 records (it sees every rank's readiness);
+    on other ranks this checks the arguments and does nothing.  ``mark_cycles`` marks every
+    negotiation round.  A timeline already running is closed and replaced.  Raises
+    ``ValueError`` before ``init()`` or if the file cannot be written."""
+    state = _get("hvd.start_timeline()")
+    if not isinstance(file_path, str) or not file_path:
+        raise ValueError(f"start_timeline needs a file path, got {file_path!r}.")
+    if state.rank == 0:
+        timeline.start(file_path, mark_cycles=bool(mark_cycles))
+
+
+def stop_timeline() -> None:
+    """Stop recording the timeline and close its file (a complete JSON array).  Nothing happens
+    if none is running; ``shutdown()`` stops it too."""
+    _get("hvd.stop_timeline()")
+    timeline.stop()
 
 
 def is_initialized() -> bool:

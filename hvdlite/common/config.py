@@ -57,9 +57,12 @@ def _gpu_operations(environ: Mapping[str, str] | None) -> str:
     return value
 
 
-def _flag(name: str, environ: Mapping[str, str] | None) -> bool:
+def env_flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``HVDLITE_<name>`` (or ``HOROVOD_<name>``) is set to something other than
+    0/false/no/off."""
     raw = env_value(name, environ)
     return raw is not None and raw.lower() not in ("0", "false", "no", "off")
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,12 +87,12 @@ class Config:
             fusion_threshold=_number("FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD, environ, int),
             cycle_time_ms=_number("CYCLE_TIME", DEFAULT_CYCLE_TIME_MS, environ),
             cache_capacity=_number("CACHE_CAPACITY", DEFAULT_CACHE_CAPACITY, environ, int),
-            stall_check_enabled=not _flag("STALL_CHECK_DISABLE", environ),
+            stall_check_enabled=not env_flag("STALL_CHECK_DISABLE", environ),
             stall_check_seconds=_number(
                 "STALL_CHECK_TIME_SECONDS", DEFAULT_STALL_CHECK_SECONDS, environ),
             stall_shutdown_seconds=_number("STALL_SHUTDOWN_TIME_SECONDS", 0.0, environ),
             log_level=(env_value("LOG_LEVEL", environ) or "WARNING").upper(),
-            dynamic_process_sets=_flag("DYNAMIC_PROCESS_SETS", environ),
+            dynamic_process_sets=env_flag("DYNAMIC_PROCESS_SETS", environ),
             gpu_operations=_gpu_operations(environ),
             result_pool_bytes=int(_number("RESULT_POOL_MB", DEFAULT_RESULT_POOL_MB, environ)
                                   * 2**20),

@@ -30,6 +30,7 @@ from typing import Iterable
 
 import numpy as np
 
+from . import timeline as _timeline
 from .config import Config
 from .errors import StallError
 from .handle import Entry
@@ -353,9 +354,12 @@ class Controller:
         payloads = {labels[r]: p for r, p in payloads.items()}   # from here on: global ranks
         shutdown_ranks = tuple(sorted(r for r, p in payloads.items() if p["shutdown"]))
         self._joined_ranks.update(r for r, p in payloads.items() if p["joined"])
+        tl = _timeline.ACTIVE
         for rank in sorted(payloads):
             for request in payloads[rank]["requests"]:
                 self._table.setdefault(request.name, {})[rank] = request
+                if tl is not None:
+                    tl.negotiate_tick(request.name, request.kind, rank)
         everyone, joined = set(labels), self._joined_ranks
         responses: list[Response] = []
         for name in [n for n, reqs in self._table.items()

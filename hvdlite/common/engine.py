@@ -13,6 +13,7 @@ import threading
 
 import numpy as np
 
+from . import timeline as _timeline
 from .backend_mpi import MPIBackend
 from .config import Config
 from .controller import Controller, IDLE_TICK_SECONDS
@@ -148,6 +149,11 @@ class Engine:
         try:
             while True:
                 new, shutdown = self._take_work(pause)
+                tl = _timeline.ACTIVE
+                if tl is not None:
+                    tl.cycle()
+                    for entry in new:
+                        tl.negotiate_start(entry.name, entry.request.kind)
                 outcome = self.controller.run_round(new, shutdown)
                 self._execute(outcome.ready)
                 if outcome.joined is not None:
@@ -180,6 +186,11 @@ class Engine:
                 log.exception("hvdlite: releasing the shared fusion window failed")
 
     def _execute(self, ready: list[tuple[Response, Entry | None]]) -> None:
+        tl = _timeline.ACTIVE
+        if tl is not None:
+            for response, entry in ready:
+                kind = entry.request.kind if entry is not None else response.kind
+                tl.negotiate_end(response.name, kind, response.error)
         runnable = []
         for response, entry in ready:
             if response.error is not None:
@@ -191,6 +202,8 @@ class Engine:
             if batch[0][0].device >= 0:
                 self._execute_on_gpu(batch)
                 continue
+            if tl is not None and batch[0][0].kind != ALLREDUCE:   # the backend marks those
+                tl.activity([r.name for r, _ in batch], f"MPI_{batch[0][0].kind.upper()}")
             self.backend.execute(batch)
             self._complete_batch([entry for _, entry in batch])
 
@@ -209,6 +222,10 @@ class Engine:
             self._gpu_completions = GpuCompletions(runtime, self._complete_batch,
                                                    lambda e, err: self._complete(e, error=err))
         entries = [entry for _, entry in batch]
+        tl = _timeline.ACTIVE
+        if tl is not None:
+            via = "NCCL" if self.config.gpu_operations == "nccl" else "STAGED"
+            tl.activity([e.name for e in entries], f"{via}_{batch[0][0].kind.upper()}")
         try:
             event, keep_alive = self._gpu.execute(batch, cuda.process_device(self.rank))
         except Exception as exc:   # noqa: BLE001 - a CUDA/NCCL failure fails this batch only
@@ -259,12 +276,18 @@ class Engine:
         with self._lock:
             for entry in entries:
                 in_flight.pop(entry.request.name, None)
+        tl = _timeline.ACTIVE
+        if tl is not None:
+            tl.op_end([entry.name for entry in entries])
         for entry in entries:
             entry.handle._complete(entry.output, None)
 
     def _complete(self, entry: Entry, result=None, error: BaseException | None = None) -> None:
         with self._lock:
             self._in_flight.pop(entry.name, None)
+        tl = _timeline.ACTIVE
+        if tl is not None:
+            tl.op_end([entry.name])
         entry.handle._complete(result, error)
 
     def _stop_after_shutdown(self, ranks: tuple[int, ...]) -> None:

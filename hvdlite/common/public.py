@@ -8,7 +8,8 @@ from .basics import (init, shutdown, is_initialized, size, rank, local_size, loc
                      cross_size, cross_rank, is_homogeneous, mpi_threads_supported, mpi_built,
                      mpi_enabled, gloo_built, gloo_enabled, nccl_built, ddl_built, ccl_built,
                      cuda_built, rocm_built, add_process_set, remove_process_set,
-                     get_process_set_ids_and_ranks, comm_process_set)
+                     get_process_set_ids_and_ranks, comm_process_set, start_timeline,
+                     stop_timeline)
 from .process_sets import ProcessSet, global_process_set
 from .errors import (HvdliteError, HorovodInternalError, NotInitializedError, ShutdownError,
                      RankExitedError, TensorMismatchError, DuplicateNameError,
@@ -21,7 +22,8 @@ __all__ = [
     "cross_size", "cross_rank", "is_homogeneous", "mpi_threads_supported", "mpi_built",
     "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built", "ccl_built",
     "cuda_built", "rocm_built", "add_process_set", "remove_process_set",
-    "get_process_set_ids_and_ranks", "comm_process_set", "ProcessSet", "global_process_set",
+    "get_process_set_ids_and_ranks", "comm_process_set", "start_timeline", "stop_timeline",
+    "ProcessSet", "global_process_set",
     "HvdliteError", "HorovodInternalError", "NotInitializedError", "ShutdownError",
     "RankExitedError", "TensorMismatchError", "DuplicateNameError", "UnsupportedDtypeError",
     "StallError", "GpuUnavailableError",

@@ -111,6 +111,11 @@ def _add_knob_options(parser: argparse.ArgumentParser) -> None:
                        help="disable the stall check (HVDLITE_STALL_CHECK_DISABLE=1)")
     knobs.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, metavar="LEVEL",
                        help="hvdlite log level: " + ", ".join(LOG_LEVELS))
+    knobs.add_argument("--timeline-filename", metavar="FILE",
+                       help="record a Horovod Timeline on rank 0 (HVDLITE_TIMELINE)")
+    knobs.add_argument("--timeline-mark-cycles", action="store_true",
+                       help="mark negotiation cycles on the timeline "
+                            "(HVDLITE_TIMELINE_MARK_CYCLES=1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,6 +165,10 @@ def knob_env(args: argparse.Namespace) -> dict[str, str]:
     if args.log_level is not None:
         level = {"trace": "DEBUG", "fatal": "CRITICAL"}.get(args.log_level, args.log_level)
         env["HVDLITE_LOG_LEVEL"] = level.upper()
+    if args.timeline_filename:   # absolute: every rank resolves it alike, whatever its cwd
+        env["HVDLITE_TIMELINE"] = os.path.abspath(args.timeline_filename)
+    if args.timeline_mark_cycles:
+        env["HVDLITE_TIMELINE_MARK_CYCLES"] = "1"
     return env
 
 
