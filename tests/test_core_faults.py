@@ -15,7 +15,8 @@ from tests.mpi_harness import run_job
 STALL_WARN_ENV = {"HVDLITE_STALL_CHECK_TIME_SECONDS": "1"}
 STALL_SHUTDOWN_ENV = {"HVDLITE_STALL_CHECK_TIME_SECONDS": "1",
                       "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "2"}
-ENVS = {"stall_warn": STALL_WARN_ENV, "stall_shutdown": STALL_SHUTDOWN_ENV}
+ENVS = {"stall_warn": STALL_WARN_ENV, "stall_shutdown": STALL_SHUTDOWN_ENV,
+        "data_stall_warn": STALL_WARN_ENV, "data_stall_shutdown": STALL_SHUTDOWN_ENV}
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,3 +97,33 @@ def test_stall_shutdown_errors_then_job_continues(np_, odd):
     assert "Stall detected" in job.stderr, job.output
     caught = re.findall(r"\[fault-worker rank (\d+)\] caught StallError", job.stderr)
     assert sorted(int(c) for c in caught) == [k for k in range(np_) if k != odd], job.output
+
+
+@pytest.mark.parametrize("np_,odd", LAYOUTS)
+def test_stall_inside_data_exchange_warns_then_finishes(np_, odd):
+    """A rank whose background thread stops inside an agreed allreduce's data exchange: the
+    others say so every stall-check period while they wait, and the result is still right."""
+    job, _ = launch("data_stall_warn", np_, odd)
+    assert not job.timed_out, job.output
+    assert job.returncode == 0, job.output
+    assert len(job.results) == np_, job.output
+    for rep in job.results:
+        for case in ("warmup", "slow_data_correct", "after"):
+            assert rep.get(case, "not reported") is None, f"{case}: {rep.get(case)}"
+    warned = set(re.findall(r"rank (\d+) has waited \d+ s for the other ranks to join an "
+                            r"allreduce's data exchange", job.stderr))
+    assert warned == {str(k) for k in range(np_) if k != odd}, job.output
+
+
+@pytest.mark.parametrize("np_,odd", LAYOUTS)
+def test_stall_inside_data_exchange_shutdown_raises(np_, odd):
+    """With HVDLITE_STALL_SHUTDOWN_TIME_SECONDS a data exchange that does not complete raises
+    StallError on every rank (the stopped one too, once it finds its peers gone) instead of
+    waiting for ever."""
+    job, wall = launch("data_stall_shutdown", np_, odd)
+    assert not job.timed_out, f"hung instead of raising\n{job.output}"
+    caught = re.findall(r"\[fault-worker rank (\d+)\] caught StallError", job.stderr)
+    assert sorted(int(c) for c in caught) == list(range(np_)), job.output
+    for rep in job.results:
+        assert rep.get("stalled_data_errors", "not reported") is None, job.output
+    assert wall < 40, f"job took {wall:.1f} s"

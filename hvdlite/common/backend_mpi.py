@@ -1,6 +1,8 @@
 """The MPI data mover for host buffers: executes negotiated responses on numpy views."""
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from . import timeline as _timeline
@@ -33,10 +35,13 @@ def postscale_factor(response: Response, size: int) -> float:
 
 class MPIBackend:
     def __init__(self, comm, global_ranks: list[int] | None = None,
-                 shm_fusion_bytes: int = 0, max_sleep: float = 1e-3) -> None:
+                 shm_fusion_bytes: int = 0, max_sleep: float = 1e-3,
+                 on_slow: Callable[[float], None] | None = None) -> None:
         """``shm_fusion_bytes``: allreduces up to this size are reduced through an intra-node
         shared-memory window when all ranks share a node (0: always MPI).  ``max_sleep``: the
-        longest sleep between two checks while waiting for peers (the cycle time)."""
+        longest sleep between two checks while waiting for peers (the cycle time).
+        ``on_slow(waited_seconds)``: called about every second of such a wait (stall checks;
+        it may raise to abandon the wait)."""
         from mpi4py import MPI
         self._MPI = MPI
         self.comm = comm
@@ -46,8 +51,9 @@ class MPIBackend:
         self._local_rank_of = {g: i for i, g in enumerate(global_ranks or range(self.size))}
         self._fusion = FusionBuffer()
         self._max_sleep = max_sleep
-        self.shared = (SharedFusion(comm, shm_fusion_bytes, max_sleep) if shm_fusion_bytes > 0
-                       else None)
+        self._on_slow = on_slow
+        self.shared = (SharedFusion(comm, shm_fusion_bytes, max_sleep, on_slow)
+                       if shm_fusion_bytes > 0 else None)
 
     def _postscale(self, response: Response) -> float:
         return postscale_factor(response, self.size)
@@ -66,7 +72,7 @@ class MPIBackend:
             self.comm.Allreduce(send, recv, op=op)
         else:
             wait_until(self.comm.Iallreduce(send, recv, op=op).Test, self._max_sleep,
-                       spin_seconds=PEER_SPIN_SECONDS)
+                       on_slow=self._on_slow, spin_seconds=PEER_SPIN_SECONDS)
 
     def execute(self, batch: list[tuple[Response, Entry]]) -> None:
         """Run one planned batch; on return every entry's ``output`` holds its result."""

@@ -139,11 +139,12 @@ class Controller:
             now >= e.next_stall_report for e in self.pending.values())
 
     def _wait(self, ready, what: str) -> None:
-        wait_until(ready, self.max_sleep, on_slow=lambda waited: self._local_stall(waited, what))
+        wait_until(ready, self.max_sleep, on_slow=lambda waited: self.local_stall(waited, what))
 
-    def _local_stall(self, waited: float, what: str) -> None:
-        """A round that does not complete means some rank's hvdlite thread is not running
-        rounds at all (a process stopped or stuck while holding the interpreter)."""
+    def local_stall(self, waited: float, what: str) -> None:
+        """A round (or a data exchange) that does not complete means some rank's hvdlite thread
+        is not running at all (a process stopped or stuck while holding the interpreter): warn
+        every stall-check period, and raise StallError after the stall-shutdown time."""
         cfg = self.config
         if not cfg.stall_check_enabled or waited < cfg.stall_check_seconds:
             return

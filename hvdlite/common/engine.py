@@ -59,7 +59,8 @@ class Engine:
         self.rank = self.controller.label   # global rank, for messages
         self.backend = MPIBackend(comm, self.controller.global_ranks,
                                   shm_fusion_bytes=config.shm_fusion_bytes,
-                                  max_sleep=self.controller.max_sleep)
+                                  max_sleep=self.controller.max_sleep,
+                                  on_slow=self._data_stall)
         self._gpu = None          # GPU backend and its completion thread, made on first use
         self._gpu_completions = None
         self._lock = threading.Lock()              # guards _in_flight and the stop state
@@ -69,6 +70,10 @@ class Engine:
         self._stopped: str | None = None        # why the engine stopped, once it has
         self._stopped_cls: type[ShutdownError] = ShutdownError
         self._thread = threading.Thread(target=self._run, name="hvdlite-engine", daemon=True)
+
+    def _data_stall(self, waited: float) -> None:
+        """Called while a batch's data exchange waits long for peers (see Controller)."""
+        self.controller.local_stall(waited, "an allreduce's data exchange")
 
     # --- user threads ------------------------------------------------------------------------
     def start(self) -> None:

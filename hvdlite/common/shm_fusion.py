@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Callable
 
 import numpy as np
 
@@ -56,9 +57,11 @@ def _next_pow2(n: int) -> int:
 class SharedFusion:
     """The shared window of one process set's communicator, grown on demand."""
 
-    def __init__(self, comm, max_batch_bytes: int, max_sleep: float = 1e-3) -> None:
+    def __init__(self, comm, max_batch_bytes: int, max_sleep: float = 1e-3,
+                 on_slow: Callable[[float], None] | None = None) -> None:
         self.comm = comm
         self.max_sleep = max_sleep   # longest sleep while waiting for peers at a barrier
+        self.on_slow = on_slow       # stall checks during such a wait (may raise)
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
         self.max_batch_bytes = max_batch_bytes
@@ -206,7 +209,8 @@ class SharedFusion:
         # Win.Sync orders this rank's stores/loads around the barrier (MPI's unified model).
         # A blocking Barrier would busy-poll while a peer waits for a core (see backend_mpi).
         self._win.Sync()
-        wait_until(self.comm.Ibarrier().Test, self.max_sleep, spin_seconds=PEER_SPIN_SECONDS)
+        wait_until(self.comm.Ibarrier().Test, self.max_sleep, on_slow=self.on_slow,
+                   spin_seconds=PEER_SPIN_SECONDS)
         self._win.Sync()
 
     def close(self, collective: bool) -> None:

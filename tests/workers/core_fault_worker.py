@@ -7,6 +7,11 @@ that misbehaves:
   hard_exit     the last rank leaves with os._exit(3) (no hvdlite shutdown at all)
   stall_warn    the last rank submits 3 s late (run with HVDLITE_STALL_CHECK_TIME_SECONDS=1)
   stall_shutdown  the last rank never submits one tensor (stall check 1 s, shutdown 2 s)
+  data_stall_warn      the last rank's background thread stops for 3 s inside the data
+                       exchange of an agreed 2 MiB allreduce (the shared window's first
+                       barrier; stall check 1 s): the others warn, then all finish correctly
+  data_stall_shutdown  the same for 6 s with the stall shutdown at 2 s: every rank raises
+                       StallError from the data exchange instead of waiting for ever
 
 Survivors report their cases and then re-raise what they caught, so that mpiexec exits non-zero
 whichever rank it hears from first.  Every rank prints a marker line to stderr too, so the pytest
@@ -149,6 +154,41 @@ elif SCENARIO == "stall_shutdown":
 
     r.case("stalled_tensor_errors", stalled)
     r.case("job_keeps_working", after_stall)
+    r.write()
+    hvd.shutdown()
+elif SCENARIO in ("data_stall_warn", "data_stall_shutdown"):
+    from hvdlite.common import shm_fusion
+    if RANK == ODD:   # the background thread stops once, after negotiation agreed
+        barrier, stopped = shm_fusion.SharedFusion._barrier, []
+
+        def stopping_barrier(self):
+            if not stopped:
+                stopped.append(True)
+                time.sleep(3.0 if SCENARIO == "data_stall_warn" else 6.0)
+            barrier(self)
+        shm_fusion.SharedFusion._barrier = stopping_barrier
+    xs = [np.arange(1 << 19, dtype=np.float32) + k for k in range(SIZE)]   # 2 MiB: the window
+
+    def slow_data():
+        got = hvd.allreduce(xs[RANK], op=hvd.Sum, name="slow_data")
+        check_exact("slow_data", got, sum(xs))
+
+    def stalled_data():
+        start = time.monotonic()
+        caught = None
+        try:
+            hvd.allreduce(xs[RANK], op=hvd.Sum, name="slow_data")
+        except Exception as exc:  # noqa: BLE001
+            caught = exc
+        say(f"caught {type(caught).__name__} after {time.monotonic() - start:.2f} s: {caught}")
+        assert isinstance(caught, hvd.StallError), f"got {caught!r}"
+        assert "data exchange" in str(caught), str(caught)
+
+    if SCENARIO == "data_stall_warn":
+        r.case("slow_data_correct", slow_data)
+        r.case("after", warm_up)
+    else:
+        r.case("stalled_data_errors", stalled_data)
     r.write()
     hvd.shutdown()
 else:
