@@ -22,7 +22,7 @@ from .errors import (DuplicateNameError, HvdliteError, RankExitedError, Shutdown
 from .fusion import plan_batches
 from .handle import Entry, Handle
 from .messages import ALLREDUCE, ERROR_STALL, Response
-from .waiting import wait_until
+from .waiting import poll_briefly, wait_until
 
 log = logging.getLogger("hvdlite")
 
@@ -31,6 +31,11 @@ log = logging.getLogger("hvdlite")
 # they are reduced in place and skip the two copies through the fusion buffer.
 FUSE_BELOW_BYTES = 1 << 20
 
+
+# A training loop's next submission usually follows within microseconds of a completion; the
+# engine polls its queue this long (yielding the core) before blocking, which saves a thread
+# wake-up (~50 us here) per lone operation.
+IDLE_POLL_SECONDS = 200e-6
 
 _fusion_fields = operator.itemgetter(2, 4, 6, 7, 8)   # dtype, op, device, pre/postscale
 assert Response._fields[2:9] == ("dtype", "shape", "reduce_op", "root", "device", "prescale",
@@ -131,7 +136,8 @@ class Engine:
         """New entries since the last round; blocks only when there is nothing to negotiate."""
         q = self._queue
         new: list[Entry] = []
-        if q.empty() and not (self.controller.busy and pause == 0.0):
+        if (q.empty() and not (self.controller.busy and pause == 0.0)
+                and (pause > 0 or not poll_briefly(lambda: not q.empty(), IDLE_POLL_SECONDS))):
             try:
                 item = q.get(timeout=pause if pause > 0 else IDLE_TICK_SECONDS)
                 if item is not None:

@@ -21,6 +21,20 @@ PEER_SPIN_SECONDS = 0.05
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 
+def poll_briefly(ready: Callable[[], bool], seconds: float) -> bool:
+    """Test ``ready()`` between ``sched_yield`` calls for up to ``seconds``; return its last
+    value.  For waits that usually end within a thread wake-up (~50 us on a loaded VM), where
+    blocking would add that wake-up to the latency."""
+    if ready():
+        return True
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        _yield()
+        if ready():
+            return True
+    return False
+
+
 def wait_until(ready: Callable[[], bool], max_sleep: float,
                on_slow: Callable[[float], None] | None = None, slow_every: float = 1.0,
                spin_seconds: float = SPIN_SECONDS) -> None:

@@ -1,0 +1,38 @@
+"""Waiting helpers (hvdlite/common/waiting.py): what they return and when they call back; no
+timing is asserted."""
+import itertools
+
+import pytest
+
+from hvdlite.common.waiting import poll_briefly, wait_until
+
+
+def after(n):
+    """A ready() that turns true on its n-th call."""
+    calls = itertools.count(1)
+    return lambda: next(calls) >= n
+
+
+def test_poll_briefly_true_at_once_or_after_a_few_polls():
+    assert poll_briefly(lambda: True, 0.0)
+    assert poll_briefly(after(5), 10.0)
+
+
+def test_poll_briefly_gives_up_false():
+    seen = []
+    assert not poll_briefly(lambda: seen.append(1) and False, 0.001)
+    assert seen, "ready() was never tested"
+
+
+def test_wait_until_returns_once_ready_and_reports_slow_waits():
+    slow = []
+    wait_until(after(3), 1e-4)
+    wait_until(after(50), 1e-4, on_slow=slow.append, slow_every=0.0, spin_seconds=0.0)
+    assert slow and all(w >= 0 for w in slow)
+
+
+def test_wait_until_on_slow_may_abandon_the_wait():
+    def give_up(waited):
+        raise TimeoutError(f"gave up after {waited}")
+    with pytest.raises(TimeoutError):
+        wait_until(lambda: False, 1e-4, on_slow=give_up, slow_every=0.0, spin_seconds=0.0)
