@@ -116,3 +116,21 @@ def test_horovod_names_are_public():
     assert callable(hvdlite.start_timeline) and callable(hvdlite.stop_timeline)
     with pytest.raises(ValueError, match="init"):
         hvdlite.start_timeline("/tmp/never.json")
+
+
+def test_negotiation_starts_at_submission(tmp_path):
+    import time
+    path = tmp_path / "t.json"
+    timeline.start(str(path))
+    submitted = time.monotonic()
+    time.sleep(0.05)   # the background thread was busy; it takes the entry only now
+    timeline.ACTIVE.negotiate_start("late", "allreduce", submitted)
+    timeline.ACTIVE.negotiate_end("late", "allreduce")
+    timeline.ACTIVE.negotiate_start("early", "allreduce", submitted - 3600)   # before the start
+    timeline.stop()
+    events = json.loads(path.read_text())
+    rows = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    begins = {(rows[e["pid"]], e["name"]): e["ts"] for e in events if e.get("ph") == "B"}
+    waited = begins[("late", "ALLREDUCE")] - begins[("late", "NEGOTIATE_ALLREDUCE")]
+    assert waited >= 45_000, f"negotiation began when taken, not when submitted ({waited} us)"
+    assert begins[("early", "NEGOTIATE_ALLREDUCE")] >= 0   # clamped to the timeline's start

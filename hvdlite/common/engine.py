@@ -164,7 +164,7 @@ class Engine:
                 if tl is not None:
                     tl.cycle()
                     for entry in new:
-                        tl.negotiate_start(entry.name, entry.request.kind)
+                        tl.negotiate_start(entry.name, entry.request.kind, entry.submitted_at)
                 outcome = self.controller.run_round(new, shutdown)
                 self._execute(outcome.ready)
                 if outcome.joined is not None:

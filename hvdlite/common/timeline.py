@@ -3,10 +3,11 @@
 As in Horovod, only rank 0 records (it coordinates negotiation, so it sees every rank's
 readiness).  Each tensor gets its own row ("process" in the trace):
 
-* ``NEGOTIATE_<OP>`` from the moment rank 0 first hears of the tensor (its own submission or a
-  peer's request) until every rank has it; each rank's request is a tick named after the rank
-  (only visible for tensors negotiated in full: a cached tensor's readiness travels as one bit
-  per rank ANDed together, so its span simply shows how long rank 0 waited);
+* ``NEGOTIATE_<OP>`` from the moment rank 0 first hears of the tensor (its own submission, even
+  if the background thread was busy then, or a peer's request) until every rank has it; each
+  rank's request is a tick named after the rank (only visible for tensors negotiated in full: a
+  cached tensor's readiness travels as one bit per rank ANDed together, so its span simply
+  shows how long rank 0 waited);
 * ``<OP>`` while the operation is processed, with nested activities: ``QUEUE`` (waiting behind
   earlier batches), ``MEMCPY_IN_FUSION_BUFFER`` / ``MEMCPY_OUT_FUSION_BUFFER``,
   ``SHM_ALLREDUCE`` (the intra-node window), ``MPI_<OP>``, ``NCCL_<OP>``, ``STAGED_<OP>``...;
@@ -42,6 +43,8 @@ class Timeline:
         self.mark_cycles = mark_cycles
         self._file = open(path, "w", encoding="utf-8")   # raises at start if the path is bad
         self._t0 = time.perf_counter_ns()
+        # submission times are time.monotonic() seconds; events use perf_counter_ns
+        self._from_monotonic = self._t0 - time.monotonic_ns()
         self._events: collections.deque = collections.deque()
         self._state: dict[str, list[str]] = {}   # tensor -> open spans, outermost first
         self._state_lock = threading.Lock()      # engine and GPU completion thread both record
@@ -62,11 +65,16 @@ class Timeline:
     def _now(self) -> int:
         return time.perf_counter_ns()
 
-    def negotiate_start(self, tensor: str, kind: str) -> None:
+    def negotiate_start(self, tensor: str, kind: str, submitted_at: float | None = None) -> None:
+        """Rank 0 heard of ``tensor``: submitted here at ``submitted_at`` (``time.monotonic()``
+        seconds), or now."""
+        now = self._now()
+        if submitted_at is not None:   # never later than now, never before this timeline
+            now = min(now, max(self._t0, int(submitted_at * 1e9) + self._from_monotonic))
         with self._state_lock:
             if tensor not in self._state:
                 self._state[tensor] = [_NEGOTIATING]
-                self._events.append(("B", tensor, f"NEGOTIATE_{kind.upper()}", self._now(), None))
+                self._events.append(("B", tensor, f"NEGOTIATE_{kind.upper()}", now, None))
 
     def negotiate_tick(self, tensor: str, kind: str, rank: int) -> None:
         """Rank ``rank``'s request for ``tensor`` reached the coordinator."""
