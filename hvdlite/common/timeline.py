@@ -97,14 +97,19 @@ class Timeline:
             self._events.append(("B", tensor, kind.upper(), now, None))
             self._events.append(("B", tensor, "QUEUE", now, None))
 
+    def _processing(self, tensors):
+        """(tensor, its open spans) for those of ``tensors`` being processed (caller holds the
+        state lock); others (negotiating, or unknown to this timeline) are skipped."""
+        for tensor in tensors:
+            spans = self._state.get(tensor)
+            if spans is not None and spans[0] != _NEGOTIATING:
+                yield tensor, spans
+
     def activity(self, tensors, name: str) -> None:
         """The tensors' processing moves on to activity ``name`` (ending the previous one)."""
         now = self._now()
         with self._state_lock:
-            for tensor in tensors:
-                spans = self._state.get(tensor)
-                if spans is None or spans[0] == _NEGOTIATING:
-                    continue
+            for tensor, spans in self._processing(tensors):
                 if len(spans) > 1:
                     self._events.append(("E", tensor, None, now, None))
                     spans.pop()
@@ -115,10 +120,7 @@ class Timeline:
         """The tensors' operations completed (successfully or not)."""
         now = self._now()
         with self._state_lock:
-            for tensor in tensors:
-                spans = self._state.get(tensor)
-                if spans is None or spans[0] == _NEGOTIATING:
-                    continue
+            for tensor, spans in list(self._processing(tensors)):
                 del self._state[tensor]
                 for _ in spans:
                     self._events.append(("E", tensor, None, now, None))
