@@ -114,13 +114,13 @@ class MPIBackend:
         shared = self.shared
         if (shared is not None and response.reduce_op != ReduceOp.Adasum
                 and shared.usable(src.nbytes, single=True)):
-            _phase([response], "SHM_ALLREDUCE")
+            _phase(((response, entry),), "SHM_ALLREDUCE")
             shared.allreduce_one(src, out, numpy_reduce_ufunc(info, ReduceOp(response.reduce_op)),
                                  1.0 if entry.stand_in else response.prescale,   # identity stays
                                  self._postscale(response))
             return
-        _phase([response], "ADASUM_ALLREDUCE" if response.reduce_op == ReduceOp.Adasum
-               else "MPI_ALLREDUCE")
+        _phase(((response, entry),), "ADASUM_ALLREDUCE"
+               if response.reduce_op == ReduceOp.Adasum else "MPI_ALLREDUCE")
         if entry.output is entry.array:   # in place: no copy at all
             if not entry.stand_in:        # the identity must stay neutral
                 scale_in_place(out, response.prescale)
@@ -235,11 +235,11 @@ class MPIBackend:
 
 
 def _phase(batch, activity: str) -> None:
-    """Mark the batch's tensors as being in ``activity`` on the timeline, if one is recording.
-    ``batch``: responses, or (response, entry) pairs."""
+    """Mark the batch's tensors ((response, entry) pairs) as being in ``activity`` on the
+    timeline, if one is recording (the names are only collected then)."""
     tl = _timeline.ACTIVE
     if tl is not None:
-        tl.activity([(b[0] if type(b) is tuple else b).name for b in batch], activity)
+        tl.activity([response.name for response, _ in batch], activity)
 
 
 def _copy_out_pieces(outputs: list[np.ndarray], sizes: list[int],
