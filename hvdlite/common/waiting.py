@@ -41,16 +41,9 @@ def wait_until(ready: Callable[[], bool], max_sleep: float,
     """Return once ``ready()`` is true.  ``on_slow(waited_seconds)`` is called about every
     ``slow_every`` seconds of waiting (stall checks); it may raise to abandon the wait.
     ``spin_seconds``: how long to test between ``sched_yield`` calls before sleeping."""
-    if ready():
-        return
     start = time.monotonic()
-    spin_until = start + spin_seconds
-    while True:
-        _yield()
-        if ready():
-            return
-        if time.monotonic() >= spin_until:
-            break
+    if poll_briefly(ready, spin_seconds):
+        return
     next_slow = start + slow_every
     sleep = 20e-6
     while not ready():
