@@ -112,8 +112,11 @@ def test_bad_paths(tmp_path, bad):
 
 
 def test_horovod_names_are_public():
+    import hvdlite.torch as hvd_torch   # TF and Keras re-export the same public list
     assert {"start_timeline", "stop_timeline"} <= set(public_names)
     assert callable(hvdlite.start_timeline) and callable(hvdlite.stop_timeline)
+    assert hvd_torch.start_timeline is hvdlite.start_timeline
+    assert hvd_torch.stop_timeline is hvdlite.stop_timeline
     with pytest.raises(ValueError, match="init"):
         hvdlite.start_timeline("/tmp/never.json")
 
