@@ -157,11 +157,8 @@ class SharedFusion:
         self._barrier()
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         if hi > lo:
-            mine = views[self.rank][lo:hi]
             with np.errstate(all="ignore"):   # overflow wraps/saturates silently, as in MPI
-                for r in range(self.size):
-                    if r != self.rank:
-                        ufunc(mine, views[r][lo:hi], out=mine)
+                self._fold_peers(views[self.rank][lo:hi], views, lo, hi, ufunc)
         self._barrier()
         self.batches += 1
         return [(bounds[r], bounds[r + 1], views[r][bounds[r]:bounds[r + 1]])
@@ -187,15 +184,21 @@ class SharedFusion:
                 y = min(hi, x + step)
                 chunk = out[x:y]
                 scale_into(chunk, src[x:y], prescale)
-                for r in range(self.size):
-                    if r != self.rank:
-                        ufunc(chunk, views[r][x:y], out=chunk)
+                self._fold_peers(chunk, views, x, y, ufunc)
                 scale_into(chunk, chunk, postscale)
                 np.copyto(published[x:y], chunk)
             self._barrier()
         for r in others:   # the peers' results
             np.copyto(out[bounds[r]:bounds[r + 1]], views[r][bounds[r]:bounds[r + 1]])
         self.singles += 1
+
+    def _fold_peers(self, target: np.ndarray, views: list[np.ndarray], lo: int, hi: int,
+                    ufunc) -> None:
+        """``target`` (this rank's elements lo..hi) combined with every peer's, in rank order:
+        the one reduction order both paths use, so a result never depends on the path."""
+        for r in range(self.size):
+            if r != self.rank:
+                ufunc(target, views[r][lo:hi], out=target)
 
     @staticmethod
     def shares(count: int, itemsize: int, size: int) -> list[int]:
