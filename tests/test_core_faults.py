@@ -31,6 +31,16 @@ def reports_with(job, case):
     return [rep for rep in job.results if case in rep]
 
 
+def assert_every_rank_passed(job, np_: int, cases) -> None:
+    """The job ended cleanly and every rank reported each of ``cases`` as passed."""
+    assert not job.timed_out, job.output
+    assert job.returncode == 0, job.output
+    assert len(job.results) == np_, job.output
+    for rep in job.results:
+        for case in cases:
+            assert rep.get(case, "not reported") is None, f"{case}: {rep.get(case)}\n{job.output}"
+
+
 NPS = [2, 3]
 # (np, the misbehaving rank): the last rank, and rank 0 (the coordinator) too
 LAYOUTS = [pytest.param(2, 1, id="np2-odd1"), pytest.param(3, 2, id="np3-odd2"),
@@ -70,12 +80,7 @@ def test_hard_exit_does_not_hang(np_):
 @pytest.mark.parametrize("np_,odd", LAYOUTS)
 def test_stall_warning_then_correct_result(np_, odd):
     job, _ = launch("stall_warn", np_, odd)
-    assert not job.timed_out, job.output
-    assert job.returncode == 0, job.output
-    assert len(job.results) == np_, job.output
-    for rep in job.results:
-        for case in ("warmup", "late_result_correct", "after"):
-            assert rep.get(case, "not reported") is None, f"{case}: {rep.get(case)}"
+    assert_every_rank_passed(job, np_, ("warmup", "late_result_correct", "after"))
     assert "Stall detected" in job.stderr, job.output
     submitted = str([k for k in range(np_) if k != odd])
     pattern = (rf"'late': submitted on ranks {re.escape(submitted)}.*missing on ranks "
@@ -88,12 +93,7 @@ def test_stall_warning_then_correct_result(np_, odd):
 @pytest.mark.parametrize("np_,odd", LAYOUTS)
 def test_stall_shutdown_errors_then_job_continues(np_, odd):
     job, wall = launch("stall_shutdown", np_, odd)
-    assert not job.timed_out, job.output
-    assert job.returncode == 0, job.output
-    assert len(job.results) == np_, job.output
-    for rep in job.results:
-        for case in ("warmup", "stalled_tensor_errors", "job_keeps_working"):
-            assert rep.get(case, "not reported") is None, f"{case}: {rep.get(case)}\n{job.output}"
+    assert_every_rank_passed(job, np_, ("warmup", "stalled_tensor_errors", "job_keeps_working"))
     assert "Stall detected" in job.stderr, job.output
     caught = re.findall(r"\[fault-worker rank (\d+)\] caught StallError", job.stderr)
     assert sorted(int(c) for c in caught) == [k for k in range(np_) if k != odd], job.output
@@ -104,12 +104,7 @@ def test_stall_inside_data_exchange_warns_then_finishes(np_, odd):
     """A rank whose background thread stops inside an agreed allreduce's data exchange: the
     others say so every stall-check period while they wait, and the result is still right."""
     job, _ = launch("data_stall_warn", np_, odd)
-    assert not job.timed_out, job.output
-    assert job.returncode == 0, job.output
-    assert len(job.results) == np_, job.output
-    for rep in job.results:
-        for case in ("warmup", "slow_data_correct", "after"):
-            assert rep.get(case, "not reported") is None, f"{case}: {rep.get(case)}"
+    assert_every_rank_passed(job, np_, ("warmup", "slow_data_correct", "after"))
     warned = set(re.findall(r"rank (\d+) has waited \d+ s for the other ranks to join an "
                             r"allreduce's data exchange", job.stderr))
     assert warned == {str(k) for k in range(np_) if k != odd}, job.output
