@@ -33,15 +33,53 @@ def _check_process_set(process_set) -> tuple[bool, int]:
     return basics.rank() in ranks, len(ranks)
 
 
+class LocalVariables:
+    """Variables (or watched tensors) registered as local to this rank: model-parallel layers
+    whose gradients are not reduced.  Membership is by identity, like Horovod's ``var.ref()``."""
+
+    def __init__(self, variables=()) -> None:
+        self._by_id: dict[int, object] = {}
+        for v in variables:
+            self.add(v)
+
+    def add(self, variable) -> None:
+        self._by_id[id(variable)] = variable   # holding it keeps its id unique
+
+    def __contains__(self, variable) -> bool:
+        return id(variable) in self._by_id
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+
+def local_layer_variables(local_layers) -> list:
+    """The trainable variables of ``local_layers`` (a Keras layer, a collection of them, or
+    None), checked as Horovod's ``PartialDistributed*`` APIs check them."""
+    if local_layers is None:
+        return []
+    if isinstance(local_layers, tf.keras.layers.Layer):
+        local_layers = [local_layers]
+    local_layers = list(local_layers)
+    if not all(isinstance(layer, tf.keras.layers.Layer) for layer in local_layers):
+        raise ValueError("local_layers must be Keras layers (tf.keras.layers.Layer), got "
+                         f"{[type(layer).__name__ for layer in local_layers]}.")
+    return [v for layer in local_layers for v in layer.trainable_weights]
+
+
 def make_allreduce_grads_fn(name: str, compression=Compression.none, sparse_as_dense=False,
                             op=ReduceOp.Average, gradient_predivide_factor=1.0,
-                            process_set=global_process_set):
-    """Return ``fn(grads) -> averaged grads`` (None entries stay None).
+                            process_set=global_process_set, scale_local_gradients=True):
+    """Return ``fn(grads, variables=None, local=None) -> averaged grads`` (None entries stay
+    None).
 
     All dense gradients travel as one group: negotiated and executed as one unit (inside
     ``tf.function``: one graph node), so the core fuses them into few collectives.  With a
     ``process_set``, gradients are reduced over its ranks only; on ranks outside the set (and
     when the set has one rank) they are returned unchanged, as in Horovod.
+
+    Gradients of ``variables`` found in ``local`` (a :class:`LocalVariables`) are not reduced;
+    with ``scale_local_gradients`` they are divided by the process set's size instead, as in
+    Horovod, so that they are on the scale of the averaged ones.
     """
     op = resolve_op(op)
     if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
@@ -51,8 +89,28 @@ def make_allreduce_grads_fn(name: str, compression=Compression.none, sparse_as_d
     else:
         prescale = postscale = 1.0
 
-    def allreduce_grads(grads, variables=None):
+    def allreduce_grads(grads, variables=None, local=None):
         grads = list(grads)
+        if local and variables is not None:
+            return _reduce_shared_only(grads, list(variables), local)
+        return reduce_all(grads)
+
+    def _reduce_shared_only(grads, variables, local):
+        if len(variables) != len(grads):
+            raise ValueError(f"{len(grads)} gradients for {len(variables)} variables")
+        shared = [i for i, v in enumerate(variables) if v not in local]
+        out = list(grads)
+        for i, g in zip(shared, reduce_all([grads[i] for i in shared])):
+            out[i] = g
+        if scale_local_gradients:
+            set_size = _check_process_set(process_set)[1]
+            shared_set = set(shared)
+            for i, g in enumerate(out):
+                if i not in shared_set and g is not None:
+                    out[i] = _divided(g, set_size)
+        return out
+
+    def reduce_all(grads):
         member, set_size = _check_process_set(process_set)
         if not member or (set_size == 1 and op in (ReduceOp.Average, ReduceOp.Sum)
                           and prescale * postscale == 1.0):
@@ -86,17 +144,33 @@ def make_allreduce_grads_fn(name: str, compression=Compression.none, sparse_as_d
     return allreduce_grads
 
 
+def _divided(grad, n: int):
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values / n, grad.indices, grad.dense_shape)
+    return grad / n
+
+
 class _DistributedGradientTape(tf.GradientTape):
     """A GradientTape whose ``gradient()`` returns gradients averaged across ranks."""
 
     def _hvd_setup(self, allreduce_grads):
         self._hvd_allreduce_grads = allreduce_grads
+        self._hvd_local = LocalVariables()
+
+    def register_local_source(self, source) -> None:
+        """Mark ``source`` (a variable or watched tensor) as local to this rank: its gradient
+        is returned without any collective (divided by the number of ranks when the tape was
+        made with ``scale_local_gradients=True``, the default), as in Horovod."""
+        self._hvd_local.add(source)
 
     def gradient(self, target, sources, output_gradients=None,
-                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+                 unconnected_gradients=tf.UnconnectedGradients.NONE, use_generic_names=False):
+        """Gradients of ``target`` averaged across ranks (local sources excepted).
+        ``use_generic_names`` is accepted for Horovod compatibility: collectives are always
+        named by position, which is already generic and identical on every rank."""
         gradients = super().gradient(target, sources, output_gradients, unconnected_gradients)
         flat = tf.nest.flatten(gradients)
-        reduced = self._hvd_allreduce_grads(flat)
+        reduced = self._hvd_allreduce_grads(flat, tf.nest.flatten(sources), self._hvd_local)
         return tf.nest.pack_sequence_as(gradients, reduced)
 
 
@@ -119,6 +193,9 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
     gradients unchanged (Horovod's behaviour).
     ``num_groups``/``groups`` are accepted for compatibility: every gradient already travels in
     one group that the core fuses.  ``device_dense``/``device_sparse`` are ignored (CPU only).
+    ``tape.register_local_source(var)`` keeps ``var``'s gradient local (model parallelism; see
+    :func:`PartialDistributedGradientTape`); ``scale_local_gradients`` (default True) divides
+    such gradients by the process set's size, as Horovod does.
     """
     _check_groups(num_groups, groups)
     _check_process_set(process_set)
@@ -127,5 +204,25 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
     tape.__dict__.update(gradtape.__dict__)
     tape._hvd_setup(make_allreduce_grads_fn("DistributedGradientTape.allreduce", compression,
                                             sparse_as_dense, op, gradient_predivide_factor,
-                                            process_set))
+                                            process_set, scale_local_gradients))
+    return tape
+
+
+def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="",
+                                   compression=Compression.none, sparse_as_dense=False,
+                                   op=ReduceOp.Average, gradient_predivide_factor=1.0,
+                                   num_groups=0, groups=None, process_set=global_process_set,
+                                   local_layers=None, scale_local_gradients=True):
+    """A :func:`DistributedGradientTape` that leaves the gradients of ``local_layers`` (a
+    Keras layer or a collection of them: model-parallel parts whose weights differ per rank)
+    un-reduced, as Horovod's API of the same name.  Their gradients are divided by the process
+    set's size when ``scale_local_gradients`` is True (the default), so that they are on the
+    scale of the averaged ones.  Every rank must have the same number of non-local gradients.
+    Without ``local_layers`` it is exactly a DistributedGradientTape."""
+    local_vars = local_layer_variables(local_layers)
+    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression,
+                                   sparse_as_dense, op, gradient_predivide_factor, num_groups,
+                                   groups, process_set, scale_local_gradients)
+    for v in local_vars:
+        tape.register_local_source(v)
     return tape

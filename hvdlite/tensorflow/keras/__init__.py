@@ -20,7 +20,8 @@ import tensorflow as tf
 from hvdlite.common.public import *  # noqa: F401,F403 - the shared, framework-neutral API
 
 from ..compression import Compression
-from ..gradient_tape import _check_process_set, make_allreduce_grads_fn
+from ..gradient_tape import (LocalVariables, _check_process_set, local_layer_variables,
+                             make_allreduce_grads_fn)
 from ..mpi_ops import (allreduce as _tf_allreduce, allgather as _tf_allgather,
                        broadcast as _tf_broadcast, reducescatter as _tf_reducescatter,
                        broadcast_variables, barrier)
@@ -38,6 +39,21 @@ class _DistributedOptimizer:
         self._hvd_average_aggregated = bool(average_aggregated_gradients)
         self._hvd_aggregated = None
         self._hvd_counter = None
+        self._hvd_local = LocalVariables()
+
+    def register_local_var(self, var) -> None:
+        """Mark ``var`` as local to this rank (model parallelism): its gradient is applied
+        without any collective (divided by the number of ranks when the optimizer was made
+        with ``scale_local_gradients=True``, the default), as in Horovod."""
+        self._hvd_local.add(var)
+
+    def add_variable_from_reference(self, reference_variable, *args, **kwargs):
+        # Remember which model variable each slot (momentum, ...) belongs to, so that
+        # BroadcastGlobalVariablesCallback can leave the slots of local variables alone.
+        slot = super().add_variable_from_reference(reference_variable, *args, **kwargs)
+        owners = self.__dict__.setdefault("_hvd_slot_owners", {})
+        owners[id(slot)] = reference_variable
+        return slot
 
     @tf.autograph.experimental.do_not_convert
     def build(self, variables):
@@ -52,7 +68,10 @@ class _DistributedOptimizer:
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
         if self._hvd_passes <= 1:
-            return super().apply(self._hvd_allreduce_grads(grads), trainable_variables)
+            variables = (trainable_variables if trainable_variables is not None
+                         else getattr(self, "_trainable_variables", None))
+            return super().apply(self._hvd_allreduce_grads(grads, variables, self._hvd_local),
+                                 trainable_variables)
         if trainable_variables is None:
             variables = list(self._trainable_variables)
         else:
@@ -73,7 +92,8 @@ class _DistributedOptimizer:
                           for v in variables]
             if self._hvd_average_aggregated:
                 aggregated = [a / tf.cast(passes, a.dtype) for a in aggregated]
-            mixin_super.apply(self._hvd_allreduce_grads(aggregated), variables)
+            mixin_super.apply(self._hvd_allreduce_grads(aggregated, variables, self._hvd_local),
+                              variables)
             for v in variables:
                 acc = self._hvd_aggregated[index[id(v)]]
                 acc.assign(tf.zeros_like(acc))
@@ -105,7 +125,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     :func:`hvdlite.tensorflow.DistributedGradientTape`.  ``num_groups``/``groups`` are accepted
     for compatibility (all gradients already travel as one fused group).  ``process_set``:
     gradients are averaged over its ranks only; ranks outside it apply their local gradients
-    (as in Horovod).
+    (as in Horovod).  ``opt.register_local_var(var)`` keeps ``var``'s gradient local (model
+    parallelism; see :func:`PartialDistributedOptimizer`); ``scale_local_gradients`` (default
+    True) divides such gradients by the process set's size, as Horovod does.
     """
     _check_process_set(process_set)
     if backward_passes_per_step < 1:
@@ -124,9 +146,36 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     label = name or f"Distributed{base.__name__}"
     new._hvd_setup(make_allreduce_grads_fn(f"DistributedOptimizer.{label}", compression,
                                            sparse_as_dense, op, gradient_predivide_factor,
-                                           process_set),
+                                           process_set, scale_local_gradients),
                    backward_passes_per_step, average_aggregated_gradients)
     return new
+
+
+def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                                compression=Compression.none, sparse_as_dense=False,
+                                gradient_predivide_factor=1.0, op=Average,
+                                backward_passes_per_step=1, average_aggregated_gradients=False,
+                                groups=None, process_set=global_process_set, local_layers=None,
+                                scale_local_gradients=True):
+    """A :func:`DistributedOptimizer` that applies the gradients of ``local_layers`` (a Keras
+    layer or a collection of them: model-parallel parts whose weights differ per rank) without
+    reducing them, as Horovod's API of the same name.  Those gradients are divided by the
+    process set's size when ``scale_local_gradients`` is True (the default).  Every rank must
+    have the same number of non-local variables.  Pair it with
+    ``BroadcastGlobalVariablesCallback(0, local_variables=...)`` so that the start-up broadcast
+    leaves the local weights alone too."""
+    local_vars = local_layer_variables(local_layers)
+    opt = DistributedOptimizer(optimizer, name=name, device_dense=device_dense,
+                               device_sparse=device_sparse, compression=compression,
+                               sparse_as_dense=sparse_as_dense,
+                               gradient_predivide_factor=gradient_predivide_factor, op=op,
+                               backward_passes_per_step=backward_passes_per_step,
+                               average_aggregated_gradients=average_aggregated_gradients,
+                               groups=groups, process_set=process_set,
+                               scale_local_gradients=scale_local_gradients)
+    for v in local_vars:
+        opt.register_local_var(v)
+    return opt
 
 
 def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0,

@@ -8,6 +8,7 @@ import keras
 from hvdlite.common import basics
 from hvdlite.common import ops as core
 
+from ..gradient_tape import LocalVariables
 from ..mpi_ops import broadcast_variables
 
 
@@ -22,18 +23,30 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     Model weights are broadcast when training begins; optimizer variables (created by then in
     Keras 3) are broadcast too, and once more after the first batch, as Horovod does, to cover
     state created lazily by the first step.
+
+    ``local_variables`` (or ``register_local_var(var)``): model-parallel variables whose values
+    differ per rank; they are not broadcast, and neither are the optimizer slots (momentum, ...)
+    that hvdlite's DistributedOptimizer created for them.
     """
 
-    def __init__(self, root_rank=0, device=""):
+    def __init__(self, root_rank=0, device="", local_variables=None):
         super().__init__()
         self.root_rank = root_rank
         self.broadcast_done = False
+        self._local = LocalVariables(local_variables or ())
+
+    def register_local_var(self, var) -> None:
+        """Leave ``var`` out of the broadcast (it is local to each rank)."""
+        self._local.add(var)
 
     def _broadcast(self):
-        variables = list(self.model.variables)
+        local = self._local
+        variables = [v for v in self.model.variables if v not in local]
         opt = getattr(self.model, "optimizer", None)
         if opt is not None:
-            variables += _optimizer_variables(opt)
+            owners = getattr(opt, "_hvd_slot_owners", {})
+            variables += [v for v in _optimizer_variables(opt)
+                          if not (id(v) in owners and owners[id(v)] in local)]
         broadcast_variables(variables, root_rank=self.root_rank)
 
     def on_train_begin(self, logs=None):
@@ -176,3 +189,34 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         if epoch == self.end_epoch - 1 and self.verbose > 0 and basics.rank() == 0:
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
                   f"{float(self._lr_variable().numpy()):g}.")
+
+
+class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Keras's ``ModelCheckpoint`` with ``save_best_only=True`` that writes on rank 0 only
+    (Horovod's callback of the same name).
+
+    The whole model is saved to ``filepath`` (``.keras`` or ``.h5``; pass it here or set
+    ``callback.filepath`` before ``fit``) whenever ``monitor`` improves on rank 0.  Put
+    :class:`MetricAverageCallback` before it so that the decision uses the average over ranks.
+    """
+
+    def __init__(self, monitor="val_loss", verbose=0, mode="auto", save_freq="epoch",
+                 filepath=None):
+        super().__init__(filepath="unset.keras" if filepath is None else filepath,
+                         monitor=monitor, verbose=verbose if basics.rank() == 0 else 0,
+                         save_best_only=True, save_weights_only=False, mode=mode,
+                         save_freq=save_freq)
+        if filepath is None:
+            self.filepath = None
+
+    def on_train_begin(self, logs=None):
+        path = self.filepath
+        if path is None or not str(path).endswith((".keras", ".h5")):
+            raise ValueError(f"BestModelCheckpoint needs a filepath ending in .keras or .h5 "
+                             f"(got {path!r}): pass filepath=... or set callback.filepath "
+                             f"before model.fit.")
+        super().on_train_begin(logs)
+
+    def _save_model(self, epoch, batch, logs):
+        if basics.rank() == 0:   # other ranks hold the same weights; one writer
+            super()._save_model(epoch, batch, logs)
