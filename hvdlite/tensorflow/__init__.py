@@ -12,6 +12,7 @@ from .mpi_ops import (allreduce, grouped_allreduce, allgather, grouped_allgather
                       barrier, join, size_op, process_set_included_op, rank_op, local_size_op,
                       local_rank_op, cross_size_op, cross_rank_op)
 from .gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
+from . import elastic  # noqa: F401 - hvd.elastic.* raises a clear 'not supported'
 
 
 def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="",
