@@ -4,7 +4,7 @@ broadcast_object_fn, object collectives on process sets and BestModelCheckpoint,
 launches at 2 and 3 ranks (one launch per size; every case reported per rank)."""
 import pytest
 
-from tests.mpi_harness import case_failures, check_job
+from tests.mpi_harness import assert_case_passed
 from tests.workers.tf_local_cases import CASES, NP_VALUES
 
 pytest.importorskip("tensorflow")
@@ -13,6 +13,4 @@ pytest.importorskip("tensorflow")
 @pytest.mark.parametrize("np", NP_VALUES)
 @pytest.mark.parametrize("case", CASES)
 def test_tf_local(mpi_job, np, case):
-    job = mpi_job(np, ["tf_local_worker.py"], timeout=240)
-    check_job(job, np)
-    assert not case_failures(job, case), "\n".join(case_failures(job, case))
+    assert_case_passed(mpi_job(np, ["tf_local_worker.py"], timeout=240), np, case)
