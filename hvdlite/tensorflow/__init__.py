@@ -13,6 +13,7 @@ from .mpi_ops import (allreduce, grouped_allreduce, allgather, grouped_allgather
                       local_rank_op, cross_size_op, cross_rank_op)
 from .gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
 from . import elastic  # noqa: F401 - hvd.elastic.* raises a clear 'not supported'
+from .sync_batch_norm import SyncBatchNormalization
 
 
 def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="",
