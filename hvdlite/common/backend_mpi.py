@@ -1,6 +1,7 @@
 """The MPI data mover for host buffers: executes negotiated responses on numpy views."""
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import numpy as np
@@ -273,7 +274,7 @@ def _copy_out_pieces(outputs: list[np.ndarray], sizes: list[int],
 def _row_layout(shape: tuple) -> tuple[tuple, int]:
     """Shape of one row (everything after dimension 0) and its number of elements."""
     row_shape = tuple(shape[1:])
-    return row_shape, int(np.prod(row_shape, dtype=np.int64))
+    return row_shape, math.prod(row_shape)
 
 
 def _displacements(counts: list[int]) -> list[int]:
