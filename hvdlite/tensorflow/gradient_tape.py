@@ -92,23 +92,21 @@ def make_allreduce_grads_fn(name: str, compression=Compression.none, sparse_as_d
     def allreduce_grads(grads, variables=None, local=None):
         grads = list(grads)
         if local and variables is not None:
-            return _reduce_shared_only(grads, list(variables), local)
+            return reduce_shared_only(grads, list(variables), local)
         return reduce_all(grads)
 
-    def _reduce_shared_only(grads, variables, local):
+    def reduce_shared_only(grads, variables, local):
         if len(variables) != len(grads):
-            raise ValueError(f"{len(grads)} gradients for {len(variables)} variables")
-        shared = [i for i, v in enumerate(variables) if v not in local]
-        out = list(grads)
+            raise ValueError(f"{name}: {len(grads)} gradients for {len(variables)} variables")
+        is_local = [v in local for v in variables]
+        shared = [i for i, mine in enumerate(is_local) if not mine]
         for i, g in zip(shared, reduce_all([grads[i] for i in shared])):
-            out[i] = g
+            grads[i] = g
         if scale_local_gradients:
             set_size = _check_process_set(process_set)[1]
-            shared_set = set(shared)
-            for i, g in enumerate(out):
-                if i not in shared_set and g is not None:
-                    out[i] = _divided(g, set_size)
-        return out
+            grads = [_divided(g, set_size) if mine and g is not None else g
+                     for g, mine in zip(grads, is_local)]
+        return grads
 
     def reduce_all(grads):
         member, set_size = _check_process_set(process_set)

@@ -231,7 +231,7 @@ def broadcast_skips_local():
     cb.set_model(model)
     cb.on_train_begin()
     local_ids = {id(kernel), id(bias)}
-    slot_of = {id(s): ref for s, ref in ((s, ref) for s, ref in _slot_pairs(opt))}
+    slot_of = {id(s): ref for s, ref in _slot_pairs(opt)}
     checked_local_slots = 0
     for v in list(model.variables) + list(opt.variables):
         k = owners[id(v)]
