@@ -13,58 +13,60 @@ from .messages import Request, Response
 class ResponseCache:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._slots: list[tuple[Response, tuple] | None] = []
-        self._by_name: dict[str, int] = {}
+        # (response, own request's signature) per slot, and the slot of each cached name;
+        # the controller reads both directly on its hot path.
+        self.slots: list[tuple[Response, tuple] | None] = []
+        self.slot_of: dict[str, int] = {}
         self._free: list[int] = []
 
     def __len__(self) -> int:
-        return len(self._by_name)
+        return len(self.slot_of)
 
     @property
     def num_words(self) -> int:
         """64-bit words needed for one bit per slot (identical on every rank)."""
-        return (len(self._slots) + 63) // 64
+        return (len(self.slots) + 63) // 64
 
     def lookup(self, request: Request) -> tuple[int | None, int | None]:
         """(slot to announce, slot to invalidate): a hit, a stale entry under the same name,
         or neither."""
-        slot = self._by_name.get(request.name)
+        slot = self.slot_of.get(request.name)
         if slot is None:
             return None, None
-        _response, signature = self._slots[slot]
+        _response, signature = self.slots[slot]
         if signature == request.signature():
             return slot, None
         return None, slot
 
     def items(self):
         """(slot, response) of every cached response."""
-        return [(slot, e[0]) for slot, e in enumerate(self._slots) if e is not None]
+        return [(slot, e[0]) for slot, e in enumerate(self.slots) if e is not None]
 
     def response(self, slot: int) -> Response:
-        return self._slots[slot][0]
+        return self.slots[slot][0]
 
     def put(self, response: Response, own_request: Request) -> int | None:
         """Remember a negotiated response under this rank's own request signature."""
         if not (response.cacheable and response.error is None) or self.capacity <= 0:
             return None
-        if response.name in self._by_name:
-            self.erase(self._by_name[response.name])
+        if response.name in self.slot_of:
+            self.erase(self.slot_of[response.name])
         if self._free:
             slot = min(self._free)
             self._free.remove(slot)
-        elif len(self._slots) < self.capacity:
-            slot = len(self._slots)
-            self._slots.append(None)
+        elif len(self.slots) < self.capacity:
+            slot = len(self.slots)
+            self.slots.append(None)
         else:
             return None  # full: deterministic on every rank, no eviction
-        self._slots[slot] = (response, own_request.signature())
-        self._by_name[response.name] = slot
+        self.slots[slot] = (response, own_request.signature())
+        self.slot_of[response.name] = slot
         return slot
 
     def erase(self, slot: int) -> None:
-        entry = self._slots[slot]
+        entry = self.slots[slot]
         if entry is None:
             return
-        del self._by_name[entry[0].name]
-        self._slots[slot] = None
+        del self.slot_of[entry[0].name]
+        self.slots[slot] = None
         self._free.append(slot)
