@@ -148,8 +148,8 @@ class MPIBackend:
         buf = (shared.pack_buffer(count, info.np_dtype) if shared is not None
                else self._fusion.view(count * info.itemsize, info.np_dtype))
         _phase(batch, "MEMCPY_IN_FUSION_BUFFER")
-        # One C-level pass packs every input (ravel of a contiguous array is a view).
-        np.concatenate([e.array.ravel() for _, e in batch], out=buf)
+        # One C-level pass packs every input (axis=None: each one flattened, without a view).
+        np.concatenate([e.array for _, e in batch], axis=None, out=buf)
         if response.prescale != 1.0 and any(e.stand_in for _, e in batch):
             offset = 0   # a joined rank: scale the real inputs, keep the identities neutral
             for (_, entry), n in zip(batch, sizes):
@@ -163,13 +163,20 @@ class MPIBackend:
                    else "MPI_ALLREDUCE")
             self._reduce(buf, response, info, segments=sizes)
             pieces = [(0, count, buf)]
+        elif shared.size == 2:
+            _phase(batch, "SHM_ALLREDUCE")
+            shared.reduce_pair_into(count, info.np_dtype,
+                                    numpy_reduce_ufunc(info, ReduceOp(response.reduce_op)),
+                                    [_flat(entry.output) for _, entry in batch], sizes,
+                                    self._postscale(response))
+            return
         else:
             _phase(batch, "SHM_ALLREDUCE")
             pieces = shared.reduce(count, info.np_dtype,
                                    numpy_reduce_ufunc(info, ReduceOp(response.reduce_op)))
         # The postscale rides along with the copy-out.
         _phase(batch, "MEMCPY_OUT_FUSION_BUFFER")
-        _copy_out_pieces([entry.output.ravel() for _, entry in batch], sizes, pieces,
+        _copy_out_pieces([_flat(entry.output) for _, entry in batch], sizes, pieces,
                          self._postscale(response))
 
     def close(self, collective: bool) -> None:
@@ -233,6 +240,11 @@ class MPIBackend:
         if not info.is_bool:
             scale_in_place(flat, self._postscale(response))
         entry.output = out
+
+
+def _flat(array: np.ndarray) -> np.ndarray:
+    """A contiguous array as 1-D (itself if it already is: no new view per tensor)."""
+    return array if array.ndim == 1 else array.reshape(-1)
 
 
 def _phase(batch, activity: str) -> None:

@@ -44,7 +44,7 @@ assert Response._fields[2:9] == ("dtype", "shape", "reduce_op", "root", "device"
 
 def _fusion_key(item: tuple[Response, Entry]):
     response, entry = item
-    if response.kind != ALLREDUCE or entry.nbytes >= FUSE_BELOW_BYTES:
+    if response[1] != ALLREDUCE or entry.nbytes >= FUSE_BELOW_BYTES:   # [1]: kind, the fast way
         return None
     return _fusion_fields(response)
 
@@ -202,13 +202,15 @@ class Engine:
             for response, entry in ready:
                 kind = entry.request.kind if entry is not None else response.kind
                 tl.negotiate_end(response.name, kind, response.error)
-        runnable = []
-        for response, entry in ready:
-            if response.error is not None:
-                cls = StallError if response.error_kind == ERROR_STALL else TensorMismatchError
-                self._complete(entry, error=cls(response.error))
-            else:
-                runnable.append((response, entry))
+        runnable = ready
+        if any(response.error is not None for response, _ in ready):
+            runnable = []
+            for response, entry in ready:
+                if response.error is not None:
+                    cls = StallError if response.error_kind == ERROR_STALL else TensorMismatchError
+                    self._complete(entry, error=cls(response.error))
+                else:
+                    runnable.append((response, entry))
         for batch in plan_batches(runnable, _fusion_key, _nbytes, self.config.fusion_threshold):
             if batch[0][0].device >= 0:
                 self._execute_on_gpu(batch)
@@ -283,10 +285,10 @@ class Engine:
 
     def _complete_batch(self, entries: list[Entry]) -> None:
         """Complete successful entries with one lock round-trip for the whole batch."""
-        in_flight = self._in_flight
+        pop = self._in_flight.pop
         with self._lock:
             for entry in entries:
-                in_flight.pop(entry.request.name, None)
+                pop(entry.request[0], None)   # [0]: the name
         tl = _timeline.ACTIVE
         if tl is not None:
             tl.op_end([entry.name for entry in entries])

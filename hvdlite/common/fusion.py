@@ -22,7 +22,7 @@ def plan_batches(items: Sequence[T], key: Callable[[T], Hashable | None],
     item, so every rank given the same items produces the same plan.
     """
     batches: list[list[T]] = []
-    open_batch: dict[Hashable, tuple[list[T], int]] = {}
+    open_batch: dict[Hashable, list] = {}   # key -> [its open batch, the batch's bytes]
     for item in items:
         k = key(item)
         size = nbytes(item)
@@ -32,11 +32,11 @@ def plan_batches(items: Sequence[T], key: Callable[[T], Hashable | None],
         current = open_batch.get(k)
         if current is not None and current[1] + size <= threshold:
             current[0].append(item)
-            open_batch[k] = (current[0], current[1] + size)
+            current[1] += size
             continue
         batch = [item]
         batches.append(batch)
-        open_batch[k] = (batch, size)
+        open_batch[k] = [batch, size]
     return batches
 
 
