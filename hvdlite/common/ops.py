@@ -61,11 +61,14 @@ _checked_host_allreduce: dict[tuple, tuple[str, int]] = {}
 _new_request = tuple.__new__   # builds a Request without NamedTuple.__new__'s Python frame
 
 
-def _fast_host_allreduce(array, output, name, reduce_op, prescale_factor, postscale_factor):
+def _fast_host_allreduce(array, output, name, reduce_op, prescale_factor, postscale_factor,
+                         process_set) -> Handle | None:
     """Submit a named allreduce of a contiguous host array on the global set when its dtype and
     op were validated before; ``None`` if anything is unusual (the caller takes the general
     path, which also raises the errors).  ``output is array`` means in place, ``None`` a new
     result.  Same checks and entry as :func:`make_entry`, in fewer steps."""
+    if process_set is not None or type(array) is not np.ndarray:
+        return None
     checked = _checked_host_allreduce.get((array.dtype, reduce_op))
     if (checked is None or type(name) is not str or type(prescale_factor) is not float
             or type(postscale_factor) is not float
@@ -99,10 +102,9 @@ def submit(kind: str, array: np.ndarray | None, *, name: str | None = None,
     ``process_set`` (default: all ranks) selects the ranks, and the engine, that run it.
     """
     if process_set is None or process_set is global_process_set:   # the hot path: no lookup
-        if (kind is ALLREDUCE and dtype is None and device == -1 and allocate is None
-                and type(array) is np.ndarray):
+        if kind is ALLREDUCE and dtype is None and device == -1 and allocate is None:
             handle = _fast_host_allreduce(array, output, name, reduce_op, prescale_factor,
-                                          postscale_factor)
+                                          postscale_factor, None)
             if handle is not None:
                 return handle
         engine, members, set_id = basics.engine(), None, 0
@@ -278,12 +280,11 @@ def allreduce_async(array, average: bool | None = None, name: str | None = None,
     Integer results are scaled in float64 and truncated toward zero.  ``process_set`` limits
     the operation to a registered subset of ranks (default: all).
     """
-    reduce_op = op if average is None and type(op) is ReduceOp else resolve_op(op, average)
-    if process_set is None and type(array) is np.ndarray:
-        handle = _fast_host_allreduce(array, None, name, reduce_op, prescale_factor,
-                                      postscale_factor)
-        if handle is not None:
-            return handle
+    reduce_op = resolve_op(op, average)
+    handle = _fast_host_allreduce(array, None, name, reduce_op, prescale_factor,
+                                  postscale_factor, process_set)
+    if handle is not None:
+        return handle
     return submit(ALLREDUCE, _contiguous(array), name=name, reduce_op=reduce_op,
                   prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                   process_set=process_set)
@@ -294,12 +295,11 @@ def allreduce_async_(array: np.ndarray, average: bool | None = None, name: str |
                      postscale_factor: float = 1.0,
                      process_set: ProcessSet | None = None) -> Handle:
     """In-place variant of :func:`allreduce_async`: the result overwrites ``array``."""
-    reduce_op = op if average is None and type(op) is ReduceOp else resolve_op(op, average)
-    if process_set is None and type(array) is np.ndarray:
-        handle = _fast_host_allreduce(array, array, name, reduce_op, prescale_factor,
-                                      postscale_factor)
-        if handle is not None:
-            return handle
+    reduce_op = resolve_op(op, average)
+    handle = _fast_host_allreduce(array, array, name, reduce_op, prescale_factor,
+                                  postscale_factor, process_set)
+    if handle is not None:
+        return handle
     flags = array.flags
     if flags.c_contiguous and flags.writeable:   # the common case, without extra layers
         return submit(ALLREDUCE, array, name=name, output=array, reduce_op=reduce_op,
