@@ -21,11 +21,15 @@ def plan_batches(items: Sequence[T], key: Callable[[T], Hashable | None],
     ``key(item)`` is None for items that never fuse.  Batches come out ordered by their first
     item, so every rank given the same items produces the same plan.
     """
+    keys = [key(item) for item in items]
+    sizes = [nbytes(item) for item in items]
+    # The usual training step: every tensor fuses with every other and all fit in one batch.
+    if (threshold > 0 and keys and keys[0] is not None and keys.count(keys[0]) == len(keys)
+            and sum(sizes) <= threshold):
+        return [list(items)]
     batches: list[list[T]] = []
     open_batch: dict[Hashable, list] = {}   # key -> [its open batch, the batch's bytes]
-    for item in items:
-        k = key(item)
-        size = nbytes(item)
+    for item, k, size in zip(items, keys, sizes):
         if k is None or threshold <= 0 or size > threshold:
             batches.append([item])
             continue
