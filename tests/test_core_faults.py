@@ -78,6 +78,25 @@ def test_hard_exit_does_not_hang(np_):
 
 
 @pytest.mark.parametrize("np_,odd", LAYOUTS)
+def test_vanished_local_peer_detected_by_hvdlite(np_, odd):
+    """A node-local rank whose process is gone while the launcher keeps the job running (srun
+    without --kill-on-bad-exit, or a launcher that missed the exit): hvdlite itself notices
+    within seconds and every survivor raises RankExitedError naming that rank and each tensor."""
+    job, wall = launch("vanished", np_, odd)
+    assert not job.timed_out, f"hung instead of failing fast\n{job.output}"
+    assert job.returncode not in (0, None), f"mpiexec exited {job.returncode}\n{job.output}"
+    survivors = reports_with(job, "wait_on_exited_rank")
+    assert len(survivors) == np_ - 1, f"{len(survivors)} survivors reported\n{job.output}"
+    for rep in survivors:
+        for case in ("warmup", "wait_on_exited_rank", "later_ops_fail"):
+            assert rep[case] is None, f"{case}: {rep[case]}\n{job.output}"
+    assert wall < 30, f"job took {wall:.1f} s"
+    caught = re.findall(r"\[fault-worker rank (\d+)\] caught RankExitedError after", job.stderr)
+    assert sorted(int(c) for c in caught) == [k for k in range(np_) if k != odd], job.output
+    assert "exited without shutting down hvdlite" in job.stderr, job.output
+
+
+@pytest.mark.parametrize("np_,odd", LAYOUTS)
 def test_stall_warning_then_correct_result(np_, odd):
     job, _ = launch("stall_warn", np_, odd)
     assert_every_rank_passed(job, np_, ("warmup", "late_result_correct", "after"))

@@ -7,7 +7,7 @@ import logging
 import sys
 import threading
 
-from . import timeline
+from . import liveness, timeline
 from .config import Config, env_flag, env_value
 from .errors import NotInitializedError
 from .memory import result_pool
@@ -85,6 +85,7 @@ def init(comm=None, process_sets=None) -> None:
         rank = world.Get_rank()
         local = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         local_rank, local_size = local.Get_rank(), local.Get_size()
+        liveness.record(local.allgather((rank, *liveness.own_identity())), rank)
         cross = world.Split(color=local_rank, key=rank)
         cross_rank, cross_size = cross.Get_rank(), cross.Get_size()
         local_sizes = world.allgather(local_size)
@@ -111,8 +112,21 @@ def init(comm=None, process_sets=None) -> None:
         if path and rank == 0:
             timeline.start(path, mark_cycles=env_flag("TIMELINE_MARK_CYCLES"))
         if not _atexit_registered:
-            atexit.register(shutdown)
+            atexit.register(_at_exit)
             _atexit_registered = True
+
+
+def _at_exit() -> None:
+    """At interpreter exit: shut down; and if a node-local peer vanished during the job, abort
+    it, because MPI_Finalize (which runs next) would wait for that peer for ever."""
+    shutdown()
+    gone = liveness.vanished_seen()
+    if gone:
+        from mpi4py import MPI
+        log.error("hvdlite: rank(s) %s exited without shutting down; aborting the job so that "
+                  "no rank waits for them in MPI_Finalize.", gone)
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
 
 
 def shutdown() -> None:

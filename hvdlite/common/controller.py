@@ -29,9 +29,9 @@ import time
 
 import numpy as np
 
-from . import timeline as _timeline
+from . import liveness, timeline as _timeline
 from .config import Config
-from .errors import StallError
+from .errors import RankExitedError, StallError
 from .handle import Entry
 from .dtypes import dtype_info, reduction_identity
 from .messages import (ERROR_STALL, JOIN, Request, Response, build_response,
@@ -165,8 +165,18 @@ class Controller:
 
     def local_stall(self, waited: float, what: str) -> None:
         """A round (or a data exchange) that does not complete means some rank's hvdlite thread
-        is not running at all (a process stopped or stuck while holding the interpreter): warn
-        every stall-check period, and raise StallError after the stall-shutdown time."""
+        is not running at all.  If that rank's process is gone (a node-local peer killed or
+        crashed without a word, see :mod:`liveness`), raise RankExitedError at once; if it is
+        stopped or stuck while holding the interpreter, warn every stall-check period and
+        raise StallError after the stall-shutdown time."""
+        gone = liveness.vanished(r for r in self.global_ranks if r != self.label)
+        if gone:
+            raise RankExitedError(
+                f"rank(s) {gone} on this node exited without shutting down hvdlite (killed, "
+                f"for example by the out-of-memory killer, os._exit, or a crash in native code) "
+                f"while rank {self.label} waited {waited:.0f} s for them in {what}; no further "
+                f"collective operations are possible in this job. Look at rank(s) {gone}'s "
+                f"output and the system log for the cause.")
         cfg = self.config
         if not cfg.stall_check_enabled or waited < cfg.stall_check_seconds:
             return

@@ -190,7 +190,11 @@ class Engine:
                 reason = f"hvdlite's background thread failed: {type(exc).__name__}: {exc}"
                 error = HvdliteError(reason)
             self._close_gpu(abort=True)
-            self._fail_everything(error, reason)
+            per_entry = None
+            if isinstance(error, RankExitedError):   # name each waiter's tensor, as at shutdown
+                per_entry = lambda e: RankExitedError(   # noqa: E731
+                    f"Tensor {e.name!r} was still pending on rank {self.rank}: {reason}")
+            self._fail_everything(error, reason, per_entry=per_entry)
             try:   # after the waiters are told: a broken MPI must not keep them waiting
                 self.backend.close(collective=False)
             except Exception:   # noqa: BLE001 - teardown must not mask the original failure

@@ -51,6 +51,6 @@ def wait_until(ready: Callable[[], bool], max_sleep: float,
         sleep = min(max_sleep, sleep * 2)
         if on_slow is not None:
             now = time.monotonic()
-            if now >= next_slow:
+            if now >= next_slow and not ready():   # still waiting after the sleep
                 next_slow = now + slow_every
                 on_slow(now - start)

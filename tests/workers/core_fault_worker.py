@@ -5,6 +5,8 @@ that misbehaves:
   raise         the last rank raises an exception while the others wait on an allreduce
   exit          the last rank's script simply ends while the others wait on an allreduce
   hard_exit     the last rank leaves with os._exit(3) (no hvdlite shutdown at all)
+  vanished      the last rank's process looks gone to the others (their record of it points at
+                an exited process) while the launcher keeps everything running
   stall_warn    the last rank submits 3 s late (run with HVDLITE_STALL_CHECK_TIME_SECONDS=1)
   stall_shutdown  the last rank never submits one tensor (stall check 1 s, shutdown 2 s)
   data_stall_warn      the last rank's background thread stops for 3 s inside the data
@@ -191,5 +193,27 @@ elif SCENARIO in ("data_stall_warn", "data_stall_shutdown"):
         r.case("stalled_data_errors", stalled_data)
     r.write()
     hvd.shutdown()
+elif SCENARIO == "vanished":
+    # The odd rank's process is "gone" without the launcher noticing (as under srun without
+    # --kill-on-bad-exit): it stops itself (SIGSTOP: its background thread no longer answers,
+    # yet the launcher sees a live process), and the survivors' record of it is pointed at a
+    # process that has exited.  hvdlite itself must turn their wait into RankExitedError.
+    if RANK == ODD:
+        import signal
+        r.write()
+        time.sleep(0.5)   # let the others start waiting first
+        say("stopping as if gone")
+        os.kill(os.getpid(), signal.SIGSTOP)   # the survivors' non-zero exit ends the job
+        os._exit(0)
+    import subprocess
+    from hvdlite.common import liveness
+    assert ODD in liveness._peers, f"rank {ODD} was not recorded at init: {liveness._peers}"
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    identity = (child.pid, liveness._start_time(child.pid))
+    assert identity[1] is not None and liveness.vanished([]) == []
+    child.kill()
+    child.wait()
+    liveness._peers[ODD] = identity
+    survivor_waits()
 else:
     raise SystemExit(f"unknown scenario {SCENARIO!r}")
