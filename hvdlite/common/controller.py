@@ -169,7 +169,7 @@ class Controller:
         crashed without a word, see :mod:`liveness`), raise RankExitedError at once; if it is
         stopped or stuck while holding the interpreter, warn every stall-check period and
         raise StallError after the stall-shutdown time."""
-        gone = liveness.vanished(r for r in self.global_ranks if r != self.label)
+        gone = liveness.vanished(self.global_ranks)   # this rank is never among its peers
         if gone:
             raise RankExitedError(
                 f"rank(s) {gone} on this node exited without shutting down hvdlite (killed, "
