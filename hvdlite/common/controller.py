@@ -34,7 +34,7 @@ from .config import Config
 from .errors import RankExitedError, StallError
 from .handle import Entry
 from .dtypes import dtype_info, reduction_identity
-from .messages import (ERROR_STALL, JOIN, Request, Response, build_response,
+from .messages import (ERROR_STALL, JOIN, SIGNATURE, Request, Response, build_response,
                        runs_while_joined)
 from .reduce_ops import ReduceOp
 from .response_cache import ResponseCache
@@ -204,6 +204,7 @@ class Controller:
         cfg = self.config
         check_after = cfg.stall_check_seconds if cfg.stall_check_enabled else _NEVER
         pending, cached_slot, cached = self.pending, self.cache.slot_of, self.cache.slots
+        signature = SIGNATURE
         grouped = False
         # Runs for every tensor of every step: the cache lookup is inlined (ResponseCache.lookup
         # has the same logic).
@@ -216,7 +217,7 @@ class Controller:
             pending[name] = entry
             slot = cached_slot.get(name)
             if slot is not None:
-                if cached[slot][1] == request[1:12]:   # Request.signature()
+                if cached[slot][1] == request[signature]:   # Request.signature()
                     entry.slot = slot
                 else:
                     invalid_here.add(slot)

@@ -47,7 +47,12 @@ class Request(NamedTuple):
 
     def signature(self) -> tuple:
         """Everything that must match for a cached response to be reused."""
-        return self[1:12]
+        return self[SIGNATURE]
+
+
+# The fields from ``kind`` to ``group_size``: a request's signature.  A slice, so that the
+# controller's per-tensor cache test can take it without a method call.
+SIGNATURE = slice(Request._fields.index("kind"), Request._fields.index("group_size") + 1)
 
 
 class Response(NamedTuple):
