@@ -8,9 +8,9 @@ from hvdlite.common.public import *  # noqa: F401,F403 - the shared, framework-n
 
 from .compression import Compression
 from .mpi_ops import (allreduce, grouped_allreduce, allgather, grouped_allgather, broadcast,
-                      broadcast_variables, alltoall, reducescatter, grouped_reducescatter,
-                      barrier, join, size_op, process_set_included_op, rank_op, local_size_op,
-                      local_rank_op, cross_size_op, cross_rank_op)
+                      broadcast_, broadcast_variables, alltoall, reducescatter,
+                      grouped_reducescatter, barrier, join, size_op, process_set_included_op,
+                      rank_op, local_size_op, local_rank_op, cross_size_op, cross_rank_op)
 from .gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
 from . import elastic  # noqa: F401 - hvd.elastic.* raises a clear 'not supported'
 from .sync_batch_norm import SyncBatchNormalization

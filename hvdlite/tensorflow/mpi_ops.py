@@ -534,6 +534,17 @@ def _var_label(v, i: int) -> str:
     return f"{i}.{label}"
 
 
+def _broadcast_assign(variables: list, root_rank, base: str, process_set, what: str) -> list:
+    """Broadcast every variable's value from ``root_rank`` (submitted together) and assign it;
+    returns the assign ops (None where the variable type returns none)."""
+    members = _members(process_set, what)
+    root_rank = _check_root(root_rank, members, what)
+    names = [f"{base}.{_var_label(v, i)}" for i, v in enumerate(variables)]
+    values = _collective(BROADCAST, [_read(v) for v in variables], names,
+                         {"root_rank": root_rank}, process_set)
+    return [v.assign(x) for v, x in zip(variables, values)]
+
+
 @_public
 def broadcast_variables(variables, root_rank: int,
                         process_set: ProcessSet | None = global_process_set,
@@ -541,20 +552,36 @@ def broadcast_variables(variables, root_rank: int,
     """Assign ``root_rank``'s value to every variable (tf.Variable or Keras variable) on every
     rank of ``process_set``.  All broadcasts are submitted together.  The variable list must be
     the same (same order, shapes, dtypes) on every rank.  Returns the group of assign ops in
-    graph mode."""
+    graph mode.  ``inplace`` is accepted for Horovod compatibility: hvdlite always assigns in
+    place."""
     variables = list(variables)
     if not variables:
         return None
-    members = _members(process_set, "broadcast_variables")
-    root_rank = _check_root(root_rank, members, "broadcast_variables")
     base = _op_name("broadcast_variables", None, process_set) or "broadcast_variables"
-    names = [f"{base}.{_var_label(v, i)}" for i, v in enumerate(variables)]
-    values = _collective(BROADCAST, [_read(v) for v in variables], names,
-                         {"root_rank": root_rank}, process_set)
-    assigns = [v.assign(x) for v, x in zip(variables, values)]
+    assigns = _broadcast_assign(variables, root_rank, base, process_set, "broadcast_variables")
     if tf.executing_eagerly():
         return None
     return tf.group(*[a for a in assigns if a is not None])
+
+
+@_public
+def broadcast_(variables, root_rank: int, name: str | None = None,
+               process_set: ProcessSet | None = global_process_set) -> list:
+    """In-place broadcast (Horovod's ``hvd.broadcast_``): assign ``root_rank``'s value of every
+    variable in ``variables`` (a list of tf.Variable or Keras variables, or one variable) to
+    that variable on every rank of ``process_set``, and return the updated values as a list of
+    tensors (in graph mode they read the variables after the assignments).  The ops are keyed
+    by ``name`` combined with each variable's position and name, so the list must be the same
+    (same order, shapes, dtypes) on every rank."""
+    variables = list(variables) if isinstance(variables, (list, tuple)) else [variables]
+    if not variables:
+        return []
+    base = _op_name("broadcast_", name, process_set) or "broadcast_"
+    assigns = _broadcast_assign(variables, root_rank, base, process_set, f"broadcast_ {base}")
+    if tf.executing_eagerly():
+        return [_read(v) for v in variables]
+    with tf.control_dependencies([a for a in assigns if a is not None]):
+        return [tf.identity(_read(v)) for v in variables]
 
 
 def _read(v):

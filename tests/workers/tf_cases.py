@@ -22,6 +22,7 @@ OTHER_CASES = [
     "ops.grouped_allreduce",
     "ops.compression_fp16",
     "ops.broadcast_variables",
+    "ops.broadcast_inplace",
     "ops.barrier_and_rank_ops",
     "ops.objects",
     "ops.graph_retrace_names",

@@ -225,6 +225,37 @@ def broadcast_variables():
     assert f().numpy().tolist() == [0.0, 0.0]
 
 
+def broadcast_inplace():
+    """hvd.broadcast_: assigns the root's values and returns them, eagerly and traced."""
+    import keras
+    v1 = tf.Variable(np.arange(6, dtype=np.float32).reshape(3, 2) * (RANK + 1))
+    kv = keras.Variable(np.array([RANK, 10 * RANK], np.int32))
+    out = hvd.broadcast_([v1, kv], root_rank=SIZE - 1, name="bcast_inplace")
+    want1 = np.arange(6, dtype=np.float32).reshape(3, 2) * SIZE
+    want2 = [SIZE - 1, 10 * (SIZE - 1)]
+    assert len(out) == 2 and isinstance(out[0], tf.Tensor)
+    assert np.array_equal(out[0].numpy(), want1) and np.array_equal(v1.numpy(), want1)
+    assert out[1].numpy().tolist() == want2 and np.asarray(kv.numpy()).tolist() == want2
+    w = tf.Variable(np.zeros(3))   # a single variable, inside tf.function
+
+    @tf.function
+    def f():
+        (value,) = hvd.broadcast_(w, root_rank=1)
+        return value * 2
+
+    for step in range(2):   # traced once, run twice: the root's fresh value each time
+        w.assign(np.full(3, 100.0 * step + RANK))
+        assert f().numpy().tolist() == [2 * (100.0 * step + 1)] * 3
+        assert w.numpy().tolist() == [100.0 * step + 1] * 3
+    assert hvd.broadcast_([], root_rank=0) == []
+    try:
+        hvd.broadcast_([w], root_rank=SIZE)
+    except ValueError as exc:
+        assert "out of range" in str(exc), exc
+    else:
+        raise AssertionError("root_rank out of range was accepted")
+
+
 def barrier_and_rank_ops():
     hvd.barrier()
     tf.function(lambda: hvd.barrier())()
@@ -257,6 +288,7 @@ for name, fn in [("ops.bool_average_rejected", bool_average_rejected),
                  ("ops.grouped_allreduce", grouped_allreduce),
                  ("ops.compression_fp16", compression_fp16),
                  ("ops.broadcast_variables", broadcast_variables),
+                 ("ops.broadcast_inplace", broadcast_inplace),
                  ("ops.barrier_and_rank_ops", barrier_and_rank_ops),
                  ("ops.objects", objects),
                  ("ops.graph_retrace_names", graph_retrace_names)]:
