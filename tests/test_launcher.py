@@ -125,22 +125,77 @@ def test_failing_rank_gives_nonzero_exit():
     assert result.returncode != 0, _output(result)
 
 
+@pytest.mark.parametrize("np_", [2, 3])
+def test_output_filename_tees_each_rank(tmp_path, np_):
+    """horovodrun's --output-filename: DIR/rank.N/stdout and stderr, and the console as usual."""
+    script = ("import sys, numpy as np, hvdlite as hvd\n"
+              "hvd.init()\n"
+              "total = hvd.allreduce(np.array([hvd.rank()]), op=hvd.Sum, name='sum')\n"
+              "print(f'out {hvd.rank()} {int(total[0])}', flush=True)\n"
+              "print(f'err {hvd.rank()}', file=sys.stderr, flush=True)\n")
+    result = run_cli(["run", "-np", str(np_), "--output-filename", "logs", sys.executable,
+                      "-c", script], cwd=tmp_path)
+    assert result.returncode == 0, _output(result)
+    total = sum(range(np_))
+    assert sorted(path.name for path in (tmp_path / "logs").iterdir()) == [
+        f"rank.{r}" for r in range(np_)]
+    for r in range(np_):
+        assert (tmp_path / "logs" / f"rank.{r}" / "stdout").read_text() == f"out {r} {total}\n"
+        assert (tmp_path / "logs" / f"rank.{r}" / "stderr").read_text() == f"err {r}\n"
+        assert f"out {r} {total}" in result.stdout and f"err {r}" in result.stderr
+
+
+def test_network_interface_reaches_the_launcher_and_nccl():
+    script = ("import os, numpy as np, hvdlite as hvd\n"
+              "hvd.init()\n"
+              "total = hvd.allreduce(np.array([1]), op=hvd.Sum, name='nic')\n"
+              "print(f'NIC {hvd.rank()} {int(total[0])} {os.environ[\"NCCL_SOCKET_IFNAME\"]}',"
+              " flush=True)\n")
+    result = run_cli(["run", "-np", "2", "--network-interface", "lo", "--verbose",
+                      sys.executable, "-c", script])
+    assert result.returncode == 0, _output(result)
+    assert " -iface lo " in result.stderr, _output(result)   # MPICH's spelling
+    assert sorted(line for line in result.stdout.splitlines() if line.startswith("NIC")) == [
+        "NIC 0 2 lo", "NIC 1 2 lo"]
+
+
+def test_output_filename_keeps_a_failing_rank_s_exit_and_traceback(tmp_path):
+    code = ("import os, sys\n"
+            "if os.environ.get('PMI_RANK') == '1':\n"
+            "    raise SystemExit('rank one gives up')\n")
+    result = run_cli(["run", "-np", "2", "--output-filename", str(tmp_path / "logs"),
+                      sys.executable, "-c", code])
+    assert result.returncode != 0, _output(result)
+    assert "rank one gives up" in (tmp_path / "logs" / "rank.1" / "stderr").read_text()
+    assert (tmp_path / "logs" / "rank.0" / "stderr").read_text() == ""
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_stops_the_whole_job(tmp_path, sig):
-    """SIGTERM, or Ctrl-C (SIGINT), to hvdlite stops every rank; the exit status is 128+sig."""
-    code = ("import os, sys, time\n"
+@pytest.mark.parametrize("output", [False, True], ids=["console", "output-filename"])
+def test_signal_stops_the_whole_job(tmp_path, sig, output):
+    """SIGTERM, or Ctrl-C (SIGINT), to hvdlite stops every rank (also the ranks that run under
+    --output-filename's per-rank wrapper); the exit status is 128+sig."""
+    code = ("import os, signal, sys, time\n"
+            "def stop(signum, frame):\n"   # a rank told to stop (not killed) says so
+            "    open(os.path.join(sys.argv[1], f'{os.getpid()}.stopped'), 'w').close()\n"
+            "    sys.exit(1)\n"
+            "signal.signal(signal.SIGTERM, stop)\n"
+            "signal.signal(signal.SIGINT, stop)\n"
             "open(os.path.join(sys.argv[1], str(os.getpid())), 'w').close()\n"
             "time.sleep(120)\n")
-    proc = subprocess.Popen([sys.executable, "-m", "hvdlite.runner", "run", "-np", "2",
-                             sys.executable, "-c", code, str(tmp_path)], cwd=REPO,
+    pids_dir = tmp_path / "pids"
+    pids_dir.mkdir()
+    extra = ["--output-filename", str(tmp_path / "logs")] if output else []
+    proc = subprocess.Popen([sys.executable, "-m", "hvdlite.runner", "run", "-np", "2", *extra,
+                             sys.executable, "-c", code, str(pids_dir)], cwd=REPO,
                             env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 30
-        while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
+        while len(list(pids_dir.iterdir())) < 2 and time.monotonic() < deadline:
             assert proc.poll() is None, proc.communicate()
             time.sleep(0.05)
-        pids = [int(path.name) for path in tmp_path.iterdir()]
+        pids = [int(path.name) for path in pids_dir.iterdir() if path.name.isdigit()]
         assert len(pids) == 2, "the ranks did not start"
         os.kill(proc.pid, sig)
         proc.communicate(timeout=20)
@@ -155,6 +210,8 @@ def test_signal_stops_the_whole_job(tmp_path, sig):
         alive = [pid for pid in pids if _alive(pid)]
         time.sleep(0.05)
     assert not alive, f"ranks {alive} survived hvdlite's {sig.name}"
+    stopped = sorted(int(path.stem) for path in pids_dir.glob("*.stopped"))
+    assert stopped == sorted(pids), f"ranks {pids} were killed, not stopped: {stopped}"
 
 
 def _alive(pid: int) -> bool:

@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence, TypeVar
 
-from . import check_build, mpi_flavor
+from . import check_build, horovodrun_flags, mpi_flavor
+from ..version import __version__
 from .mpi_flavor import Host, HostfileError, JobSpec
 
 Number = TypeVar("Number", int, float)
@@ -89,7 +90,7 @@ def _add_launch_options(parser: argparse.ArgumentParser) -> None:
                         help="MPI launcher to use instead of searching for one")
     parser.add_argument("--verbose", action="store_true",
                         help="print the MPI command (and the variables set) before running it")
-    parser.add_argument("--check-build", action="store_true",
+    parser.add_argument("-cb", "--check-build", action="store_true",
                         help="show the available frameworks, controllers and operations")
 
 
@@ -126,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Example: hvdlite run -np 4 -H host1:2,host2:2 python train.py")
     _add_launch_options(parser)
     _add_knob_options(parser)
+    horovodrun_flags.add_options(parser, __version__)
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="the program and its arguments, run on every rank")
     return parser
@@ -192,8 +194,11 @@ def parse_env_args(items: Sequence[str], environ: Mapping[str, str]) -> dict[str
 
 
 def job_env(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, str]:
-    """Every variable the ranks must see: ``-x`` ones first, then the tuning flags (which win)."""
+    """Every variable the ranks must see: ``-x`` ones first, then the tuning flags (which win).
+    ``--network-interface`` also points NCCL at those interfaces unless ``-x`` set that."""
     env = parse_env_args(args.env, environ)
+    for name, value in horovodrun_flags.nic_env(args.nics or []).items():
+        env.setdefault(name, value)
     env.update(knob_env(args))
     return env
 
@@ -241,11 +246,11 @@ def detect_launcher(explicit: str | None) -> tuple[str, mpi_flavor.MpiFlavor]:
     return launcher, flavor
 
 
-def _mpi_args(text: str) -> list[str]:
+def _mpi_args(text: str, flag: str = "--mpi-args") -> list[str]:
     try:
         return shlex.split(text)
     except ValueError as exc:
-        raise UsageError(f"--mpi-args {text!r}: {exc}") from None
+        raise UsageError(f"{flag} {text!r}: {exc}") from None
 
 
 def plan_job(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[JobSpec, bool]:
@@ -254,8 +259,15 @@ def plan_job(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[JobS
     if not args.command:
         raise UsageError("no command given; usage: hvdlite run -np N [options] command ...")
     hosts, from_file = resolve_hosts(args)
-    spec = JobSpec(np=process_count(args, hosts), command=list(args.command), hosts=hosts,
-                   env=job_env(args, environ), mpi_args=_mpi_args(args.mpi_args))
+    np = process_count(args, hosts)
+    command = list(args.command)
+    if args.output_filename:   # every rank runs its command under the per-rank output tee
+        command = [sys.executable, "-m", "hvdlite.runner.rank_output",
+                   os.path.abspath(args.output_filename), str(np)] + command
+    spec = JobSpec(np=np, command=command, hosts=hosts, env=job_env(args, environ),
+                   mpi_args=(_mpi_args(args.binding_args, "--binding-args")
+                             + _mpi_args(args.mpi_args)),
+                   nics=list(args.nics or []))
     return spec, from_file
 
 
@@ -342,8 +354,11 @@ def launch(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="hvdlite-run-") as workdir:
         place_hosts(spec, flavor, from_file, workdir)
         env = mpi_flavor.child_environment(os.environ, spec.env, bin_dir)
-        argv = mpi_flavor.build_command(launcher, flavor, spec, is_root=os.geteuid() == 0,
-                                        forward=mpi_flavor.open_mpi_forward(env))
+        try:
+            argv = mpi_flavor.build_command(launcher, flavor, spec, is_root=os.geteuid() == 0,
+                                            forward=mpi_flavor.open_mpi_forward(env))
+        except ValueError as exc:   # e.g. several network interfaces for a Hydra launcher
+            raise UsageError(str(exc)) from None
         if args.verbose:
             _print_verbose(argv, spec.env, flavor, env["PATH"])
         return run_job(argv, env)

@@ -75,6 +75,7 @@ class JobSpec:
     hostfile: str | None = None
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     mpi_args: list[str] = dataclasses.field(default_factory=list)
+    nics: list[str] = dataclasses.field(default_factory=list)   # interfaces for MPI's TCP
 
 
 # --- finding and identifying the launcher --------------------------------------------------------
@@ -218,6 +219,11 @@ def _hydra_command(launcher: str, flavor: MpiFlavor, job: JobSpec) -> list[str]:
         argv += ["-hosts", _host_list(job.hosts)]
     if job.hostfile:
         argv += ["-machinefile" if flavor.kind == INTEL_MPI else "-f", job.hostfile]
+    if job.nics:
+        if len(job.nics) > 1:
+            raise ValueError(f"{FLAVOR_NAMES[flavor.kind]}'s launcher takes one network "
+                             f"interface (-iface), got {','.join(job.nics)}")
+        argv += ["-iface", job.nics[0]]
     for name, value in job.env.items():
         argv += ["-genv", name, value]
     return argv
@@ -240,6 +246,8 @@ def _open_mpi_command(launcher: str, flavor: MpiFlavor, job: JobSpec, is_root: b
         argv += ["-H", _host_list(job.hosts)]
     if job.hostfile:
         argv += ["--hostfile", job.hostfile]
+    if job.nics:
+        argv += ["--mca", "btl_tcp_if_include", ",".join(job.nics)]
     names = list(job.env) + [name for name in forward if name not in job.env]
     for name in names:
         argv += ["-x", name]
