@@ -2,6 +2,7 @@
 the jobs with ``--output-filename`` run in tests/test_launcher.py)."""
 from __future__ import annotations
 
+import signal
 import sys
 
 import pytest
@@ -119,9 +120,11 @@ def test_launcher_rank_from_each_launcher_s_variable():
 def test_wrapper_tees_and_returns_the_exit_status(tmp_path, capfd):
     code = ("import sys; print('out line'); sys.stdout.flush(); "
             "print('err line', file=sys.stderr); sys.exit(4)")
+    handlers = [signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)]
     status = rank_output.run(str(tmp_path), 2, [sys.executable, "-c", code],
                              environ={"PMI_RANK": "1"})
     assert status == 4
+    assert [signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)] == handlers
     assert (tmp_path / "rank.1" / "stdout").read_text() == "out line\n"
     assert (tmp_path / "rank.1" / "stderr").read_text() == "err line\n"
     console = capfd.readouterr()

@@ -74,6 +74,26 @@ def run(base: str, np: int, command: Sequence[str],
     environ = os.environ if environ is None else environ
     directory = rank_directory(base, launcher_rank(environ), np)
     directory.mkdir(parents=True, exist_ok=True)
+    started: list[subprocess.Popen] = []
+    pending: list[int] = []   # signals that came before the child existed
+
+    def forward(signum: int, _frame: object) -> None:
+        if started:
+            started[0].send_signal(signum)
+        else:
+            pending.append(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _run_teed(command, directory, started, pending)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _run_teed(command: Sequence[str], directory: Path, started: list, pending: list) -> int:
+    """Start the child (recorded in ``started``; ``pending`` signals are passed on at once) and
+    copy its output until it exits; its exit status."""
     with open(directory / "stdout", "wb") as out_log, open(directory / "stderr", "wb") as err_log:
         try:
             child = subprocess.Popen(list(command), stdout=subprocess.PIPE,
@@ -84,12 +104,9 @@ def run(base: str, np: int, command: Sequence[str],
             err_log.write(message)
             sys.stderr.buffer.write(message)
             return 127
-
-        def forward(signum: int, _frame: object) -> None:
+        started.append(child)
+        for signum in pending:
             child.send_signal(signum)
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, forward)
         copiers = [threading.Thread(target=_tee, args=(child.stdout, sys.stdout.buffer, out_log)),
                    threading.Thread(target=_tee, args=(child.stderr, sys.stderr.buffer, err_log))]
         for copier in copiers:
