@@ -30,7 +30,7 @@ def record(identities: Iterable[tuple[int, int, int | None]], own_rank: int) -> 
     e.g. a separate container), is left out rather than risk a false alarm."""
     _peers.clear()
     for rank, pid, started in identities:
-        if rank != own_rank and started is not None and _start_time(pid) == started:
+        if rank != own_rank and started is not None and _running(pid, started):
             _peers[rank] = (pid, started)
 
 
