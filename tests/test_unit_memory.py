@@ -8,9 +8,10 @@ import pytest
 
 from hvdlite.common import ops
 from hvdlite.common.dtypes import dtype_info
-from hvdlite.common.memory import ALIGNMENT, BufferPool, aligned_empty, result_empty
+from hvdlite.common.memory import (ALIGN_MIN_BYTES, ALIGNMENT, BufferPool, aligned_empty,
+                                   result_empty)
 
-SHAPES = [(), (0,), (1,), (3, 5), (7, 0, 2), (1000, 333), (2**20 + 3,)]
+SHAPES = [(), (0,), (1,), (3, 5), (7, 0, 2), (1000, 333), (2**20 + 3,), (64 * 1024,)]
 DTYPES = ["bool", "uint8", "int16", "float16", "bfloat16", "int32", "float32", "int64",
           "float64"]
 
@@ -28,16 +29,21 @@ def test_shape_dtype_alignment(make, shape, dtype):
     a = make(shape, _np_dtype(dtype))
     assert a.shape == shape and a.dtype == _np_dtype(dtype)
     assert a.flags.c_contiguous and a.flags.writeable
-    if a.size:   # (an empty array has no data to align)
+    # (an empty array has no data to align; result_empty aligns from ALIGN_MIN_BYTES on)
+    if a.size and (make is not result_empty or a.nbytes >= ALIGN_MIN_BYTES):
         assert a.ctypes.data % ALIGNMENT == 0
     a[...] = 1   # the whole extent is usable
     assert (a == 1).all()
 
 
-def test_default_allocator_of_the_core_is_aligned():
-    for n in (1, 5, 4099, 300_000):
+def test_default_allocator_of_the_core_aligns_from_64_kib():
+    """Results of ALIGN_MIN_BYTES or more are aligned (TensorFlow then adopts them without a
+    copy); smaller ones are plain np.empty (numpy's 16 bytes), which is cheaper to make."""
+    for n in (1, 5, 4099, ALIGN_MIN_BYTES // 4 - 1, ALIGN_MIN_BYTES // 4, 300_000):
         out = ops._default_allocate((n,), np.dtype(np.float32))
-        assert out.ctypes.data % ALIGNMENT == 0 and out.shape == (n,)
+        assert out.shape == (n,) and out.dtype == np.float32 and out.flags.c_contiguous
+        if out.nbytes >= ALIGN_MIN_BYTES:
+            assert out.ctypes.data % ALIGNMENT == 0, n
 
 
 def _addr(a):

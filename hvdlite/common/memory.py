@@ -5,6 +5,11 @@ Two properties matter for speed, both measured on the 2-core reference machine:
 * **Alignment.**  TensorFlow adopts a ``tf.numpy_function`` output without copying it only when
   its data is aligned to Eigen's 64 bytes; numpy guarantees 16.  Eager ``tf.convert_to_tensor``
   of a 16 MiB array took 14.6 ms unaligned, 1.8 ms aligned.  Torch and numpy view any alignment.
+  Below ``ALIGN_MIN_BYTES`` the copy costs nothing measurable (4-16 KiB: 39-43 us unaligned
+  against 46-56 us aligned, TensorFlow's own overhead), while finding an array's address to
+  align it costs ~2 us (``ndarray.ctypes``): about 20 us of a lone 4 KiB allreduce once the
+  background thread competes for the interpreter.  Small results are therefore plain
+  ``np.empty``.
 * **Warm pages.**  A fresh multi-megabyte allocation is new memory from the kernel: every 4 KiB
   page faults and is zeroed the first time MPI writes it, which tripled the time of a 16 MiB
   out-of-place allreduce (9.3 ms against 3.3 ms into a reused buffer).  Results of that size are
@@ -23,6 +28,7 @@ import numpy as np
 from .config import DEFAULT_RESULT_POOL_MB
 
 ALIGNMENT = 64
+ALIGN_MIN_BYTES = 64 * 1024           # smaller results are not aligned (see above)
 POOL_MIN_BYTES = 256 * 1024           # below this, malloc's heap already reuses warm memory
 POOL_MAX_IDLE_BYTES = int(DEFAULT_RESULT_POOL_MB * 2**20)   # (HVDLITE_RESULT_POOL_MB)
 
@@ -87,10 +93,12 @@ class BufferPool:
     def idle_bytes(self) -> int:
         return self._idle_bytes
 
-    def empty(self, shape, dtype) -> np.ndarray:
-        """Like :func:`aligned_empty`; pooled when at least ``min_bytes`` large."""
+    def empty(self, shape, dtype, nbytes: int | None = None) -> np.ndarray:
+        """Like :func:`aligned_empty`; pooled when at least ``min_bytes`` large.  ``nbytes``:
+        the array's size, if the caller knows it already."""
         dtype = np.dtype(dtype)
-        nbytes = _nbytes(shape, dtype)
+        if nbytes is None:
+            nbytes = _nbytes(shape, dtype)
         if nbytes < self.min_bytes or self.max_idle_bytes <= 0:
             return _aligned_empty(shape, dtype, nbytes)
         block = None
@@ -126,8 +134,13 @@ _pool = BufferPool()
 
 
 def result_empty(shape, dtype) -> np.ndarray:
-    """Where the core allocates host results: 64-byte aligned, large ones from the pool."""
-    return _pool.empty(shape, dtype)
+    """Where the core allocates host results: those of ``ALIGN_MIN_BYTES`` or more 64-byte
+    aligned, large ones from the pool, small ones plain ``np.empty``."""
+    dtype = np.dtype(dtype)
+    nbytes = _nbytes(shape, dtype)
+    if nbytes < ALIGN_MIN_BYTES:
+        return np.empty(shape, dtype)
+    return _pool.empty(shape, dtype, nbytes)
 
 
 def result_pool() -> BufferPool:
