@@ -61,12 +61,13 @@ _checked_host_allreduce: dict[tuple, tuple[str, int]] = {}
 _new_request = tuple.__new__   # builds a Request without NamedTuple.__new__'s Python frame
 
 
-def _fast_host_allreduce(array, output, name, reduce_op, prescale_factor, postscale_factor,
+def fast_host_allreduce(array, output, name, reduce_op, prescale_factor, postscale_factor,
                          process_set) -> Handle | None:
     """Submit a named allreduce of a contiguous host array on the global set when its dtype and
     op were validated before; ``None`` if anything is unusual (the caller takes the general
     path, which also raises the errors).  ``output is array`` means in place, ``None`` a new
-    result.  Same checks and entry as :func:`make_entry`, in fewer steps."""
+    result.  Same checks and entry as :func:`make_entry`, in fewer steps.  Framework adapters
+    call it too, with a zero-copy numpy view of their tensor."""
     if process_set is not None or type(array) is not np.ndarray:
         return None
     checked = _checked_host_allreduce.get((array.dtype, reduce_op))
@@ -103,7 +104,7 @@ def submit(kind: str, array: np.ndarray | None, *, name: str | None = None,
     """
     if process_set is None or process_set is global_process_set:   # the hot path: no lookup
         if kind is ALLREDUCE and dtype is None and device == -1 and allocate is None:
-            handle = _fast_host_allreduce(array, output, name, reduce_op, prescale_factor,
+            handle = fast_host_allreduce(array, output, name, reduce_op, prescale_factor,
                                           postscale_factor, None)
             if handle is not None:
                 return handle
@@ -281,7 +282,7 @@ def allreduce_async(array, average: bool | None = None, name: str | None = None,
     the operation to a registered subset of ranks (default: all).
     """
     reduce_op = resolve_op(op, average)
-    handle = _fast_host_allreduce(array, None, name, reduce_op, prescale_factor,
+    handle = fast_host_allreduce(array, None, name, reduce_op, prescale_factor,
                                   postscale_factor, process_set)
     if handle is not None:
         return handle
@@ -296,7 +297,7 @@ def allreduce_async_(array: np.ndarray, average: bool | None = None, name: str |
                      process_set: ProcessSet | None = None) -> Handle:
     """In-place variant of :func:`allreduce_async`: the result overwrites ``array``."""
     reduce_op = resolve_op(op, average)
-    handle = _fast_host_allreduce(array, array, name, reduce_op, prescale_factor,
+    handle = fast_host_allreduce(array, array, name, reduce_op, prescale_factor,
                                   postscale_factor, process_set)
     if handle is not None:
         return handle

@@ -44,6 +44,30 @@ def _submit(kind: str, tensor: torch.Tensor, output: torch.Tensor | None, what: 
 
 
 # --- allreduce -------------------------------------------------------------------------------
+# Dtypes whose numpy view the core takes as it is (bfloat16 travels as an int16 view instead).
+_NUMPY_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.int64, torch.int32,
+                           torch.int16, torch.int8, torch.uint8, torch.bool})
+
+
+def _fast_allreduce(tensor, in_place: bool, name, reduce_op: ReduceOp, prescale_factor,
+                    postscale_factor, process_set) -> Handle | None:
+    """The per-gradient hot path: a plain, contiguous CPU tensor that needs no autograd goes
+    straight to the core's fast submission (see ``ops.fast_host_allreduce``), without the
+    general path's layers; ``None`` if anything is unusual (the caller takes the general path,
+    which also raises the errors).  Out of place, the core allocates the result and the tensor
+    returned wraps it without a copy."""
+    if (type(tensor) is not torch.Tensor or process_set is not global_process_set
+            or tensor.requires_grad or not tensor.is_cpu or tensor.dtype not in _NUMPY_DTYPES
+            or tensor.is_sparse or not tensor.is_contiguous()):
+        return None
+    array = tensor.numpy()
+    handle = core.fast_host_allreduce(array, array if in_place else None, name, reduce_op,
+                                      prescale_factor, postscale_factor, None)
+    if handle is None:
+        return None
+    return handle.then((lambda _: tensor) if in_place else torch.from_numpy)
+
+
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                     op: ReduceOp | None = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0,
@@ -55,11 +79,16 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
     ``postscale_factor`` the result after it.  ``name`` must be unique among pending ops and the
     same on every rank (unnamed ops must be issued in the same order on every rank).
     """
+    reduce_op = resolve_op(op, average)
+    handle = _fast_allreduce(tensor, False, name, reduce_op, prescale_factor, postscale_factor,
+                             process_set)
+    if handle is not None:
+        return handle
     what = f"allreduce of {name or 'unnamed tensor'}"
     check_tensor(tensor, what)   # before allocating: empty_like fails on e.g. sparse tensors
     output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
     return _submit(ALLREDUCE, tensor, output, what,
-                   name=name, reduce_op=resolve_op(op, average),
+                   name=name, reduce_op=reduce_op,
                    prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                    process_set=process_set)
 
@@ -69,8 +98,13 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
                      postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> Handle:
     """In-place :func:`allreduce_async`: ``tensor`` is overwritten with the result."""
+    reduce_op = resolve_op(op, average)
+    handle = _fast_allreduce(tensor, True, name, reduce_op, prescale_factor, postscale_factor,
+                             process_set)
+    if handle is not None:
+        return handle
     return _submit(ALLREDUCE, tensor, tensor, f"allreduce_ of {name or 'unnamed tensor'}",
-                   name=name, reduce_op=resolve_op(op, average),
+                   name=name, reduce_op=reduce_op,
                    prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                    process_set=process_set)
 
@@ -107,8 +141,15 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     ``compression`` (e.g. ``Compression.fp16``) shrinks the data on the wire."""
     op = resolve_op(op, average)
     compressed, ctx = compression.compress(tensor)
-    reduced = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor,
-                               process_set)
+    if not isinstance(compressed, torch.Tensor) or (compressed.requires_grad
+                                                     and torch.is_grad_enabled()):
+        reduced = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor,
+                                   process_set)
+    else:   # nothing to differentiate (metrics, say): skip autograd's ~10 us per call
+        reduced = synchronize(allreduce_async(compressed, name=name, op=op,
+                                              prescale_factor=prescale_factor,
+                                              postscale_factor=postscale_factor,
+                                              process_set=process_set))
     return compression.decompress(reduced, ctx)
 
 

@@ -1,4 +1,4 @@
-"""The fast submission path for host allreduces (ops._fast_host_allreduce): once a (dtype, op)
+"""The fast submission path for host allreduces (ops.fast_host_allreduce): once a (dtype, op)
 pair passed the full checks, later named allreduces of it skip make_entry.  These cases prove
 the fast path is taken, gives the right results, and still rejects (through the general path,
 with the same errors) everything the general path rejects.

@@ -102,7 +102,8 @@ MISC_OPS_CASES = (
     + ["allreduce_empty3d_every_op_and_dtype", "allreduce_default_op_is_average",
        "allreduce_average_flag_true", "allreduce_average_flag_false", "allreduce_op_as_int",
        "async_poll_until_done", "async_many_mixed_kinds", "barrier_blocks",
-       "allreduce_requires_grad_input_out_of_place", "results_identical_across_ranks"]
+       "allreduce_requires_grad_input_out_of_place", "results_identical_across_ranks",
+       "allreduce_fast_path_taken"]
 )
 
 

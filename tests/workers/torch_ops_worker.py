@@ -502,6 +502,67 @@ def requires_grad_input():
                                rtol=1e-6, atol=1e-6)
 
 
+def fast_path_taken():
+    """Named allreduces of plain contiguous CPU tensors skip the adapter's general path (and
+    the core's make_entry) once their dtype/op pair is known: with both disabled, every such
+    dtype still reduces correctly in place, out of place (a new tensor, the input untouched)
+    and async, with scale factors.  Tensors that need the general path (autograd, bfloat16,
+    non-contiguous, a Parameter) are then shown to still get there."""
+    from hvdlite.common import ops as core_ops
+    from hvdlite.torch import mpi_ops
+    fast = [dt for dt in C.DTYPES if dt != "bfloat16"]
+    pairs = [(op, dt) for op in ("Sum", "Max", "Average") for dt in fast
+             if not (dt == "bool" and op == "Average")]
+    for op, dt in pairs:   # warm: the general path registers each pair with the core
+        hvd.allreduce(C.op_input("fast.warm", RANK, dt, op, (3,)), op=OP[op],
+                      name=f"fast.warm.{op}.{dt}")
+    originals = (mpi_ops._submit, core_ops.make_entry)
+
+    def general_path(*args, **kwargs):
+        raise AssertionError("the general path ran: the fast path was not taken")
+
+    mpi_ops._submit = core_ops.make_entry = general_path
+    try:
+        for op, dt in pairs:
+            case = f"fast.{op}.{dt}"
+            inputs = [C.op_input(case, k, dt, op, (2, 5)) for k in range(SIZE)]
+            expected = C.reduce_reference(inputs, op, dt)
+            x = inputs[RANK].clone()
+            res = hvd.allreduce(x, op=OP[op], name=case + ".out")
+            assert res is not x and res.data_ptr() != x.data_ptr()
+            assert_unchanged(x, inputs[RANK])
+            check_values(res, expected, dt, exact_for(op, dt), "out of place")
+            res.zero_()   # the result owns its memory: the input stays as it was
+            assert_unchanged(x, inputs[RANK])
+            handle = hvd.allreduce_async(x, op=OP[op], name=case + ".async")
+            check_values(hvd.synchronize(handle), expected, dt, exact_for(op, dt), "async")
+            assert hvd.allreduce_(x, op=OP[op], name=case + ".inplace") is x
+            check_values(x, expected, dt, exact_for(op, dt), "in place")
+        inputs = [C.op_input("fast.scaled", k, "float32", "Sum", (4,)) for k in range(SIZE)]
+        res = hvd.allreduce(inputs[RANK], op=hvd.Sum, name="fast.scaled", prescale_factor=0.5,
+                            postscale_factor=3.0)
+        check_values(res, C.reduce_reference(inputs, "Sum", "float32") * 1.5, "float32",
+                     exact=False, what="scaled")
+    finally:
+        mpi_ops._submit, core_ops.make_entry = originals
+    taken = []
+    mpi_ops._submit = lambda *a, **k: (taken.append(a[0]), originals[0](*a, **k))[1]
+    try:
+        inputs = [C.op_input("fast.not", k, "float32", "Sum", (3, 4)) for k in range(SIZE)]
+        expected = C.reduce_reference(inputs, "Sum", "float32")
+        others = {"requires_grad": inputs[RANK].clone().requires_grad_(),
+                  "bfloat16": inputs[RANK].to(torch.bfloat16),
+                  "non-contiguous": inputs[RANK].t(),
+                  "parameter": torch.nn.Parameter(inputs[RANK].clone(), requires_grad=False)}
+        for label, t in others.items():
+            res = hvd.allreduce(t, op=hvd.Sum, name=f"fast.not.{label}")
+            want = expected.t() if label == "non-contiguous" else expected
+            torch.testing.assert_close(res.detach().to(F64), want, msg=lambda m: f"{label}: {m}")
+    finally:
+        mpi_ops._submit = originals[0]
+    assert len(taken) == len(others), f"general path ran {len(taken)} times, not {len(others)}"
+
+
 def results_identical_across_ranks():
     x = randn("ident", RANK, (1000,), torch.float32)
     for op in ("Average", "Sum", "Product"):
@@ -530,6 +591,7 @@ MISC = {
     "barrier_blocks": barrier_blocks,
     "allreduce_requires_grad_input_out_of_place": requires_grad_input,
     "results_identical_across_ranks": results_identical_across_ranks,
+    "allreduce_fast_path_taken": fast_path_taken,
 }
 for case, fn in MISC.items():
     r.case(case, fn)
