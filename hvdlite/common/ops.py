@@ -62,7 +62,7 @@ _new_request = tuple.__new__   # builds a Request without NamedTuple.__new__'s P
 
 
 def fast_host_allreduce(array, output, name, reduce_op, prescale_factor, postscale_factor,
-                         process_set) -> Handle | None:
+                        process_set) -> Handle | None:
     """Submit a named allreduce of a contiguous host array on the global set when its dtype and
     op were validated before; ``None`` if anything is unusual (the caller takes the general
     path, which also raises the errors).  ``output is array`` means in place, ``None`` a new
@@ -105,7 +105,7 @@ def submit(kind: str, array: np.ndarray | None, *, name: str | None = None,
     if process_set is None or process_set is global_process_set:   # the hot path: no lookup
         if kind is ALLREDUCE and dtype is None and device == -1 and allocate is None:
             handle = fast_host_allreduce(array, output, name, reduce_op, prescale_factor,
-                                          postscale_factor, None)
+                                         postscale_factor, None)
             if handle is not None:
                 return handle
         engine, members, set_id = basics.engine(), None, 0
@@ -283,7 +283,7 @@ def allreduce_async(array, average: bool | None = None, name: str | None = None,
     """
     reduce_op = resolve_op(op, average)
     handle = fast_host_allreduce(array, None, name, reduce_op, prescale_factor,
-                                  postscale_factor, process_set)
+                                 postscale_factor, process_set)
     if handle is not None:
         return handle
     return submit(ALLREDUCE, _contiguous(array), name=name, reduce_op=reduce_op,
@@ -298,7 +298,7 @@ def allreduce_async_(array: np.ndarray, average: bool | None = None, name: str |
     """In-place variant of :func:`allreduce_async`: the result overwrites ``array``."""
     reduce_op = resolve_op(op, average)
     handle = fast_host_allreduce(array, array, name, reduce_op, prescale_factor,
-                                  postscale_factor, process_set)
+                                 postscale_factor, process_set)
     if handle is not None:
         return handle
     flags = array.flags
