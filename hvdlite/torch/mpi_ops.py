@@ -56,7 +56,8 @@ def _fast_allreduce(tensor, in_place: bool, name, reduce_op: ReduceOp, prescale_
     general path's layers; ``None`` if anything is unusual (the caller takes the general path,
     which also raises the errors).  Out of place, the core allocates the result and the tensor
     returned wraps it without a copy."""
-    if (type(tensor) is not torch.Tensor or process_set is not global_process_set
+    if (type(tensor) is not torch.Tensor
+            or (process_set is not global_process_set and process_set is not None)
             or tensor.requires_grad or not tensor.is_cpu or tensor.dtype not in _NUMPY_DTYPES
             or tensor.is_sparse or not tensor.is_contiguous()):
         return None

@@ -40,7 +40,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._compression = compression
         self._passes = backward_passes_per_step
         self._op = op
-        self._predivide = gradient_predivide_factor
+        self._predivide = float(gradient_predivide_factor)   # (floats: the fast path's type)
         self._sparse_as_dense = sparse_as_dense
         self._names = self._parameter_names(named_parameters)
         self._group_of, self._groups = self._parameter_groups(groups)

@@ -151,6 +151,7 @@ OPTIMIZER_CASES = [
     "wrap_optimizer_with_existing_state",
     "step_without_skip_after_synchronize_warns",
     "zero_grad_after_step_then_train",
+    "gradients_take_fast_path",
 ]
 
 STATE_OPTIMIZERS = ["sgd_momentum", "adam", "adamw", "rmsprop", "adagrad"]

@@ -396,6 +396,37 @@ def zero_grad_then_train(case):
     close_to(model, ref, 1e-5)
 
 
+def gradients_take_fast_path(case):
+    """After the first step (which registers the dtype/op pair with the core), every dense
+    gradient goes through the adapter's fast path: with the general path disabled, training
+    goes on (an integer predivide factor and the default process_set=None included) and
+    matches the reference."""
+    from hvdlite.torch import mpi_ops
+    model = make_model()
+    init, ref = copy.deepcopy(model), copy.deepcopy(model)
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters(),
+                                   gradient_predivide_factor=2)
+    train_dist(case, model, opt, steps=1)
+    general = mpi_ops._submit
+
+    def general_path(*args, **kwargs):
+        raise AssertionError("a gradient took the general path, not the fast one")
+
+    mpi_ops._submit = general_path
+    try:
+        for step in range(1, STEPS):
+            x, y = batch(case, step)
+            opt.zero_grad()
+            F.mse_loss(model(shard(x)), shard(y)).backward()
+            opt.step()
+    finally:
+        mpi_ops._submit = general
+    train_ref(case, ref, sgd(ref))
+    same_on_all_ranks(model)
+    moved(model, init)
+    close_to(model, ref, 1e-5)
+
+
 CASES = {
     "isinstance_and_api": isinstance_and_api,
     "sgd_momentum.basic": standard,
@@ -423,6 +454,7 @@ CASES = {
     "wrap_optimizer_with_existing_state": wrap_existing_state,
     "step_without_skip_after_synchronize_warns": double_sync_warns,
     "zero_grad_after_step_then_train": zero_grad_then_train,
+    "gradients_take_fast_path": gradients_take_fast_path,
 }
 assert list(CASES) == C.OPTIMIZER_CASES
 for case, fn in CASES.items():
