@@ -116,14 +116,19 @@ def _check_grad_op(op: ReduceOp, what: str) -> None:
                            f"detach the input or use Sum/Average.")
 
 
+def _allreduce_now(tensor, name, op, prescale_factor, postscale_factor, process_set):
+    """The reduction itself, without autograd: submit and wait."""
+    return synchronize(allreduce_async(tensor, name=name, op=op,
+                                       prescale_factor=prescale_factor,
+                                       postscale_factor=postscale_factor,
+                                       process_set=process_set))
+
+
 class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, process_set):
         ctx.op, ctx.scales, ctx.process_set = op, (prescale_factor, postscale_factor), process_set
-        return synchronize(allreduce_async(tensor, name=name, op=op,
-                                           prescale_factor=prescale_factor,
-                                           postscale_factor=postscale_factor,
-                                           process_set=process_set))
+        return _allreduce_now(tensor, name, op, prescale_factor, postscale_factor, process_set)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -142,15 +147,11 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     ``compression`` (e.g. ``Compression.fp16``) shrinks the data on the wire."""
     op = resolve_op(op, average)
     compressed, ctx = compression.compress(tensor)
-    if not isinstance(compressed, torch.Tensor) or (compressed.requires_grad
-                                                     and torch.is_grad_enabled()):
-        reduced = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor,
-                                   process_set)
-    else:   # nothing to differentiate (metrics, say): skip autograd's ~10 us per call
-        reduced = synchronize(allreduce_async(compressed, name=name, op=op,
-                                              prescale_factor=prescale_factor,
-                                              postscale_factor=postscale_factor,
-                                              process_set=process_set))
+    differentiable = not isinstance(compressed, torch.Tensor) or (
+        compressed.requires_grad and torch.is_grad_enabled())
+    # Nothing to differentiate (metrics, say): skip autograd's ~10 us per call.
+    reduce = _Allreduce.apply if differentiable else _allreduce_now
+    reduced = reduce(compressed, name, op, prescale_factor, postscale_factor, process_set)
     return compression.decompress(reduced, ctx)
 
 

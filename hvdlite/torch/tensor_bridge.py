@@ -11,9 +11,8 @@ from hvdlite.common.errors import UnsupportedDtypeError
 
 # torch dtypes numpy cannot represent travel as same-width integer views.
 _VIEW_AS = {torch.bfloat16: (torch.int16, "bfloat16")}
-_UNSUPPORTED_DTYPES = frozenset(
-    d for d in (torch.complex32, torch.complex64, torch.complex128, torch.uint16, torch.uint32,
-                torch.uint64) if d is not None)
+_UNSUPPORTED_DTYPES = frozenset({torch.complex32, torch.complex64, torch.complex128, torch.uint16,
+                                 torch.uint32, torch.uint64})
 _UNSUPPORTED_HINT = ("cast it to a supported dtype (bool, uint8, int8, int16, int32, int64, "
                      "float16, bfloat16, float32, float64)")
 
