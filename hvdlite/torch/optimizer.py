@@ -172,14 +172,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Wait for every gradient's allreduce and write the averaged gradients into ``.grad``.
 
         Gradients whose hook did not fire (unused parameters, or fewer backward passes than
-        ``backward_passes_per_step``) are reduced now, so all ranks stay in step.
+        ``backward_passes_per_step``) are reduced now, so all ranks stay in step.  If one
+        reduction fails (e.g. a shape mismatch across ranks), the others are still waited for
+        and written into ``.grad``; then the first error is raised, and nothing stays in flight.
         """
         for p in self._names:
             if p.requires_grad and self._handles.get(p, (None,))[0] is None:
                 self._handles[p] = self._allreduce_grad_async(p)
+        first_error = None
         try:
             for p, (handle, ctx, wire) in self._handles.items():
-                output = handle.wait()
+                try:
+                    output = handle.wait()
+                except Exception as exc:  # noqa: BLE001 - raised below
+                    # Keep waiting for the others: they are still in flight, and a next step
+                    # reusing their names (or writing their gradients) would race with them.
+                    if first_error is None:
+                        first_error = exc
+                    continue
                 if ctx is _SPARSE:
                     p.grad = output     # new coalesced sparse tensor, identical on all ranks
                     continue
@@ -191,6 +201,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._group_ready.clear()
             for p in self._delay:
                 self._delay[p] = self._passes
+        if first_error is not None:
+            raise first_error
         self._synchronized = True
 
     @contextlib.contextmanager

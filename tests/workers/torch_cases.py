@@ -192,6 +192,7 @@ ERROR_CASES = [
     "optimizer.too_many_backward_passes_bpps2", "optimizer.duplicate_named_parameters",
     "optimizer.named_parameters_missing_param", "optimizer.named_parameters_not_pairs",
     "optimizer.sparse_grad_unsupported_op", "optimizer.sparse_as_dense",
+    "optimizer.sync_error_waits_for_the_rest",
 ]
 
 

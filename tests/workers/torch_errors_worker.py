@@ -419,6 +419,35 @@ def o_sparse_as_dense(case):
     follow_up(case)
 
 
+def o_sync_error_waits_for_rest(case):
+    """One gradient's reduction fails (its shape differs across ranks) and is waited for first:
+    synchronize() must still wait for every other gradient and write its average (with fp16
+    compression only synchronize() writes it), raise the error, and leave nothing in flight."""
+    model = make_model()
+    bad = nn.Parameter(torch.zeros(odd(2, 3)))
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD([*model.parameters(), bad], lr=0.1),
+        named_parameters=[*model.named_parameters(), ("bad", bad)],
+        compression=hvd.Compression.fp16)
+    x, y = data()
+    # bad's node is created last, so autograd runs it first: its reduction is waited for first
+    (F.mse_loss(model(x), y) + bad.sum()).backward()
+    assert next(iter(opt._handles)) is bad, "test set-up: the failing gradient must come first"
+    local = [p.grad.clone() for p in model.parameters()]
+    mismatch(case, opt.synchronize)
+    for p, g in zip(model.parameters(), local):
+        expected = torch.from_numpy(COMM.allreduce(g.half().float().numpy())) / SIZE
+        assert torch.allclose(p.grad, expected, rtol=1e-2, atol=1e-3), (p.grad, expected)
+    assert not any(h[0] is not None for h in opt._handles.values())
+    # the same names work again once the shapes agree
+    bad.data = torch.zeros(2)
+    opt.zero_grad()
+    x, y = data(1)
+    (F.mse_loss(model(x), y) + bad.sum()).backward()
+    opt.step()
+    params_same_on_all_ranks(model)
+
+
 CASES = {
     "error_classes": error_classes,
     "mismatch.allreduce_shape": m_allreduce_shape,
@@ -464,6 +493,7 @@ CASES = {
     "optimizer.named_parameters_not_pairs": o_named_not_pairs,
     "optimizer.sparse_grad_unsupported_op": o_sparse_unsupported_op,
     "optimizer.sparse_as_dense": o_sparse_as_dense,
+    "optimizer.sync_error_waits_for_the_rest": o_sync_error_waits_for_rest,
 }
 assert list(CASES) == C.ERROR_CASES
 for case, fn in CASES.items():
