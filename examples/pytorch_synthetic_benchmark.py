@@ -5,7 +5,9 @@
 
 Models need no download: ``mlp`` (~5.3M parameters, matmul-bound) and ``convnet`` (a small
 CNN on 32x32 images, ~1.2M parameters).  ``--no-distributed-optimizer`` runs the bare
-optimizer (for measuring hvdlite's overhead at one rank).  ``--cuda`` trains on
+optimizer (for measuring hvdlite's overhead at one rank); adding ``--lockstep`` keeps the ranks
+in step with one scalar allreduce per step but exchanges no gradients (the cost of synchronous
+steps alone, see benchmarks/training_scaling.py).  ``--cuda`` trains on
 ``cuda:<local_rank % device_count>`` (gradients go through NCCL, or through host memory with
 HVDLITE_GPU_OPERATIONS=mpi) and synchronizes the device around every timed region, so the
 samples/sec count finished work, not queued kernels.
@@ -60,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fp16-allreduce", action="store_true")
     p.add_argument("--no-distributed-optimizer", action="store_true",
                    help="use the bare optimizer (no gradient averaging)")
+    p.add_argument("--lockstep", action="store_true",
+                   help="with --no-distributed-optimizer: one scalar allreduce per step keeps "
+                        "the ranks in step (no gradients exchanged)")
     p.add_argument("--cuda", action="store_true",
                    help="train on the GPU cuda:<local_rank %% device count> (default: CPU)")
     p.add_argument("--json", help="write the results to this file (rank 0)")
@@ -68,6 +73,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.lockstep and not args.no_distributed_optimizer:
+        print("pytorch_synthetic_benchmark: --lockstep goes with --no-distributed-optimizer",
+              file=sys.stderr)
+        return 2
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if args.cuda and not torch.cuda.is_available():
         print("pytorch_synthetic_benchmark: --cuda needs a CUDA GPU, and torch.cuda.is_available() "
@@ -90,12 +99,15 @@ def main(argv=None) -> int:
             optimizer, named_parameters=model.named_parameters(), compression=compression)
     data = torch.randn(args.batch_size, *in_shape).to(device)
     target = torch.randint(0, classes, (args.batch_size,)).to(device)
+    step_token = torch.zeros(1, device=device)
 
     def benchmark_step() -> None:
         optimizer.zero_grad()
         loss = F.cross_entropy(model(data), target)
         loss.backward()
         optimizer.step()
+        if args.lockstep:   # no rank starts its next step before every rank finished this one
+            hvd.allreduce(step_token, name="lockstep")
 
     def timed(steps: int) -> float:
         """Seconds for ``steps`` training steps.  On a GPU the device is synchronized before the
@@ -120,6 +132,7 @@ def main(argv=None) -> int:
         print(f"model {args.model} ({params / 1e6:.2f}M parameters), batch size "
               f"{args.batch_size}, {hvd.size()} rank(s), "
               f"{'bare optimizer' if args.no_distributed_optimizer else 'DistributedOptimizer'}"
+              f"{' in lockstep' if args.lockstep else ''}"
               f", on {where}", flush=True)
     timed(args.num_warmup_batches)
     rates = []

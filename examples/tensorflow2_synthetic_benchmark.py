@@ -5,7 +5,8 @@
 Models need no download: ``mlp`` (~5.3M parameters, matmul-bound) and ``convnet`` (a small CNN
 on 32x32 images).  The step is a ``tf.function`` with ``hvd.DistributedGradientTape``, as in
 Horovod's ``tensorflow2_synthetic_benchmark.py``; ``--no-distributed-tape`` measures the bare
-step (hvdlite's overhead at one rank).
+step (hvdlite's overhead at one rank); with ``--lockstep`` too, one scalar allreduce per step
+keeps the ranks in step without exchanging gradients (see benchmarks/training_scaling.py).
 """
 from __future__ import annotations
 
@@ -51,12 +52,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fp16-allreduce", action="store_true")
     p.add_argument("--no-distributed-tape", action="store_true",
                    help="plain GradientTape (no gradient averaging)")
+    p.add_argument("--lockstep", action="store_true",
+                   help="with --no-distributed-tape: one scalar allreduce per step keeps the "
+                        "ranks in step (no gradients exchanged)")
     p.add_argument("--json", help="write the results to this file (rank 0)")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.lockstep and not args.no_distributed_tape:
+        print("tensorflow2_synthetic_benchmark: --lockstep goes with --no-distributed-tape",
+              file=sys.stderr)
+        return 2
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -78,6 +86,8 @@ def main(argv=None) -> int:
             tape = hvd.DistributedGradientTape(tape, compression=compression)
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables))
+        if args.lockstep:   # no rank starts its next step before every rank finished this one
+            hvd.allreduce(tf.zeros([1]), name="lockstep")
         if first_batch:
             hvd.broadcast_variables(model.variables, root_rank=0)
             hvd.broadcast_variables(opt.variables, root_rank=0)
@@ -86,7 +96,8 @@ def main(argv=None) -> int:
     if hvd.rank() == 0:
         print(f"model {args.model} ({params / 1e6:.2f}M parameters), batch size "
               f"{args.batch_size}, {hvd.size()} rank(s), "
-              f"{'plain tape' if args.no_distributed_tape else 'DistributedGradientTape'}",
+              f"{'plain tape' if args.no_distributed_tape else 'DistributedGradientTape'}"
+              f"{' in lockstep' if args.lockstep else ''}",
               flush=True)
     benchmark_step(True)
     timeit.timeit(lambda: benchmark_step(False), number=args.num_warmup_batches)
