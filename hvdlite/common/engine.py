@@ -297,6 +297,7 @@ class Engine:
         if tl is not None:
             tl.op_end([entry.name for entry in entries])
         for entry in entries:
+            entry.group = None   # see _complete
             entry.handle._complete(entry.output, None)
 
     def _complete(self, entry: Entry, result=None, error: BaseException | None = None) -> None:
@@ -305,6 +306,11 @@ class Engine:
         tl = _timeline.ACTIVE
         if tl is not None:
             tl.op_end([entry.name])
+        # A grouped entry and its group's member list refer to each other; left in place, the
+        # cycle keeps every member's input and result alive until Python's cyclic collector
+        # runs (many steps later: a training loop then gets fresh, page-faulting memory for
+        # every result, and the framework's gradient buffers are not reused either).
+        entry.group = None
         entry.handle._complete(result, error)
 
     def _stop_after_shutdown(self, ranks: tuple[int, ...]) -> None:
