@@ -33,6 +33,7 @@ OTHER_CASES = [
     "tape.sparse",
     "tape.train_matches_reference_eager",
     "tape.train_matches_reference_graph",
+    "tape.steady_state_reuses_result_memory",
     "optimizer.backward_passes_per_step",
     "keras.metric_average_callback",
     "keras.fit_end_to_end",
