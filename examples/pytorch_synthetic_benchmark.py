@@ -154,6 +154,7 @@ def main(argv=None) -> int:
                 json.dump({"model": args.model, "params": params, "ranks": hvd.size(),
                            "batch_size": args.batch_size, "per_rank": slowest, "total": total,
                            "distributed_optimizer": not args.no_distributed_optimizer,
+                           "lockstep": args.lockstep,
                            "device": device.type,
                            "gpu_operations": (os.environ.get("HVDLITE_GPU_OPERATIONS") or "nccl")
                            if device.type == "cuda" else None}, f)

@@ -119,7 +119,8 @@ def main(argv=None) -> int:
             with open(args.json, "w") as f:
                 json.dump({"model": args.model, "params": params, "ranks": hvd.size(),
                            "batch_size": args.batch_size, "per_rank": slowest, "total": total,
-                           "distributed_tape": not args.no_distributed_tape}, f)
+                           "distributed_tape": not args.no_distributed_tape,
+                           "lockstep": args.lockstep}, f)
     hvd.shutdown()
     return 0
 

@@ -48,6 +48,8 @@ def test_pytorch_digits_trains_checkpoints_and_resumes(np_, tmp_path):
     ("pytorch_synthetic_benchmark.py", ["--model", "mlp"]),
     ("pytorch_synthetic_benchmark.py", ["--model", "convnet", "--fp16-allreduce"]),
     ("tensorflow2_synthetic_benchmark.py", ["--model", "mlp"]),
+    ("pytorch_synthetic_benchmark.py", ["--no-distributed-optimizer", "--lockstep"]),
+    ("tensorflow2_synthetic_benchmark.py", ["--no-distributed-tape", "--lockstep"]),
 ])
 def test_synthetic_benchmarks_report_throughput(script, extra, tmp_path):
     out = tmp_path / "result.json"
@@ -55,6 +57,16 @@ def test_synthetic_benchmarks_report_throughput(script, extra, tmp_path):
                      "--num-batches-per-iter", "2", "--num-iters", "2", "--json", str(out)])
     result = json.loads(out.read_text())
     assert result["ranks"] == 2 and result["total"] > 0, result
+    assert result["lockstep"] == ("--lockstep" in extra), result
+
+
+@pytest.mark.parametrize("script", ["pytorch_synthetic_benchmark.py",
+                                    "tensorflow2_synthetic_benchmark.py"])
+def test_synthetic_benchmarks_refuse_lockstep_with_the_wrapper(script):
+    """--lockstep measures synchronous steps without gradient exchange, so it needs the bare
+    optimizer/tape; with the wrapper it would silently measure something else."""
+    job = run_job(1, [sys.executable, str(EXAMPLES / script), "--lockstep"], timeout=120)
+    assert job.returncode == 2 and "--lockstep goes with" in job.output, job.output
 
 
 @pytest.mark.parametrize("script", ["keras_digits.py", "tensorflow2_digits.py"])
