@@ -9,7 +9,7 @@ import pytest
 from hvdlite.common import ops
 from hvdlite.common.dtypes import dtype_info
 from hvdlite.common.memory import (ALIGN_MIN_BYTES, ALIGNMENT, BufferPool, aligned_empty,
-                                   result_empty)
+                                   result_empty, size_class)
 
 SHAPES = [(), (0,), (1,), (3, 5), (7, 0, 2), (1000, 333), (2**20 + 3,), (64 * 1024,)]
 DTYPES = ["bool", "uint8", "int16", "float16", "bfloat16", "int32", "float32", "int64",
@@ -85,13 +85,37 @@ def test_framework_tensor_keeps_the_block_leased():
     assert pool.idle_bytes == (1 << 12) * 4
 
 
-def test_other_sizes_get_other_blocks():
+def test_size_classes():
+    """Eight classes per power of two: never smaller than asked, at most 12.5% larger, and
+    every class is its own class."""
+    assert [size_class(n) for n in (0, 1, 7, 15, 16, 17, 18)] == [0, 1, 7, 15, 16, 18, 18]
+    assert size_class(4096) == 4096 and size_class(4097) == 4608 and size_class(8000) == 8192
+    assert size_class(16 << 20) == 16 << 20 and size_class((16 << 20) + 1) == 18 << 20
+    rng = np.random.default_rng(0)
+    for n in [*range(1, 5000), *rng.integers(5000, 1 << 40, 20000).tolist()]:
+        c = size_class(n)
+        assert n <= c <= n + n // 8, (n, c)
+        assert size_class(c) == c, n
+    classes = {size_class(n) for n in range(1 << 20, (1 << 21) + 1)}
+    assert classes == {(8 + k) << 17 for k in range(9)}, sorted(classes)
+
+
+def test_sizes_of_one_class_share_blocks():
+    """An allgather whose result grows or shrinks a little every step (a sparse gradient)
+    reuses the block of the previous step; another class gets another block."""
     pool = BufferPool(min_bytes=1024)
-    a = pool.empty((1000,), np.float64)
+    a = pool.empty((1000,), np.float64)     # 8000 bytes: class 8192
+    first = _addr(a)
     del a
     gc.collect()
-    b = pool.empty((1001,), np.float64)
-    assert pool.hits == 0 and pool.misses == 2 and b.size == 1001
+    b = pool.empty((1020,), np.float64)     # 8160 bytes: the same class
+    assert _addr(b) == first and b.size == 1020 and pool.hits == 1
+    b[...] = 5                               # the whole extent is usable
+    del b
+    gc.collect()
+    c = pool.empty((1030,), np.float64)     # 8240 bytes: class 9216
+    assert _addr(c) != first and pool.hits == 1 and pool.misses == 2
+    assert pool.idle_bytes == 8192
 
 
 def test_small_results_are_not_pooled():

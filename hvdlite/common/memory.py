@@ -15,7 +15,11 @@ Two properties matter for speed, both measured on the 2-core reference machine:
   out-of-place allreduce (9.3 ms against 3.3 ms into a reused buffer).  Results of that size are
   therefore carved from a :class:`BufferPool` that takes a block back when the last array using
   it is garbage-collected, so a training loop that allreduces the same sizes every step reuses
-  the same warm memory, as the caching allocators of GPU frameworks do.
+  the same warm memory, as the caching allocators of GPU frameworks do.  Blocks come in size
+  classes (eight per doubling), so results whose size changes a little from step to step (the
+  allgather of a sparse gradient) reuse them too: matched by exact size, an allgather of
+  3.6-4 MB results missed every time, took 5-27 ms instead of 2.3-2.8 ms, and the pool filled
+  with 500 MiB of blocks nobody asked for again.
 """
 from __future__ import annotations
 
@@ -31,6 +35,15 @@ ALIGNMENT = 64
 ALIGN_MIN_BYTES = 64 * 1024           # smaller results are not aligned (see above)
 POOL_MIN_BYTES = 256 * 1024           # below this, malloc's heap already reuses warm memory
 POOL_MAX_IDLE_BYTES = int(DEFAULT_RESULT_POOL_MB * 2**20)   # (HVDLITE_RESULT_POOL_MB)
+
+
+def size_class(nbytes: int) -> int:
+    """The pool block size serving ``nbytes``: rounded up to one of eight steps per power of
+    two (at most 12.5% unused; pure logic, unit-tested)."""
+    shift = nbytes.bit_length() - 4
+    if shift <= 0:
+        return nbytes
+    return -(-nbytes >> shift) << shift
 
 
 def _nbytes(shape, dtype: np.dtype) -> int:
@@ -73,9 +86,9 @@ class BufferPool:
     Each block is handed out through a *lease*: a view that every result array derives from
     (numpy views keep their base alive, and so does a framework tensor that wraps the array
     without copying).  A finalizer on the lease puts the block back on the free list of its
-    size.  Blocks are matched by exact size, because a training loop asks for the same sizes
-    every step.  At most ``max_idle_bytes`` stay idle; beyond that a returned block is dropped
-    (0 turns pooling off).
+    size class (:func:`size_class`): a training loop asks for the same sizes every step, and
+    sizes that vary a little share a class.  At most ``max_idle_bytes`` stay idle; beyond that
+    a returned block is dropped (0 turns pooling off).
     Thread-safe: a lease may die on any thread.
     """
 
@@ -101,19 +114,21 @@ class BufferPool:
             nbytes = _nbytes(shape, dtype)
         if nbytes < self.min_bytes or self.max_idle_bytes <= 0:
             return _aligned_empty(shape, dtype, nbytes)
+        block_bytes = size_class(nbytes)
         block = None
         with self._lock:
-            blocks = self._free.get(nbytes)
+            blocks = self._free.get(block_bytes)
             if blocks:
                 block = blocks.pop()
-                self._idle_bytes -= nbytes
+                self._idle_bytes -= block_bytes
                 self.hits += 1
             else:
                 self.misses += 1
         if block is None:
-            block = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
+            block = np.empty(block_bytes + ALIGNMENT, dtype=np.uint8)
         lease = _Lease(block)
-        weakref.finalize(lease, self._give_back, block, nbytes).atexit = False   # (exit frees all)
+        finalizer = weakref.finalize(lease, self._give_back, block, block_bytes)
+        finalizer.atexit = False   # (exit frees everything anyway)
         return _carve(np.asarray(lease), nbytes, dtype, shape)
 
     def _give_back(self, block: np.ndarray, nbytes: int) -> None:

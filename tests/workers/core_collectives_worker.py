@@ -715,6 +715,25 @@ def grouped_freed_without_gc():
         gc.enable()
 
 
+@case("allgather.varying_sizes_reuse_pooled_memory")
+def allgather_varying_sizes():
+    """An allgather whose total rows change a little every step (a sparse gradient's nonzero
+    rows) gets its result from the pool's warm memory after the first step, not fresh pages."""
+    from hvdlite.common.memory import result_pool
+    pool = result_pool()
+    rows = [70_000 + 37 * ((step * 7 + RANK) % 11) for step in range(12)]   # ~280 KiB each
+    misses = None
+    for step, n in enumerate(rows):
+        if step == 2:
+            misses = pool.misses
+        got = hvd.allgather(np.full(n, float(RANK), dtype=np.float32), name="ag.vary")
+        want = np.concatenate([np.full(70_000 + 37 * ((step * 7 + r) % 11), float(r),
+                                       dtype=np.float32) for r in range(SIZE)])
+        check_exact(f"step {step}", got, want)
+        del got
+    assert pool.misses == misses, f"{pool.misses - misses} of 10 steps needed fresh memory"
+
+
 @case("grouped_allreduce.repeated_named")
 def grouped_repeated():
     """One name every step (steady state through the cache); values change every step, one
