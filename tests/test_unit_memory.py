@@ -8,8 +8,9 @@ import pytest
 
 from hvdlite.common import ops
 from hvdlite.common.dtypes import dtype_info
+from hvdlite.common import memory
 from hvdlite.common.memory import (ALIGN_MIN_BYTES, ALIGNMENT, BufferPool, aligned_empty,
-                                   result_empty, size_class)
+                                   fresh_block, result_empty, size_class)
 
 SHAPES = [(), (0,), (1,), (3, 5), (7, 0, 2), (1000, 333), (2**20 + 3,), (64 * 1024,)]
 DTYPES = ["bool", "uint8", "int16", "float16", "bfloat16", "int32", "float32", "int64",
@@ -181,3 +182,18 @@ def test_threads_never_share_a_live_block():
     gc.collect()
     assert pool.hits > 0
     assert pool.idle_bytes == (pool.misses) * 512 * 8
+
+
+@pytest.mark.skipif(memory._POPULATE_FLAGS is None, reason="no MAP_POPULATE on this platform")
+def test_new_pool_blocks_are_populated_mappings():
+    """A pool miss maps its block with the pages populated (page-aligned, zero-filled memory
+    from mmap) instead of taking malloc's memory and faulting every page in on first write."""
+    block = fresh_block(3 * 4096 + 5)
+    assert block.size == 3 * 4096 + 5 and block.dtype == np.uint8 and block.flags.writeable
+    assert block.ctypes.data % 4096 == 0 and not block.any()
+    block[...] = 7
+    pool = BufferPool(min_bytes=1024)
+    a = pool.empty((300_000,), np.float32)
+    assert a.ctypes.data % 4096 == 0, "the pool did not map its new block"
+    a[...] = 1.0
+    assert (a == 1.0).all()

@@ -19,11 +19,15 @@ Two properties matter for speed, both measured on the 2-core reference machine:
   classes (eight per doubling), so results whose size changes a little from step to step (the
   allgather of a sparse gradient) reuse them too: matched by exact size, an allgather of
   3.6-4 MB results missed every time, took 5-27 ms instead of 2.3-2.8 ms, and the pool filled
-  with 500 MiB of blocks nobody asked for again.
+  with 500 MiB of blocks nobody asked for again.  A new block is mapped with its pages
+  populated in one system call (Linux ``MAP_POPULATE``) instead of faulting them in one by one:
+  on the reference VM a fresh 16 MiB array took 53-60 ms to fill (most runs; once 4 ms), 9-11 ms
+  populated; a block dropped by the pool goes straight back to the operating system.
 """
 from __future__ import annotations
 
 import math
+import mmap
 import threading
 import weakref
 
@@ -35,6 +39,21 @@ ALIGNMENT = 64
 ALIGN_MIN_BYTES = 64 * 1024           # smaller results are not aligned (see above)
 POOL_MIN_BYTES = 256 * 1024           # below this, malloc's heap already reuses warm memory
 POOL_MAX_IDLE_BYTES = int(DEFAULT_RESULT_POOL_MB * 2**20)   # (HVDLITE_RESULT_POOL_MB)
+
+
+_POPULATE_FLAGS = (mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
+                   if hasattr(mmap, "MAP_POPULATE") and hasattr(mmap, "MAP_ANONYMOUS") else None)
+
+
+def fresh_block(nbytes: int) -> np.ndarray:
+    """``nbytes`` (> 0) of new, writable, page-aligned memory whose pages are already mapped
+    where the platform allows (see the module docstring); freed with the last array using it."""
+    if _POPULATE_FLAGS is not None:
+        try:
+            return np.frombuffer(mmap.mmap(-1, nbytes, flags=_POPULATE_FLAGS), dtype=np.uint8)
+        except OSError:   # (e.g. a map-count limit): malloc's memory is as correct
+            pass
+    return np.empty(nbytes, dtype=np.uint8)
 
 
 def size_class(nbytes: int) -> int:
@@ -125,7 +144,7 @@ class BufferPool:
             else:
                 self.misses += 1
         if block is None:
-            block = np.empty(block_bytes + ALIGNMENT, dtype=np.uint8)
+            block = fresh_block(block_bytes + ALIGNMENT)
         lease = _Lease(block)
         finalizer = weakref.finalize(lease, self._give_back, block, block_bytes)
         finalizer.atexit = False   # (exit frees everything anyway)
