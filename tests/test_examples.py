@@ -7,7 +7,6 @@ benchmarks must report a positive throughput in their JSON output.
 import json
 import re
 import sys
-from pathlib import Path
 
 import pytest
 
