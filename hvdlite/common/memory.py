@@ -150,12 +150,12 @@ class BufferPool:
         finalizer.atexit = False   # (exit frees everything anyway)
         return _carve(np.asarray(lease), nbytes, dtype, shape)
 
-    def _give_back(self, block: np.ndarray, nbytes: int) -> None:
+    def _give_back(self, block: np.ndarray, block_bytes: int) -> None:
         with self._lock:
-            if self._idle_bytes + nbytes > self.max_idle_bytes:
-                return                        # dropped: numpy frees it
-            self._free.setdefault(nbytes, []).append(block)
-            self._idle_bytes += nbytes
+            if self._idle_bytes + block_bytes > self.max_idle_bytes:
+                return                        # dropped: freed with the array
+            self._free.setdefault(block_bytes, []).append(block)
+            self._idle_bytes += block_bytes
 
     def clear(self) -> None:
         """Release every idle block (leased ones come back to a pool that then stays small)."""

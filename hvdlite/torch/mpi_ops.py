@@ -147,10 +147,11 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     ``compression`` (e.g. ``Compression.fp16``) shrinks the data on the wire."""
     op = resolve_op(op, average)
     compressed, ctx = compression.compress(tensor)
-    differentiable = not isinstance(compressed, torch.Tensor) or (
+    # Nothing to differentiate (metrics, say): skip autograd's ~10 us per call.  A non-tensor
+    # takes the autograd path too, whose checks raise the TypeError for it.
+    through_autograd = not isinstance(compressed, torch.Tensor) or (
         compressed.requires_grad and torch.is_grad_enabled())
-    # Nothing to differentiate (metrics, say): skip autograd's ~10 us per call.
-    reduce = _Allreduce.apply if differentiable else _allreduce_now
+    reduce = _Allreduce.apply if through_autograd else _allreduce_now
     reduced = reduce(compressed, name, op, prescale_factor, postscale_factor, process_set)
     return compression.decompress(reduced, ctx)
 
