@@ -93,6 +93,16 @@ def test_vanished_local_peer_detected_by_hvdlite(np_, odd):
     assert "exited without shutting down hvdlite" in job.stderr, job.output
 
 
+@pytest.mark.parametrize("np_,odd", [layout for layout in LAYOUTS if layout.values[0] >= 3])
+def test_vanished_peer_abort_waits_for_the_other_survivors(np_, odd):
+    """The first survivor to notice a vanished peer exits and aborts the job (MPI_Finalize would
+    wait for the peer for ever), but only after a grace period: a survivor that started waiting
+    later still notices on its own and reports its error instead of being killed silently."""
+    job, wall = launch("vanished_late_waiter", np_, odd)
+    assert_survivors_failed_fast(job, wall, np_, odd)
+    assert "aborting the job in" in job.stderr, job.output
+
+
 @pytest.mark.parametrize("np_,odd", LAYOUTS)
 def test_stall_warning_then_correct_result(np_, odd):
     job, _ = launch("stall_warn", np_, odd)

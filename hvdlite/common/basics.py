@@ -6,6 +6,7 @@ import importlib.util
 import logging
 import sys
 import threading
+import time
 
 from . import liveness, timeline
 from .config import Config, env_flag, env_value
@@ -116,6 +117,12 @@ def init(comm=None, process_sets=None) -> None:
             _atexit_registered = True
 
 
+# Before aborting a job whose peer vanished, the other survivors get this long to notice it
+# themselves (a wait checks the peers after about a second) and report their own errors; an
+# immediate abort killed a survivor that was a moment behind before it said anything.
+ABORT_GRACE_SECONDS = 3.0
+
+
 def _at_exit() -> None:
     """At interpreter exit: shut down; and if a node-local peer vanished during the job, abort
     it, because MPI_Finalize (which runs next) would wait for that peer for ever."""
@@ -123,9 +130,10 @@ def _at_exit() -> None:
     gone = liveness.vanished_seen()
     if gone:
         from mpi4py import MPI
-        log.error("hvdlite: rank(s) %s exited without shutting down; aborting the job so that "
-                  "no rank waits for them in MPI_Finalize.", gone)
+        log.error("hvdlite: rank(s) %s exited without shutting down; aborting the job in %g s "
+                  "so that no rank waits for them in MPI_Finalize.", gone, ABORT_GRACE_SECONDS)
         sys.stderr.flush()
+        time.sleep(ABORT_GRACE_SECONDS)
         MPI.COMM_WORLD.Abort(1)
 
 

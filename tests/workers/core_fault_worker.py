@@ -193,11 +193,13 @@ elif SCENARIO in ("data_stall_warn", "data_stall_shutdown"):
         r.case("stalled_data_errors", stalled_data)
     r.write()
     hvd.shutdown()
-elif SCENARIO == "vanished":
+elif SCENARIO in ("vanished", "vanished_late_waiter"):
     # The odd rank's process is "gone" without the launcher noticing (as under srun without
     # --kill-on-bad-exit): it stops itself (SIGSTOP: its background thread no longer answers,
     # yet the launcher sees a live process), and the survivors' record of it is pointed at a
     # process that has exited.  hvdlite itself must turn their wait into RankExitedError.
+    # "vanished_late_waiter": the lowest surviving rank starts waiting 1.2 s after the others,
+    # so it notices only after they have noticed, exited and begun aborting the job.
     if RANK == ODD:
         import signal
         r.write()
@@ -214,6 +216,8 @@ elif SCENARIO == "vanished":
     child.kill()
     child.wait()
     liveness._peers[ODD] = identity
+    if SCENARIO == "vanished_late_waiter" and RANK == min(k for k in range(SIZE) if k != ODD):
+        time.sleep(1.2)
     survivor_waits()
 else:
     raise SystemExit(f"unknown scenario {SCENARIO!r}")
