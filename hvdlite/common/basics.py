@@ -4,11 +4,12 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import logging
+import os
 import sys
 import threading
 import time
 
-from . import liveness, timeline
+from . import child_process, liveness, timeline
 from .config import Config, env_flag, env_value
 from .errors import NotInitializedError
 from .memory import result_pool
@@ -37,6 +38,25 @@ class _State:
 _state: _State | None = None
 _lock = threading.Lock()
 _atexit_registered = False
+# (parent pid, parent rank) in a child forked from an initialized rank, else None.
+_forked_from: tuple[int, int] | None = None
+
+
+def _after_fork_in_child() -> None:
+    """In a child forked from this process: no MPI and no background thread here (see
+    child_process).  Locks are new: another thread may have held them at the fork."""
+    global _lock, _forked_from
+    _lock = threading.Lock()
+    if _state is not None and _forked_from is None:
+        _forked_from = (os.getppid(), _state.rank)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _refuse_in_forked_child(what: str) -> None:
+    if _forked_from is not None:
+        raise child_process.forked_child_error(what, *_forked_from)
 
 
 def _configure_logging(level: str, rank: int) -> None:
@@ -69,6 +89,9 @@ def init(comm=None, process_sets=None) -> None:
     if any(not isinstance(ps, ProcessSet) for ps in static):
         raise TypeError("init(process_sets=...) expects ProcessSet objects, e.g. "
                         "[hvd.ProcessSet([0, 1])].")
+    if _state is None:   # Horovod's no-op repeat stays one, even in a forked child
+        _refuse_in_forked_child("hvd.init()")
+        child_process.refuse_spawned_child()
     with _lock:
         if _state is not None:
             return
@@ -109,6 +132,7 @@ def init(comm=None, process_sets=None) -> None:
                         MPI.Query_thread() == MPI.THREAD_MULTIPLE)
         for ps in static:
             _register(_state, ps)
+        child_process.mark_rank_process(rank)
         path = env_value("TIMELINE")
         if path and rank == 0:
             timeline.start(path, mark_cycles=env_flag("TIMELINE_MARK_CYCLES"))
@@ -126,6 +150,8 @@ ABORT_GRACE_SECONDS = 3.0
 def _at_exit() -> None:
     """At interpreter exit: shut down; and if a node-local peer vanished during the job, abort
     it, because MPI_Finalize (which runs next) would wait for that peer for ever."""
+    if _forked_from is not None:
+        return   # a forked child: the job is its parent's to end
     shutdown()
     gone = liveness.vanished_seen()
     if gone:
@@ -146,8 +172,8 @@ def shutdown() -> None:
     global _state
     with _lock:
         state, _state = _state, None
-    if state is None:
-        return
+    if state is None or _forked_from is not None:
+        return   # in a forked child the copied state is just dropped: MPI is the parent's
     timeline.stop()
     from .cuda import reset_process_device
     from .ops import reset_auto_names
@@ -226,6 +252,7 @@ def add_process_set(process_set: ProcessSet | list[int]) -> ProcessSet:
     ranks).  Needs ``HVDLITE_DYNAMIC_PROCESS_SETS=1`` or ``hvd.init(process_sets="dynamic")``.
     Returns the registered :class:`ProcessSet`."""
     state = _get("hvd.add_process_set()")
+    _refuse_in_forked_child("hvd.add_process_set()")
     if not state.config.dynamic_process_sets:
         raise ValueError("add_process_set() needs dynamic process sets: set "
                          "HVDLITE_DYNAMIC_PROCESS_SETS=1 (or HOROVOD_DYNAMIC_PROCESS_SETS=1) or "
@@ -243,6 +270,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     removed.  Operations still pending in a removed set fail.  Returns True if this rank's set
     was registered and is now removed."""
     state = _get("hvd.remove_process_set()")
+    _refuse_in_forked_child("hvd.remove_process_set()")
     if not state.config.dynamic_process_sets:
         raise ValueError("remove_process_set() needs dynamic process sets (set "
                          "HVDLITE_DYNAMIC_PROCESS_SETS=1 or call "
@@ -263,6 +291,8 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 def process_set_engine(process_set: ProcessSet | None, what: str):
     """(engine, member global ranks) for an operation on ``process_set`` (None = global)."""
     state = _get(what)
+    if _forked_from is not None:   # tested inline: this runs for every operation
+        _refuse_in_forked_child(what)
     if process_set is None:
         return state.engine, None
     if not isinstance(process_set, ProcessSet):
@@ -373,7 +403,11 @@ def mpi_threads_supported() -> bool:
 
 
 def engine():
-    return _get("an hvdlite operation").engine
+    """The global process set's engine, for an operation about to be submitted."""
+    state = _get("an hvdlite operation")
+    if _forked_from is not None:   # tested inline: this runs for every operation
+        _refuse_in_forked_child("A collective operation")
+    return state.engine
 
 
 # --- build / feature queries: truthful about this installation ---------------------------------

@@ -31,6 +31,11 @@ class RankExitedError(ShutdownError):
     """Another rank shut down or exited while this rank still waited on it."""
 
 
+class RankChildProcessError(HvdliteError):
+    """hvdlite was used in a process that a rank started (a forked or spawned child such as a
+    DataLoader worker), which is not an MPI rank itself."""
+
+
 class TensorMismatchError(HvdliteError, ValueError):
     """Ranks submitted the same tensor name with different dtype/shape/op/root/device/scale."""
 

@@ -19,8 +19,7 @@ import threading
 from pathlib import Path
 from typing import BinaryIO, Mapping, Sequence
 
-# Where MPI launchers put the rank of the process they start (Hydra/PMI, Open MPI, PMIx).
-RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+from ..common.child_process import LAUNCHER_RANK_VARIABLES as RANK_VARIABLES
 _CHUNK = 1 << 16
 _PR_SET_PDEATHSIG = 1
 
