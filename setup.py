@@ -23,6 +23,7 @@ setup(
         "numpy>=1.22",
         "ml_dtypes>=0.3",   # bfloat16 arithmetic for numpy
         "mpi4py>=4.0",
+        "cloudpickle>=2.0",   # hvdlite.run() sends functions (lambdas, notebook code) by value
         # A working MPI from PyPI (MPICH). Skip it with `pip install --no-deps` plus the other
         # requirements when you use a system MPI; see README "Using a system MPI".
         "mpich>=4.2; platform_system == 'Linux'",

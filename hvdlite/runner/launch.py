@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Mapping, Sequence, TypeVar
+from typing import BinaryIO, Callable, Mapping, Sequence, TextIO, TypeVar
 
 from . import check_build, horovodrun_flags, mpi_flavor
 from ..version import __version__
@@ -300,17 +300,33 @@ def _install_handlers(handler: Callable[[int, object], None]) -> dict:
     return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
-def run_job(argv: Sequence[str], env: Mapping[str, str]) -> int:
+def _pump(source: BinaryIO, sink: TextIO) -> None:
+    """Copy the job's output to ``sink`` as it arrives (a notebook's sys.stdout is not fd 1)."""
+    for chunk in iter(lambda: source.read1(1 << 16), b""):
+        sink.write(chunk.decode(errors="replace"))
+        sink.flush()
+
+
+def run_job(argv: Sequence[str], env: Mapping[str, str],
+            output: tuple[TextIO, TextIO] | None = None) -> int:
     """Run the launcher in its own process group and return the job's exit status.
 
     SIGINT/SIGTERM received here are forwarded to the group (the MPI launcher then stops every
     rank); if the job is still running :data:`KILL_GRACE_SECONDS` later, or a second signal
     arrives, the group is killed.  A job ended by a signal returns 128 + the signal number.
+    With ``output`` (stdout, stderr text streams) the job's output is copied there instead of
+    going to this process's file descriptors.
     """
+    pipe = subprocess.PIPE if output is not None else None
     try:
-        proc = subprocess.Popen(list(argv), env=dict(env), start_new_session=True)
+        proc = subprocess.Popen(list(argv), env=dict(env), start_new_session=True,
+                                stdout=pipe, stderr=pipe)
     except OSError as exc:
         raise LaunchError(f"cannot start {argv[0]}: {exc.strerror}") from None
+    pumps = [threading.Thread(target=_pump, args=(source, sink), daemon=True)
+             for source, sink in zip((proc.stdout, proc.stderr), output or ())]
+    for pump in pumps:
+        pump.start()
     received: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:
@@ -333,6 +349,8 @@ def run_job(argv: Sequence[str], env: Mapping[str, str]) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        for pump in pumps:   # the ranks may still hold the pipes a moment; never wait for ever
+            pump.join(KILL_GRACE_SECONDS)
     return 128 + received[0] if received else _exit_status(proc.returncode)
 
 
@@ -346,22 +364,31 @@ def _print_verbose(argv: Sequence[str], env: Mapping[str, str], flavor: mpi_flav
     print(f"hvdlite: {shlex.join(argv)}", file=err, flush=True)
 
 
-def launch(args: argparse.Namespace) -> int:
-    """Build the MPI command for ``args`` and run it; returns the job's exit status."""
-    spec, from_file = plan_job(args, os.environ)
+def launch(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
+           forward: Sequence[str] = (), output: tuple[TextIO, TextIO] | None = None) -> int:
+    """Build the MPI command for ``args`` and run it; returns the job's exit status.
+
+    ``environ`` (default ``os.environ``) is the environment the ranks inherit; ``forward``
+    names variables of it that must reach remote ranks without appearing on the launcher's
+    command line (Hydra forwards the whole environment anyway; Open MPI gets ``-x NAME``).
+    ``output``: see :func:`run_job`.
+    """
+    environ = os.environ if environ is None else environ
+    spec, from_file = plan_job(args, environ)
     launcher, flavor = detect_launcher(args.mpiexec)
     bin_dir = str(Path(sys.executable).parent)
     with tempfile.TemporaryDirectory(prefix="hvdlite-run-") as workdir:
         place_hosts(spec, flavor, from_file, workdir)
-        env = mpi_flavor.child_environment(os.environ, spec.env, bin_dir)
+        env = mpi_flavor.child_environment(environ, spec.env, bin_dir)
         try:
-            argv = mpi_flavor.build_command(launcher, flavor, spec, is_root=os.geteuid() == 0,
-                                            forward=mpi_flavor.open_mpi_forward(env))
+            argv = mpi_flavor.build_command(
+                launcher, flavor, spec, is_root=os.geteuid() == 0,
+                forward=mpi_flavor.open_mpi_forward(env) + list(forward))
         except ValueError as exc:   # e.g. several network interfaces for a Hydra launcher
             raise UsageError(str(exc)) from None
         if args.verbose:
             _print_verbose(argv, spec.env, flavor, env["PATH"])
-        return run_job(argv, env)
+        return run_job(argv, env, output)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

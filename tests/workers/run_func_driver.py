@@ -1,0 +1,85 @@
+"""Calls hvdlite.run() as a notebook would (tests/test_run_func.py); prints one JSON line
+``RESULT {...}`` with what came back.  The ranks' output is captured through sys.stdout and
+sys.stderr replaced by in-memory streams, as in a notebook."""
+import io
+import json
+import sys
+import threading
+
+import numpy as np
+
+import hvdlite
+
+
+def report(**fields):
+    print("RESULT " + json.dumps(fields), file=sys.__stdout__, flush=True)
+
+
+def outcome(call):
+    """Run ``call``; the fields describing what happened."""
+    out, err = io.StringIO(), io.StringIO()
+    sys.stdout, sys.stderr = out, err
+    try:
+        value, error = call(), None
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        value, error = None, exc
+    finally:
+        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    fields = {"value": value, "stdout": out.getvalue(), "stderr": err.getvalue()}
+    if error is not None:
+        cause = error.__cause__
+        fields.update(error=type(error).__name__, message=str(error),
+                      cause=None if cause is None else [type(cause).__name__, str(cause)])
+    return fields
+
+
+def collectives(scale, offset=0):
+    import hvdlite as hvd
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    print(f"hello from rank {rank}", flush=True)
+    summed = hvd.allreduce(np.arange(4, dtype=np.int64) * (rank + 1) * scale, op=hvd.Sum)
+    gathered = hvd.allgather(np.full(rank + 1, rank, dtype=np.int32))
+    return [rank, size, summed.tolist(), gathered.tolist(), offset]
+
+
+def raise_on_last_rank():
+    """The last rank raises before a collective that the others then wait in."""
+    import hvdlite as hvd
+    hvd.init()
+    if hvd.rank() == hvd.size() - 1:
+        raise KeyError("missing shard on the last rank")
+    hvd.allreduce(np.ones(3), name="never.completes")
+
+
+def unpicklable_result():
+    return threading.Lock()
+
+
+def exit_early():
+    import os
+    import hvdlite as hvd
+    hvd.init()
+    if hvd.rank() == 1:
+        sys.stdout.flush()
+        os._exit(0)
+    return hvd.rank()
+
+
+MODES = {
+    "collectives": lambda np_: hvdlite.run(collectives, args=(3,), kwargs={"offset": 7},
+                                           num_proc=np_),
+    "lambda_np_alias": lambda np_: hvdlite.run(lambda k: k * 2, args=(21,), np=np_),
+    "raises": lambda np_: hvdlite.run(raise_on_last_rank, num_proc=np_),
+    "unpicklable_result": lambda np_: hvdlite.run(unpicklable_result, num_proc=np_),
+    "exit_early": lambda np_: hvdlite.run(exit_early, num_proc=np_),
+    "use_gloo": lambda np_: hvdlite.run(len, num_proc=np_, use_gloo=True),
+    "elastic": lambda np_: hvdlite.run(len, num_proc=np_, min_num_proc=1),
+    "ssh_port": lambda np_: hvdlite.run(len, num_proc=np_, ssh_port=2222),
+    "hosts_and_hostfile": lambda np_: hvdlite.run(len, hosts="a:1", hostfile="f"),
+    "not_callable": lambda np_: hvdlite.run("train.py", num_proc=np_),
+}
+
+if __name__ == "__main__":
+    mode, np_ = sys.argv[1], int(sys.argv[2])
+    report(**outcome(lambda: MODES[mode](np_)))
