@@ -24,3 +24,12 @@ def test_worker_reports_every_case(mpi_job, np):
 @pytest.mark.parametrize("np, case", C.pytest_params(C.OPTIMIZER_CASES))
 def test_distributed_optimizer(mpi_job, np, case):
     C.check_case(_job(mpi_job, np), np, case)
+
+
+@pytest.mark.parametrize("np", [1, 2, 3])
+def test_backward_streams_gradients_in_few_rounds(mpi_job, np):
+    """tests/workers/torch_stream_worker.py: streams close after every step, ranks agree, and
+    at one rank the gradients take a few negotiation rounds per step, not one each."""
+    job = mpi_job(np, ["torch_stream_worker.py"], timeout=TIMEOUT,
+                  env={"HVDLITE_CYCLE_TIME": "100"})
+    C.check_case(job, np, "streams_close_and_ranks_agree")

@@ -10,6 +10,7 @@ import logging
 import operator
 import queue
 import threading
+import time
 
 import numpy as np
 
@@ -72,6 +73,11 @@ class Engine:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()   # entries (or None = wake up)
         self._in_flight: dict[str, Entry] = {}   # submitted, not completed
         self._shutdown_requested = False
+        # Producers that announced a stream of submissions (DistributedOptimizer during
+        # backward): while any is open, a round waits up to a cycle time for more entries.
+        self._streams = 0
+        self._stream_closed = threading.Event()
+        self.rounds_with_work = 0   # negotiation rounds that took new entries (tests, benchmarks)
         self._stopped: str | None = None        # why the engine stopped, once it has
         self._stopped_cls: type[ShutdownError] = ShutdownError
         self._thread = threading.Thread(target=self._run, name="hvdlite-engine", daemon=True)
@@ -124,6 +130,22 @@ class Engine:
         for entry in entries:
             self._in_flight[entry.name] = entry
 
+    def stream_open(self) -> None:
+        """A caller starts submitting a burst of entries, one at a time (gradient hooks during
+        backward).  Until :meth:`stream_close`, the engine lets each round gather entries for
+        up to one cycle time instead of negotiating every entry as it arrives: a round's fixed
+        cost (tens of microseconds of Python) paid per gradient competes with backward for the
+        interpreter, and the hooks and the rounds then take turns.  Lone operations and
+        synchronous loops, which open no stream, keep their latency."""
+        with self._lock:
+            self._streams += 1
+
+    def stream_close(self) -> None:
+        """The burst announced by :meth:`stream_open` is over (or abandoned)."""
+        with self._lock:
+            self._streams = max(0, self._streams - 1)
+        self._stream_closed.set()
+
     def shutdown(self, timeout: float | None = None) -> None:
         with self._lock:
             self._shutdown_requested = True
@@ -151,15 +173,37 @@ class Engine:
                 break
             if item is not None:
                 new.append(item)
+        if new and self._streams and pause == 0.0:
+            self._gather_stream(new)
         if any(type(item) is list for item in new):   # grouped ops arrive as lists
             new = [e for item in new for e in (item if type(item) is list else (item,))]
         return new, self._shutdown_requested
+
+    def _gather_stream(self, new: list) -> None:
+        """While a stream is open, add what arrives within one cycle time to ``new``."""
+        q = self._queue
+        deadline = time.perf_counter() + self.controller.max_sleep
+        self._stream_closed.clear()
+        while self._streams:
+            left = deadline - time.perf_counter()
+            if left <= 0 or not self._stream_closed.wait(left):
+                break
+            self._stream_closed.clear()
+        while True:
+            try:
+                item = q.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                new.append(item)
 
     def _run(self) -> None:
         pause = 0.0
         try:
             while True:
                 new, shutdown = self._take_work(pause)
+                if new:
+                    self.rounds_with_work += 1
                 tl = _timeline.ACTIVE
                 if tl is not None:
                     tl.cycle()

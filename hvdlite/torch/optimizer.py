@@ -52,6 +52,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                               for p in self._names if p.requires_grad]
+        self._expected_hooks = len(self._hook_handles)
+        self._fired = 0              # hooks fired in this backward pass
+        self._stream_engine = None   # the engine told that this backward's gradients stream in
 
     # --- set-up ------------------------------------------------------------------------------
     def _parameter_names(self, named_parameters) -> dict:
@@ -101,7 +104,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # --- gradient hooks ----------------------------------------------------------------------
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if self._delay[p] <= 0:
+            self._close_stream()
             raise HvdliteError(_TOO_MANY_PASSES.format(name=self._names[p], n=self._passes))
+        self._fired += 1
+        if self._stream_engine is None and self._fired < self._expected_hooks:
+            self._open_stream()
+        elif self._fired >= self._expected_hooks:
+            self._fired = 0
+            self._close_stream()
         self._delay[p] -= 1
         if self._delay[p] > 0:
             self._handles[p] = (None, None, None)
@@ -155,6 +165,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                         postscale_factor=postscale)
         return handle, _SPARSE, None
 
+    def _open_stream(self) -> None:
+        """Tell the engine that more gradients follow this one (see Engine.stream_open)."""
+        engine = process_set_engine(self._process_set, "DistributedOptimizer")[0]
+        engine.stream_open()
+        self._stream_engine = engine
+
+    def _close_stream(self) -> None:
+        engine, self._stream_engine = self._stream_engine, None
+        if engine is not None:
+            engine.stream_close()
+
     def _zero_grad_like(self, p: torch.Tensor) -> torch.Tensor:
         """Zero gradient for a parameter unused on this rank.  A parameter whose gradient was
         sparse before (this rank saw it) contributes an empty sparse tensor, so that it joins
@@ -176,6 +197,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         reduction fails (e.g. a shape mismatch across ranks), the others are still waited for
         and written into ``.grad``; then the first error is raised, and nothing stays in flight.
         """
+        self._fired = 0   # parameters without a gradient never fire their hooks
+        self._close_stream()
         for p in self._names:
             if p.requires_grad and self._handles.get(p, (None,))[0] is None:
                 self._handles[p] = self._allreduce_grad_async(p)
