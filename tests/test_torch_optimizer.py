@@ -33,3 +33,10 @@ def test_backward_streams_gradients_in_few_rounds(mpi_job, np):
     job = mpi_job(np, ["torch_stream_worker.py"], timeout=TIMEOUT,
                   env={"HVDLITE_CYCLE_TIME": "100"})
     C.check_case(job, np, "streams_close_and_ranks_agree")
+
+
+@pytest.mark.parametrize("np", [1, 2, 3])
+def test_zero_grad_closes_an_unfinished_gradient_stream(mpi_job, np):
+    job = mpi_job(np, ["torch_stream_worker.py"], timeout=TIMEOUT,
+                  env={"HVDLITE_CYCLE_TIME": "100"})
+    C.check_case(job, np, "zero_grad_closes_an_unfinished_stream")

@@ -253,6 +253,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise HvdliteError("optimizer.zero_grad() was called after loss.backward() but "
                                "before optimizer.step() or optimizer.synchronize(); that would "
                                "race with gradient reductions in flight. Call step() first.")
+        self._fired = 0        # a backward left unfinished (an error, unused parameters and no
+        self._close_stream()   # step) must not keep the engine gathering
         return super().zero_grad(set_to_none=set_to_none)
 
 

@@ -56,7 +56,24 @@ def streams_close_and_ranks_agree():
         assert per_step <= 4, f"{per_step} negotiation rounds per step for 82 gradients"
 
 
+def zero_grad_closes_an_unfinished_stream():
+    """A backward pass whose stream is still open (a parameter without a gradient, and no
+    step: here the first of two accumulation passes, then the accumulation is dropped) must
+    not leave the engine gathering: zero_grad() closes it."""
+    model, never = nn.Linear(8, 8), nn.Linear(8, 8)
+    named = [(f"m.{n}", p) for n, p in model.named_parameters()] + [
+        (f"never.{n}", p) for n, p in never.named_parameters()]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.01),
+                                   named_parameters=named, backward_passes_per_step=2)
+    engine = basics.engine()
+    model(torch.ones(2, 8)).sum().backward()
+    assert engine._streams == 1, engine._streams
+    opt.zero_grad()
+    assert engine._streams == 0, "zero_grad() left the gradient stream open"
+
+
 r = Reporter(RANK)
 r.case("streams_close_and_ranks_agree", streams_close_and_ranks_agree)
+r.case("zero_grad_closes_an_unfinished_stream", zero_grad_closes_an_unfinished_stream)
 r.write()
 hvd.shutdown()
