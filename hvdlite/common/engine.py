@@ -166,22 +166,25 @@ class Engine:
                     new.append(item)
             except queue.Empty:
                 pass
-        while True:
-            try:
-                item = q.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                new.append(item)
+        self._drain(new)
         if new and self._streams and pause == 0.0:
             self._gather_stream(new)
         if any(type(item) is list for item in new):   # grouped ops arrive as lists
             new = [e for item in new for e in (item if type(item) is list else (item,))]
         return new, self._shutdown_requested
 
+    def _drain(self, new: list) -> None:
+        """Move everything queued now into ``new`` (``None`` only wakes the thread)."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                new.append(item)
+
     def _gather_stream(self, new: list) -> None:
         """While a stream is open, add what arrives within one cycle time to ``new``."""
-        q = self._queue
         deadline = time.perf_counter() + self.controller.max_sleep
         self._stream_closed.clear()
         while self._streams:
@@ -189,13 +192,7 @@ class Engine:
             if left <= 0 or not self._stream_closed.wait(left):
                 break
             self._stream_closed.clear()
-        while True:
-            try:
-                item = q.get_nowait()
-            except queue.Empty:
-                return
-            if item is not None:
-                new.append(item)
+        self._drain(new)
 
     def _run(self) -> None:
         pause = 0.0
