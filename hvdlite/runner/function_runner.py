@@ -72,10 +72,7 @@ def _parse(argv: Sequence[str]):
         raise ValueError(f"hvdlite.run(): {message}")
 
     parser.error = error   # argparse (and the horovodrun refusals) report through this
-    args = parser.parse_args(list(argv))
-    if args.command[:1] == ["--"]:
-        args.command = args.command[1:]
-    return args
+    return launch.parse_args(argv, parser)
 
 
 def _is_local(name: str) -> bool:
@@ -87,12 +84,9 @@ def _is_local(name: str) -> bool:
         return False
 
 
-def _listen_address(args) -> tuple[str, str]:
-    """(address to bind, address the ranks connect to) for the driver's listener."""
-    try:
-        hosts, _ = launch.resolve_hosts(args)
-    except launch.LaunchError as exc:
-        raise ValueError(f"hvdlite.run(): {exc}") from None
+def _listen_address(hosts) -> tuple[str, str]:
+    """(address to bind, address the ranks connect to) for the driver's listener, for a job
+    on ``hosts`` (None: this host)."""
     remote = [host.name for host in hosts or () if not _is_local(host.name)]
     if not remote:
         return "127.0.0.1", "127.0.0.1"
@@ -183,8 +177,9 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None 
 
     The ranks' output is copied to this process's ``sys.stdout``/``sys.stderr`` (so it shows
     in a notebook).  If ``func`` raises on some rank, or a rank exits without returning, this
-    raises ``RuntimeError`` naming the ranks, with the first failing rank's traceback, and that
-    rank's exception (when it can be unpickled here) as the cause.
+    raises ``RuntimeError`` naming the ranks, with the traceback of the first rank that failed
+    on its own (not with ``RankExitedError`` because a peer left), and that rank's exception
+    (when it can be unpickled here) as the cause.
     """
     if np is not None:
         if num_proc == 1:
@@ -205,11 +200,12 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None 
         hostfile, start_timeout, ssh_port, ssh_identity_file, disable_cache, output_filename,
         verbose, use_gloo, use_mpi, mpi_args, network_interface, executable))
     try:
-        size = launch.process_count(parsed, launch.resolve_hosts(parsed)[0])
+        hosts, _ = launch.resolve_hosts(parsed)
+        size = launch.process_count(parsed, hosts)
     except launch.LaunchError as exc:
         raise ValueError(f"hvdlite.run(): {exc}") from None
     payload = _cloudpickle().dumps((func, tuple(args), dict(kwargs or {})))
-    bind, advertised = _listen_address(parsed)
+    bind, advertised = _listen_address(hosts)
     driver = _Driver(payload, bind)
     environ = dict(os.environ)
     environ[ADDRESS_VARIABLE] = f"{advertised}:{driver.port}"

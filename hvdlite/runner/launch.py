@@ -133,12 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """Parse ``hvdlite`` arguments; a leading ``run`` subcommand word is optional."""
+def parse_args(argv: Sequence[str],
+               parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """Parse ``hvdlite`` arguments; a leading ``run`` subcommand word is optional.  ``parser``
+    (default: :func:`build_parser`'s) lets a caller change how errors are reported."""
     argv = list(argv)
     if argv[:1] == ["run"]:
         argv = argv[1:]
-    args = build_parser().parse_args(argv)
+    args = (parser or build_parser()).parse_args(argv)
     if args.command[:1] == ["--"]:
         args.command = args.command[1:]
     return args
