@@ -110,7 +110,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._stream_engine is None and self._fired < self._expected_hooks:
             self._open_stream()
         elif self._fired >= self._expected_hooks:
-            self._fired = 0
             self._close_stream()
         self._delay[p] -= 1
         if self._delay[p] > 0:
@@ -172,6 +171,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._stream_engine = engine
 
     def _close_stream(self) -> None:
+        """The backward pass is over (or abandoned): count its hooks afresh next time."""
+        self._fired = 0
         engine, self._stream_engine = self._stream_engine, None
         if engine is not None:
             engine.stream_close()
@@ -197,8 +198,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         reduction fails (e.g. a shape mismatch across ranks), the others are still waited for
         and written into ``.grad``; then the first error is raised, and nothing stays in flight.
         """
-        self._fired = 0   # parameters without a gradient never fire their hooks
-        self._close_stream()
+        self._close_stream()   # parameters without a gradient never fire their hooks
         for p in self._names:
             if p.requires_grad and self._handles.get(p, (None,))[0] is None:
                 self._handles[p] = self._allreduce_grad_async(p)
@@ -253,8 +253,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise HvdliteError("optimizer.zero_grad() was called after loss.backward() but "
                                "before optimizer.step() or optimizer.synchronize(); that would "
                                "race with gradient reductions in flight. Call step() first.")
-        self._fired = 0        # a backward left unfinished (an error, unused parameters and no
-        self._close_stream()   # step) must not keep the engine gathering
+        # A backward left unfinished (an error, unused parameters and no step) must not keep
+        # the engine gathering.
+        self._close_stream()
         return super().zero_grad(set_to_none=set_to_none)
 
 
