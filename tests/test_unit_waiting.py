@@ -36,3 +36,27 @@ def test_wait_until_on_slow_may_abandon_the_wait():
         raise TimeoutError(f"gave up after {waited}")
     with pytest.raises(TimeoutError):
         wait_until(lambda: False, 1e-4, on_slow=give_up, slow_every=0.0, spin_seconds=0.0)
+
+
+def consumed_on(n):
+    """A ready() like a matched probe: its n-th call takes the one message there is, so only
+    that call answers true; a call after it would wait for a message that never comes."""
+    calls = itertools.count(1)
+
+    def ready():
+        call = next(calls)
+        assert call <= n, "ready() was called again after it answered true (answer lost)"
+        return call == n
+    return ready
+
+
+@pytest.mark.parametrize("n", range(1, 40))
+@pytest.mark.parametrize("with_stall_checks", [False, True])
+def test_wait_until_never_asks_again_after_true(n, with_stall_checks):
+    """Whatever call (the spin, a sleep's test, the one at a stall check) takes the message,
+    the wait ends there; an earlier version asked again after a stall check's true answer and
+    lost the message, so a rank waited forever for a reply it had already received."""
+    slow = []
+    wait_until(consumed_on(n), 1e-5, on_slow=slow.append if with_stall_checks else None,
+               slow_every=0.0, spin_seconds=0.0)
+    assert not with_stall_checks or n <= 2 or slow

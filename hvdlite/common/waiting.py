@@ -40,17 +40,22 @@ def wait_until(ready: Callable[[], bool], max_sleep: float,
                spin_seconds: float = SPIN_SECONDS) -> None:
     """Return once ``ready()`` is true.  ``on_slow(waited_seconds)`` is called about every
     ``slow_every`` seconds of waiting (stall checks); it may raise to abandon the wait.
-    ``spin_seconds``: how long to test between ``sched_yield`` calls before sleeping."""
+    ``spin_seconds``: how long to test between ``sched_yield`` calls before sleeping.
+
+    ``ready()`` may consume what it waits for (a matched probe receives the message), so it is
+    never called again once it has answered true: that answer must end the wait."""
     start = time.monotonic()
     if poll_briefly(ready, spin_seconds):
         return
     next_slow = start + slow_every
     sleep = 20e-6
-    while not ready():
+    while True:
         time.sleep(sleep)
+        if ready():
+            return
         sleep = min(max_sleep, sleep * 2)
         if on_slow is not None:
             now = time.monotonic()
-            if now >= next_slow and not ready():   # still waiting after the sleep
+            if now >= next_slow:
                 next_slow = now + slow_every
                 on_slow(now - start)
