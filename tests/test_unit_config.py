@@ -94,3 +94,15 @@ def test_config_is_immutable():
     cfg = Config.from_env({})
     with pytest.raises(Exception):
         cfg.fusion_threshold = 1
+
+
+@pytest.mark.parametrize("cycle_ms,cycle_seconds,sleep_cap", [
+    (1.0, 1e-3, 1e-3),
+    (0.2, 2e-4, 2e-4),      # a shorter cycle also wakes waits sooner
+    (0.0, 1e-5, 1e-5),      # floor: a zero cycle must not make waits spin
+    (500.0, 0.5, 1e-3),     # a long cycle gathers longer but must not make waits sleep longer
+])
+def test_cycle_time_and_wait_sleep_cap(cycle_ms, cycle_seconds, sleep_cap):
+    cfg = Config.from_env({"HVDLITE_CYCLE_TIME": str(cycle_ms)})
+    assert cfg.cycle_seconds == pytest.approx(cycle_seconds)
+    assert cfg.wait_sleep_cap == pytest.approx(sleep_cap)

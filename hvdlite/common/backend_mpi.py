@@ -40,7 +40,7 @@ class MPIBackend:
                  on_slow: Callable[[float], None] | None = None) -> None:
         """``shm_fusion_bytes``: allreduces up to this size are reduced through an intra-node
         shared-memory window when all ranks share a node (0: always MPI).  ``max_sleep``: the
-        longest sleep between two checks while waiting for peers (the cycle time).
+        longest sleep between two checks while waiting for peers (``Config.wait_sleep_cap``).
         ``on_slow(waited_seconds)``: called about every second of such a wait (stall checks;
         it may raise to abandon the wait)."""
         from mpi4py import MPI

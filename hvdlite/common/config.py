@@ -17,6 +17,10 @@ DEFAULT_CACHE_CAPACITY = 1024
 DEFAULT_STALL_CHECK_SECONDS = 60.0
 DEFAULT_RESULT_POOL_MB = 512.0
 DEFAULT_SHM_FUSION_MB = 64.0
+# Longest sleep between two checks while waiting on peers, whatever the cycle time: each sleep's
+# overshoot is paid by the wait it ends, and a long cycle is asked for to gather more per round,
+# not to notice ready peers late.
+MAX_WAIT_SLEEP_SECONDS = 1e-3
 
 
 def env_value(name: str, environ: Mapping[str, str] | None = None) -> str | None:
@@ -80,6 +84,18 @@ class Config:
     result_pool_bytes: int = int(DEFAULT_RESULT_POOL_MB * 2**20)
     # Largest fused batch reduced through intra-node shared memory (shm_fusion.SharedFusion).
     shm_fusion_bytes: int = int(DEFAULT_SHM_FUSION_MB * 2**20)
+
+    @property
+    def cycle_seconds(self) -> float:
+        """The cycle (``HVDLITE_CYCLE_TIME``) in seconds, at least 10 us: how long a round
+        gathers a gradient stream's entries, and the pause between rounds in which every rank
+        waits and nothing matched."""
+        return max(self.cycle_time_ms, 0.01) / 1000.0
+
+    @property
+    def wait_sleep_cap(self) -> float:
+        """Longest back-off sleep while waiting on peers: the cycle, but at most 1 ms."""
+        return min(self.cycle_seconds, MAX_WAIT_SLEEP_SECONDS)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Config":

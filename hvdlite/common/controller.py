@@ -123,7 +123,8 @@ class Controller:
         self.global_ranks = list(global_ranks) if global_ranks else list(range(self.size))
         self.label = self.global_ranks[self.rank]
         self.config = config
-        self.max_sleep = max(config.cycle_time_ms, 0.01) / 1000.0
+        self.cycle_seconds = config.cycle_seconds
+        self.max_sleep = config.wait_sleep_cap   # back-off cap of every wait on peers
         self.cache = ResponseCache(config.cache_capacity)
         self.pending: dict[str, Entry] = {}
         self._table: dict[str, dict[int, Request]] = {}   # coordinator: full requests by name

@@ -149,6 +149,9 @@ STEADY_CONFIGS = {
     "horovod_alias_fusion_off": {"HOROVOD_FUSION_THRESHOLD": "0", "HOROVOD_CACHE_CAPACITY": "0"},
     "result_pool_off": {"HVDLITE_RESULT_POOL_MB": "0"},
     "shm_fusion_off": {"HVDLITE_SHM_FUSION_MB": "0"},
+    # A long cycle gathers longer but must not slow every wait on peers down to it (that made
+    # each step take seconds, and a lost probe answer made a rank wait forever).
+    "cycle_500ms": {"HVDLITE_CYCLE_TIME": "500"},
 }
 
 # --- errors ------------------------------------------------------------------------------------
