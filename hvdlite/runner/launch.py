@@ -309,6 +309,27 @@ def _pump(source: BinaryIO, sink: TextIO) -> None:
         sink.flush()
 
 
+def _stop_with_this_process() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has Linux send the MPI launcher SIGTERM when the thread that
+    started it dies, even by SIGKILL (``prctl(PR_SET_PDEATHSIG)``): the launcher then stops
+    every rank instead of leaving the job running without anyone to wait for it.  None where
+    that is not available."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig, sigterm, parent = 1, int(signal.SIGTERM), os.getpid()
+
+    def preexec() -> None:   # in the child, between fork and exec: no imports, no allocation
+        prctl(pr_set_pdeathsig, sigterm)
+        if os.getppid() != parent:   # this process died before the request took effect
+            os.kill(os.getpid(), sigterm)
+    return preexec
+
+
 def run_job(argv: Sequence[str], env: Mapping[str, str],
             output: tuple[TextIO, TextIO] | None = None) -> int:
     """Run the launcher in its own process group and return the job's exit status.
@@ -316,13 +337,15 @@ def run_job(argv: Sequence[str], env: Mapping[str, str],
     SIGINT/SIGTERM received here are forwarded to the group (the MPI launcher then stops every
     rank); if the job is still running :data:`KILL_GRACE_SECONDS` later, or a second signal
     arrives, the group is killed.  A job ended by a signal returns 128 + the signal number.
-    With ``output`` (stdout, stderr text streams) the job's output is copied there instead of
+    If this process dies without a chance to forward anything (SIGKILL, a crash), Linux sends
+    the MPI launcher SIGTERM (see :func:`_stop_with_this_process`).  With ``output`` (stdout, stderr text streams) the job's output is copied there instead of
     going to this process's file descriptors.
     """
     pipe = subprocess.PIPE if output is not None else None
     try:
         proc = subprocess.Popen(list(argv), env=dict(env), start_new_session=True,
-                                stdout=pipe, stderr=pipe)
+                                stdout=pipe, stderr=pipe,
+                                preexec_fn=_stop_with_this_process())
     except OSError as exc:
         raise LaunchError(f"cannot start {argv[0]}: {exc.strerror}") from None
     pumps = [threading.Thread(target=_pump, args=(source, sink), daemon=True)
