@@ -338,8 +338,9 @@ def run_job(argv: Sequence[str], env: Mapping[str, str],
     rank); if the job is still running :data:`KILL_GRACE_SECONDS` later, or a second signal
     arrives, the group is killed.  A job ended by a signal returns 128 + the signal number.
     If this process dies without a chance to forward anything (SIGKILL, a crash), Linux sends
-    the MPI launcher SIGTERM (see :func:`_stop_with_this_process`).  With ``output`` (stdout, stderr text streams) the job's output is copied there instead of
-    going to this process's file descriptors.
+    the MPI launcher SIGTERM (see :func:`_stop_with_this_process`).  With ``output`` (stdout,
+    stderr text streams) the job's output is copied there instead of going to this process's
+    file descriptors.
     """
     pipe = subprocess.PIPE if output is not None else None
     try:
