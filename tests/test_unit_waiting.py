@@ -4,7 +4,8 @@ import itertools
 
 import pytest
 
-from hvdlite.common.waiting import poll_briefly, wait_until
+from hvdlite.common import waiting
+from hvdlite.common.waiting import caller_blocked, poll_briefly, wait_until
 
 
 def after(n):
@@ -60,3 +61,33 @@ def test_wait_until_never_asks_again_after_true(n, with_stall_checks):
     wait_until(consumed_on(n), 1e-5, on_slow=slow.append if with_stall_checks else None,
                slow_every=0.0, spin_seconds=0.0)
     assert not with_stall_checks or n <= 2 or slow
+
+
+def test_wait_until_yields_instead_of_sleeping_while_a_caller_is_blocked(monkeypatch):
+    """A thread blocked on a result computes nothing, so waits on peers poll between yields
+    (for PEER_SPIN_SECONDS) instead of sleeping; without one they sleep as before."""
+    slept = []
+    monkeypatch.setattr(waiting.time, "sleep", slept.append)
+    monkeypatch.setattr(waiting, "PEER_SPIN_SECONDS", 3600.0)   # no budget runs out here
+    with caller_blocked():
+        wait_until(after(200), 1e-3, spin_seconds=0.0)
+    assert slept == []
+    wait_until(after(20), 1e-3, spin_seconds=0.0)
+    assert len(slept) == 19
+
+
+def test_wait_until_sleeps_again_once_the_spin_budget_is_spent(monkeypatch):
+    slept = []
+    monkeypatch.setattr(waiting.time, "sleep", slept.append)
+    monkeypatch.setattr(waiting, "PEER_SPIN_SECONDS", 0.0)
+    with caller_blocked():
+        wait_until(after(20), 1e-3, spin_seconds=0.0)
+    assert len(slept) == 18   # the first pass after the spin only sets the (empty) budget
+
+
+def test_caller_blocked_is_undone_when_the_wait_raises():
+    with pytest.raises(KeyError):
+        with caller_blocked():
+            assert waiting._blocked_callers == 1
+            raise KeyError("the result was an error")
+    assert waiting._blocked_callers == 0
