@@ -11,6 +11,11 @@ For every buffer size it times, on the same buffers:
 * ``allreduce``: hvdlite's out-of-place ``hvd.allreduce(send, op=hvd.Sum, name=...)``;
 * ``allreduce_``: hvdlite's in-place ``hvd.allreduce_(work, op=hvd.Sum, name=...)``.
 
+A third case times a synchronous allreduce of one float right after each rank "computed"
+(slept, untimed) for ``--after-compute-ms`` plus up to a fifth of that again, drawn per rank, as
+a training step ends with a metric average or a barrier: a rank's engine then starts from idle
+and the first rank to arrive waits for its peer, raw MPI's blocking call and hvdlite alike.
+
 It also times a "many small tensors" round (``--small-count`` tensors of ``--small-kib`` KiB
 submitted with ``hvd.allreduce_async_`` and then all waited for) against one raw ``Allreduce`` of
 the same total number of bytes.
@@ -114,6 +119,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="tensors in the many-small-tensors round (0 skips it; default 200)")
     parser.add_argument("--small-kib", type=int, default=16,
                         help="size of each small tensor in KiB (default 16)")
+    parser.add_argument("--after-compute-ms", type=float, default=20.0,
+                        help="compute time (a sleep) before each allreduce of the after-compute "
+                             "case (0 skips it; default 20)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     args = parser.parse_args(argv)
     if min(args.iterations, args.min_iterations, args.blocks) < 1 or args.time_budget <= 0:
@@ -121,6 +129,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                      "--time-budget positive")
     if args.small_count < 0 or args.small_kib < 1:
         parser.error("--small-count must be >= 0 and --small-kib >= 1")
+    if args.after_compute_ms < 0:
+        parser.error("--after-compute-ms must not be negative")
     return args
 
 
@@ -291,6 +301,21 @@ class SmallResult:
                 "ratio": ratio(self.raw, self.hvdlite)}
 
 
+@dataclasses.dataclass
+class AfterComputeResult:
+    """A one-float allreduce right after each rank computed, raw and hvdlite."""
+
+    compute_ms: float
+    raw: Timing
+    hvdlite: Timing
+    correct: bool
+
+    def as_dict(self) -> dict:
+        return {"compute_ms": self.compute_ms, "correct": self.correct,
+                "raw": dataclasses.asdict(self.raw), "hvdlite": dataclasses.asdict(self.hvdlite),
+                "ratio": ratio(self.raw, self.hvdlite)}
+
+
 def check_size(send: np.ndarray, recv: np.ndarray, work: np.ndarray, names: tuple[str, str],
                comm) -> bool:
     """Run each variant once and compare with the numpy reference (on every rank)."""
@@ -364,6 +389,28 @@ def bench_small(args: argparse.Namespace, comm) -> SmallResult:
     measure((raw, rounds), planned, args, comm)
     return SmallResult(args.small_count, count * np.dtype(DTYPE).itemsize,
                        summarize(raw.samples, comm), summarize(rounds.samples, comm), correct)
+
+
+def bench_after_compute(args: argparse.Namespace, comm) -> AfterComputeResult:
+    """Blocking one-float allreduces, each after an untimed 'compute' (a sleep) whose length
+    differs per rank and step, so the ranks arrive apart as in training."""
+    rng = np.random.default_rng(1000 + comm.Get_rank())
+    seconds = args.after_compute_ms / 1e3
+
+    def compute() -> None:
+        time.sleep(seconds * (1.0 + rng.uniform(0.0, 0.2)))
+    one = np.ones(1, DTYPE)
+    out = np.empty_like(one)
+    size = comm.Get_size()
+    comm.Allreduce(one, out, op=MPI.SUM)
+    correct = agree(out[0] == size and hvd.allreduce(one, op=hvd.Sum,
+                                                     name="after_compute")[0] == size, comm)
+    raw = Case(lambda: comm.Allreduce(one, out, op=MPI.SUM), comm.Barrier, prepare=compute)
+    hvdlite = Case(lambda: hvd.allreduce(one, op=hvd.Sum, name="after_compute"), hvd.barrier,
+                   prepare=compute)
+    measure((raw, hvdlite), args.iterations, args, comm)
+    return AfterComputeResult(args.after_compute_ms, summarize(raw.samples, comm),
+                              summarize(hvdlite.samples, comm), correct)
 
 
 # --- environment and report --------------------------------------------------------------------
@@ -450,6 +497,17 @@ def small_lines(r: SmallResult) -> list[str]:
     ]
 
 
+def after_compute_lines(r: AfterComputeResult) -> list[str]:
+    """The after-compute summary."""
+    return [
+        f"one-float allreduce after {r.compute_ms:g}-{r.compute_ms * 1.2:g} ms of compute per "
+        f"rank ({r.hvdlite.iterations} steps)",
+        f"  raw Allreduce: {r.raw.median_ms:.4f} ms (p90 {r.raw.p90_ms:.4f})",
+        f"  hvdlite:       {r.hvdlite.median_ms:.4f} ms (p90 {r.hvdlite.p90_ms:.4f})  raw/hvd "
+        f"{ratio(r.raw, r.hvdlite):.2f}x  {'ok' if r.correct else 'WRONG'}",
+    ]
+
+
 def target_lines(sizes: list[SizeResult], small: SmallResult | None) -> list[str]:
     """hvdlite's stated performance targets (2 ranks on a 2-core machine), for the cases this run
     measured."""
@@ -469,17 +527,20 @@ def target_lines(sizes: list[SizeResult], small: SmallResult | None) -> list[str
 
 
 def write_json(path: str, env: dict, args: argparse.Namespace, sizes: list[SizeResult],
-               small: SmallResult | None, elapsed: float) -> None:
+               small: SmallResult | None, after: AfterComputeResult | None,
+               elapsed: float) -> None:
     """Results, settings and environment as one JSON document."""
     document = {
         "environment": env,
         "options": {"iterations": args.iterations, "min_iterations": args.min_iterations,
                     "blocks": args.blocks, "time_budget_s": args.time_budget,
-                    "small_count": args.small_count, "small_kib": args.small_kib},
+                    "small_count": args.small_count, "small_kib": args.small_kib,
+                    "after_compute_ms": args.after_compute_ms},
         "time_unit": "ms (median per iteration on each rank, max over ranks)",
         "elapsed_s": elapsed,
         "sizes": [r.as_dict() for r in sizes],
         "small": small.as_dict() if small is not None else None,
+        "after_compute": after.as_dict() if after is not None else None,
     }
     Path(path).write_text(json.dumps(document, indent=2) + "\n")
 
@@ -503,6 +564,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     small = bench_small(args, comm) if args.small_count > 0 else None
     if small is not None:
         say(*small_lines(small), "")
+    after = bench_after_compute(args, comm) if args.after_compute_ms > 0 else None
+    if after is not None:
+        say(*after_compute_lines(after), "")
     if comm.Get_size() == TARGET_RANKS:
         targets = target_lines(sizes, small)
         if targets:
@@ -514,8 +578,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{env['load_average_at_end']}.")
 
     if args.json and comm.Get_rank() == 0:
-        write_json(args.json, env, args, sizes, small, elapsed)
-    correct = all(r.correct for r in sizes) and (small is None or small.correct)
+        write_json(args.json, env, args, sizes, small, after, elapsed)
+    correct = (all(r.correct for r in sizes) and (small is None or small.correct)
+               and (after is None or after.correct))
     if not correct:
         say("ERROR: some hvdlite or MPI results differ from the numpy reference (see 'check').")
     hvd.barrier()
