@@ -403,8 +403,9 @@ def bench_after_compute(args: argparse.Namespace, comm) -> AfterComputeResult:
     out = np.empty_like(one)
     size = comm.Get_size()
     comm.Allreduce(one, out, op=MPI.SUM)
-    correct = agree(out[0] == size and hvd.allreduce(one, op=hvd.Sum,
-                                                     name="after_compute")[0] == size, comm)
+    ok = out[0] == size   # both calls on every rank, whatever the first says: they are collective
+    ok &= hvd.allreduce(one, op=hvd.Sum, name="after_compute")[0] == size
+    correct = agree(ok, comm)
     raw = Case(lambda: comm.Allreduce(one, out, op=MPI.SUM), comm.Barrier, prepare=compute)
     hvdlite = Case(lambda: hvd.allreduce(one, op=hvd.Sum, name="after_compute"), hvd.barrier,
                    prepare=compute)
