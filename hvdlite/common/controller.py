@@ -123,7 +123,6 @@ class Controller:
         self.global_ranks = list(global_ranks) if global_ranks else list(range(self.size))
         self.label = self.global_ranks[self.rank]
         self.config = config
-        self.cycle_seconds = config.cycle_seconds
         self.max_sleep = config.wait_sleep_cap   # back-off cap of every wait on peers
         self.cache = ResponseCache(config.cache_capacity)
         self.pending: dict[str, Entry] = {}

@@ -185,7 +185,7 @@ class Engine:
 
     def _gather_stream(self, new: list) -> None:
         """While a stream is open, add what arrives within one cycle time to ``new``."""
-        deadline = time.perf_counter() + self.controller.cycle_seconds
+        deadline = time.perf_counter() + self.config.cycle_seconds
         self._stream_closed.clear()
         while self._streams:
             left = deadline - time.perf_counter()
@@ -220,7 +220,7 @@ class Engine:
                     return
                 # Everyone has work but nothing matched (tensors submitted in different orders):
                 # pace the rounds by the cycle time instead of spinning.
-                pause = (self.controller.cycle_seconds
+                pause = (self.config.cycle_seconds
                          if (not outcome.progress and outcome.everyone_busy and not new) else 0.0)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiters
             if isinstance(exc, HvdliteError):
