@@ -42,6 +42,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._op = op
         self._predivide = float(gradient_predivide_factor)   # (floats: the fast path's type)
         self._sparse_as_dense = sparse_as_dense
+        self._given_names = None    # param -> name from named_parameters (None: positional)
         self._names = self._parameter_names(named_parameters)
         self._group_of, self._groups = self._parameter_groups(groups)
         self._delay = {p: backward_passes_per_step for p in self._names}
@@ -50,9 +51,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._group_ready: dict = {}
         self._synchronized = False
         self._should_synchronize = True
-        self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                              for p in self._names if p.requires_grad]
-        self._expected_hooks = len(self._hook_handles)
+        self._hook_handles = []
+        self._expected_hooks = 0
+        self._hook(self._names)
         self._fired = 0              # hooks fired in this backward pass
         self._stream_engine = None   # the engine told that this backward's gradients stream in
 
@@ -72,12 +73,51 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"named_parameters contains duplicate names {dups}; each "
                              f"parameter needs a unique name.")
         by_param = {p: f"allreduce.{name}" for name, p in named}
+        self._given_names = by_param   # also names parameter groups added later
         unnamed = [i for i, p in enumerate(all_params) if p not in by_param]
         if unnamed:
             raise ValueError(f"named_parameters was given but {len(unnamed)} of the optimizer's "
                              f"parameters are not in it (positions {unnamed[:10]}); pass "
                              f"named_parameters for the same model the optimizer updates.")
         return {p: by_param[p] for p in all_params}
+
+    def _hook(self, params) -> None:
+        """Start each parameter's allreduce from its gradient hook (parameters that need no
+        gradient now get none; ``synchronize()`` reduces them if they need one later)."""
+        self._hook_handles += [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                               for p in params if p.requires_grad]
+        self._expected_hooks = len(self._hook_handles)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """``torch.optim.Optimizer.add_param_group``, with the new parameters' gradients
+        averaged like the others (fine-tuning that unfreezes layers as it goes).
+
+        With ``named_parameters`` the new parameters must be among the names given then
+        (``model.named_parameters()`` lists frozen layers too); without it they are named by
+        position, so every rank must add the same groups in the same order.
+        """
+        if getattr(self, "_names", None) is None:   # torch's __init__ adds the first groups
+            return super().add_param_group(param_group)
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        new = {p for p in params if p not in self._names}   # (a set: tensors hash by id)
+        if self._given_names is not None:
+            unnamed = [i for i, p in enumerate(params)
+                       if p in new and p not in self._given_names]
+            if unnamed:
+                raise ValueError(
+                    f"add_param_group: {len(unnamed)} of the new parameters (positions "
+                    f"{unnamed[:10]}) are not in the named_parameters given to "
+                    f"DistributedOptimizer, so they have no name to match across ranks; pass "
+                    f"model.named_parameters() for the whole model when wrapping.")
+        super().add_param_group({**param_group, "params": params})
+        group_index = len(self.param_groups) - 1
+        for j, p in enumerate(params):
+            if p in new:
+                self._names[p] = (self._given_names[p] if self._given_names is not None
+                                  else f"allreduce.noname.{group_index}.{j}")
+                self._delay[p] = self._passes
+        self._hook(list(dict.fromkeys(p for p in params if p in new)))
 
     def _parameter_groups(self, groups):
         params = list(self._names)
@@ -248,11 +288,40 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         return super().step(closure)
 
-    def zero_grad(self, set_to_none: bool = True):
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Horovod's method: reduce gradients every ``passes`` backward passes from now on.
+        Backward passes already accumulated towards the next reduction are forgotten (their
+        gradients stay in ``.grad`` until ``zero_grad()``)."""
+        if passes < 1:
+            raise ValueError("backward_passes_per_step must be >= 1.")
+        self._refuse_in_flight("set_backward_passes_per_step()")
+        self._passes = passes
+        self._restart_accumulation()
+
+    def load_state_dict(self, state_dict) -> None:
+        """Load the wrapped optimizer's state; backward passes accumulated so far towards the
+        next reduction are forgotten (as in Horovod), so a restored checkpoint starts a fresh
+        accumulation."""
+        self._refuse_in_flight("load_state_dict()")
+        self._restart_accumulation()
+        self._synchronized = False
+        return super().load_state_dict(state_dict)
+
+    def _restart_accumulation(self) -> None:
+        self._close_stream()
+        self._handles.clear()
+        self._group_ready.clear()
+        for p in self._delay:
+            self._delay[p] = self._passes
+
+    def _refuse_in_flight(self, what: str) -> None:
         if any(h[0] is not None for h in self._handles.values()):
-            raise HvdliteError("optimizer.zero_grad() was called after loss.backward() but "
-                               "before optimizer.step() or optimizer.synchronize(); that would "
-                               "race with gradient reductions in flight. Call step() first.")
+            raise HvdliteError(f"optimizer.{what} was called after loss.backward() but "
+                               f"before optimizer.step() or optimizer.synchronize(); that would "
+                               f"race with gradient reductions in flight. Call step() first.")
+
+    def zero_grad(self, set_to_none: bool = True):
+        self._refuse_in_flight("zero_grad()")
         # A backward left unfinished (an error, unused parameters and no step) must not keep
         # the engine gathering.
         self._close_stream()
@@ -294,7 +363,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
       process_set: reduce gradients only among this process set's ranks (every member wraps
         its optimizer with the same set); Average divides by the set's size.
     The result is an instance of the original optimizer's class (``isinstance`` holds) and
-    works with LR schedulers, ``state_dict()`` and ``load_state_dict()``.
+    works with LR schedulers, ``state_dict()`` and ``load_state_dict()``.  Parameter groups
+    added later with ``add_param_group`` are reduced too (see its docstring).
     """
     if process_set is not None:   # type, registration and membership checked up front
         process_set_engine(process_set, "DistributedOptimizer(process_set=...)")

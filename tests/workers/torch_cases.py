@@ -152,6 +152,11 @@ OPTIMIZER_CASES = [
     "step_without_skip_after_synchronize_warns",
     "zero_grad_after_step_then_train",
     "gradients_take_fast_path",
+    "add_param_group.named",
+    "add_param_group.positional",
+    "add_param_group.parameters_without_names",
+    "set_backward_passes_per_step",
+    "load_state_dict_restarts_accumulation",
 ]
 
 STATE_OPTIMIZERS = ["sgd_momentum", "adam", "adamw", "rmsprop", "adagrad"]

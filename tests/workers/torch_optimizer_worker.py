@@ -427,6 +427,116 @@ def gradients_take_fast_path(case):
     close_to(model, ref, 1e-5)
 
 
+def add_param_group(case, named=True):
+    """Fine-tuning that unfreezes a layer mid-training: the group added to the wrapped
+    optimizer is averaged like the others (from its gradient hooks, during backward)."""
+    model = make_model()
+    model.fc1.requires_grad_(False)
+    init, ref = copy.deepcopy(model), copy.deepcopy(model)
+
+    def head_sgd(m):
+        return torch.optim.SGD(m.fc2.parameters(), lr=0.1, momentum=0.9)
+
+    opt = hvd.DistributedOptimizer(head_sgd(model), named_parameters=(
+        model.named_parameters() if named else None))
+    ref_opt = head_sgd(ref)
+    train_dist(case, model, opt, steps=2)
+    train_ref(case, ref, ref_opt, steps=2)
+    assert torch.equal(model.fc1.weight, init.fc1.weight)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m.fc1.requires_grad_(True)
+        o.add_param_group({"params": m.fc1.parameters(), "lr": 0.05})
+
+    for step in range(3):
+        x, y = batch(case, 10 + step)
+        opt.zero_grad()
+        F.mse_loss(model(shard(x)), shard(y)).backward()
+        started = {p for p, (handle, _, _) in opt._handles.items() if handle is not None}
+        assert model.fc1.weight in started and model.fc1.bias in started, \
+            "the added group's gradients were not started from their hooks"
+        opt.step()
+        ref_opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    same_on_all_ranks(model)
+    moved(model, init)
+    close_to(model, ref, 1e-5)
+
+
+def add_param_group_unnamed(case):
+    """named_parameters covered only the first group: adding parameters it does not name is
+    refused up front (no name to match across ranks), and the optimizer is left as it was."""
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.fc2.parameters(), lr=0.1),
+                                   named_parameters=model.fc2.named_parameters())
+    try:
+        opt.add_param_group({"params": model.fc1.parameters()})
+    except ValueError as exc:
+        assert "named_parameters" in str(exc) and "positions [0, 1]" in str(exc), str(exc)
+    else:
+        raise AssertionError("adding parameters without names did not raise")
+    assert len(opt.param_groups) == 1 and len(opt.param_groups[0]["params"]) == 2
+    train_dist(case, model, opt, steps=2)
+    same_on_all_ranks(model)
+
+
+def set_bpps(case):
+    """Horovod's set_backward_passes_per_step: 1 pass per step, then 2 (accumulated locally,
+    one reduction per step); matches the reference either way."""
+    model = make_model()
+    init, ref = copy.deepcopy(model), copy.deepcopy(model)
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+    ref_opt = sgd(ref)
+    train_dist(case, model, opt, steps=2)
+    train_ref(case, ref, ref_opt, steps=2)
+    for bad in (0, -1):
+        try:
+            opt.set_backward_passes_per_step(bad)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"set_backward_passes_per_step({bad}) did not raise")
+    opt.set_backward_passes_per_step(2)
+    train_dist(case, model, opt, steps=3, micro=2)
+    train_ref(case, ref, ref_opt, steps=3)
+    same_on_all_ranks(model)
+    moved(model, init)
+    close_to(model, ref, 1e-5)
+
+
+def load_state_dict_restarts(case):
+    """A checkpoint restored after a partial accumulation (one backward pass of two, no step)
+    starts a fresh accumulation, as in Horovod; with reductions in flight it is refused."""
+    model = make_model()
+    ref = copy.deepcopy(model)
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters(),
+                                   backward_passes_per_step=2)
+    ref_opt = sgd(ref)
+    train_dist(case, model, opt, steps=2, micro=2)
+    train_ref(case, ref, ref_opt, steps=2)
+    saved_model = copy.deepcopy(model.state_dict())
+    saved_opt = copy.deepcopy(opt.state_dict())
+    x, y = batch(case, 50)
+    F.mse_loss(model(shard(x)), shard(y)).backward()   # one pass of two: nothing sent yet
+    model.load_state_dict(saved_model)
+    opt.load_state_dict(saved_opt)
+    train_dist(case, model, opt, steps=2, micro=2)
+    train_ref(case, ref, ref_opt, steps=2)
+    same_on_all_ranks(model)
+    close_to(model, ref, 1e-5)
+    # two passes: the reductions are in flight until step()
+    for _ in range(2):
+        F.mse_loss(model(shard(x)), shard(y)).backward()
+    try:
+        opt.load_state_dict(saved_opt)
+    except hvd.HvdliteError as exc:
+        assert "load_state_dict()" in str(exc) and "step()" in str(exc), str(exc)
+    else:
+        raise AssertionError("load_state_dict() with reductions in flight did not raise")
+    opt.step()
+    same_on_all_ranks(model)
+
+
 CASES = {
     "isinstance_and_api": isinstance_and_api,
     "sgd_momentum.basic": standard,
@@ -455,6 +565,11 @@ CASES = {
     "step_without_skip_after_synchronize_warns": double_sync_warns,
     "zero_grad_after_step_then_train": zero_grad_then_train,
     "gradients_take_fast_path": gradients_take_fast_path,
+    "add_param_group.named": add_param_group,
+    "add_param_group.positional": lambda c: add_param_group(c, named=False),
+    "add_param_group.parameters_without_names": add_param_group_unnamed,
+    "set_backward_passes_per_step": set_bpps,
+    "load_state_dict_restarts_accumulation": load_state_dict_restarts,
 }
 assert list(CASES) == C.OPTIMIZER_CASES
 for case, fn in CASES.items():
