@@ -7,7 +7,9 @@ for all of them and then runs the wrapped optimizer's own ``step``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import warnings
+import weakref
 
 import torch
 
@@ -16,6 +18,7 @@ from hvdlite.common.basics import process_set_engine, size
 from hvdlite.common.errors import HvdliteError
 from hvdlite.common.reduce_ops import ReduceOp
 
+from . import param_owners
 from .compression import Compression
 from .mpi_ops import allreduce_async_
 from .sparse import check_sparse_op, sparse_allreduce_async
@@ -24,6 +27,29 @@ _TOO_MANY_PASSES = ("Gradients of {name!r} were computed more than backward_pass
                     "{n} times before step()/synchronize(). Call optimizer.step() after each "
                     "backward pass, or raise backward_passes_per_step to accumulate gradients "
                     "locally.")
+
+_created = itertools.count(1)   # DistributedOptimizers made in this process, in order
+
+
+def _weak_hook(optimizer):
+    """The gradient hook, holding its optimizer weakly.  A hook on a parameter that referred to
+    the optimizer (which refers to the parameter) would make a cycle that torch's tensors hide
+    from the garbage collector: a dropped model and its optimizer (state included) would never
+    be freed."""
+    ref = weakref.ref(optimizer)
+
+    def on_grad_ready(p: torch.Tensor) -> None:
+        owner = ref()
+        if owner is not None:
+            owner._on_grad_ready(p)
+
+    return on_grad_ready
+
+
+def _remove_hooks(handles: dict) -> None:
+    for handle in handles.values():
+        handle.remove()
+
 
 # Marks a handle entry whose result is a new sparse gradient (it replaces ``p.grad``) rather
 # than a dense wire tensor to decompress into ``p.grad``.
@@ -43,16 +69,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._predivide = float(gradient_predivide_factor)   # (floats: the fast path's type)
         self._sparse_as_dense = sparse_as_dense
         self._given_names = None    # param -> name from named_parameters (None: positional)
+        self._index = next(_created)
+        self._prefix: str | None = None   # set when another optimizer uses the same names
+        self._hook_handles: dict = {}     # param -> its gradient hook's handle
+        self._grad_hook = _weak_hook(self)
+        weakref.finalize(self, _remove_hooks, self._hook_handles)   # no dead hooks left behind
+        self._expected_hooks = 0
         self._names = self._parameter_names(named_parameters)
         self._group_of, self._groups = self._parameter_groups(groups)
+        self._names = self._own(self._names)   # after every check: takes hooks over
         self._delay = {p: backward_passes_per_step for p in self._names}
         self._handles: dict = {}            # param -> (handle or None, ctx, wire tensor)
         self._sparse_seen: dict = {}        # param -> sparse_dim of its last sparse gradient
         self._group_ready: dict = {}
         self._synchronized = False
         self._should_synchronize = True
-        self._hook_handles = []
-        self._expected_hooks = 0
         self._hook(self._names)
         self._fired = 0              # hooks fired in this backward pass
         self._stream_engine = None   # the engine told that this backward's gradients stream in
@@ -81,12 +112,33 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                              f"named_parameters for the same model the optimizer updates.")
         return {p: by_param[p] for p in all_params}
 
+    def _own(self, names: dict) -> dict:
+        """Take ``names``' parameters over from any earlier optimizer and return their names on
+        the wire (``param -> name``): if another live optimizer uses some of these names for
+        other parameters, this optimizer's names get the prefix ``allreduce.opt<k>.`` (k-th
+        DistributedOptimizer created in the process), so their gradients never clash."""
+        param_owners.claim(self, names)
+        if self._prefix is None and param_owners.names_taken(self, names.values()):
+            self._prefix = f"allreduce.opt{self._index}."
+        if self._prefix is None:
+            return names
+        return {p: self._prefix + name[len("allreduce."):] for p, name in names.items()}
+
     def _hook(self, params) -> None:
         """Start each parameter's allreduce from its gradient hook (parameters that need no
         gradient now get none; ``synchronize()`` reduces them if they need one later)."""
-        self._hook_handles += [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                               for p in params if p.requires_grad]
+        for p in params:
+            if p.requires_grad:
+                self._hook_handles[p] = p.register_post_accumulate_grad_hook(self._grad_hook)
         self._expected_hooks = len(self._hook_handles)
+
+    def _release_hook(self, p: torch.Tensor) -> None:
+        """A newer optimizer wrapped ``p``: its gradient now starts that one's allreduce.  (This
+        optimizer still reduces ``p`` in ``synchronize()`` if it is ever stepped again.)"""
+        handle = self._hook_handles.pop(p, None)
+        if handle is not None:
+            handle.remove()
+            self._expected_hooks = len(self._hook_handles)
 
     def add_param_group(self, param_group: dict) -> None:
         """``torch.optim.Optimizer.add_param_group``, with the new parameters' gradients
@@ -112,12 +164,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     f"model.named_parameters() for the whole model when wrapping.")
         super().add_param_group({**param_group, "params": params})
         group_index = len(self.param_groups) - 1
-        for j, p in enumerate(params):
-            if p in new:
-                self._names[p] = (self._given_names[p] if self._given_names is not None
-                                  else f"allreduce.noname.{group_index}.{j}")
-                self._delay[p] = self._passes
-        self._hook(list(dict.fromkeys(p for p in params if p in new)))
+        added = {p: (self._given_names[p] if self._given_names is not None
+                     else f"allreduce.noname.{group_index}.{j}")
+                 for j, p in enumerate(params) if p in new}
+        self._names.update(self._own(added))
+        for p in added:
+            self._delay[p] = self._passes
+        self._hook(added)
 
     def _parameter_groups(self, groups):
         params = list(self._names)
@@ -315,10 +368,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._delay[p] = self._passes
 
     def _refuse_in_flight(self, what: str) -> None:
-        if any(h[0] is not None for h in self._handles.values()):
-            raise HvdliteError(f"optimizer.{what} was called after loss.backward() but "
-                               f"before optimizer.step() or optimizer.synchronize(); that would "
-                               f"race with gradient reductions in flight. Call step() first.")
+        flying = [self._names[p] for p, h in self._handles.items() if h[0] is not None]
+        if flying:
+            shown = ", ".join(repr(n) for n in flying[:3]) + (", ..." if len(flying) > 3 else "")
+            raise HvdliteError(
+                f"optimizer.{what} was called after loss.backward() but before optimizer.step() "
+                f"or optimizer.synchronize(), while the allreduces of {len(flying)} of its "
+                f"gradients ({shown}) were in flight; that would race with them. Call step() "
+                f"first. If that backward pass was meant for another optimizer (a GAN's "
+                f"generator loss reaches the discriminator's parameters too), freeze these "
+                f"parameters during it with requires_grad_(False), or call this optimizer's "
+                f"synchronize() before {what} to finish and discard those reductions.")
 
     def zero_grad(self, set_to_none: bool = True):
         self._refuse_in_flight("zero_grad()")

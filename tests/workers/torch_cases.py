@@ -157,6 +157,11 @@ OPTIMIZER_CASES = [
     "add_param_group.parameters_without_names",
     "set_backward_passes_per_step",
     "load_state_dict_restarts_accumulation",
+    "rewrap_same_parameters",
+    "dropped_optimizer_is_freed",
+    "two_models_named_alike",
+    "gan_without_freezing",
+    "names_of_a_dropped_optimizer",
 ]
 
 STATE_OPTIMIZERS = ["sgd_momentum", "adam", "adamw", "rmsprop", "adagrad"]

@@ -537,6 +537,143 @@ def load_state_dict_restarts(case):
     same_on_all_ranks(model)
 
 
+def rewrap_same_parameters(case):
+    """A new DistributedOptimizer over parameters wrapped before (the next phase of training)
+    takes their gradient hooks over: the old optimizer's hooks would otherwise fire too and
+    send every name twice."""
+    model = make_model()
+    init, ref = copy.deepcopy(model), copy.deepcopy(model)
+    first = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+    train_dist(case, model, first, steps=2)
+    second = hvd.DistributedOptimizer(sgd(model, lr=0.05),
+                                      named_parameters=model.named_parameters())
+    assert not first._hook_handles, "the first optimizer kept its gradient hooks"
+    assert set(second._names.values()) == set(first._names.values()), \
+        "re-wrapping the same parameters changed their names"
+    train_dist(case, model, second, steps=3)
+    train_ref(case, ref, sgd(ref), steps=2)
+    train_ref(case, ref, sgd(ref, lr=0.05), steps=3)
+    same_on_all_ranks(model)
+    moved(model, init)
+    close_to(model, ref, 1e-5)
+
+
+def dropped_optimizer_is_freed(case):
+    """A model and DistributedOptimizer nobody refers to any more are freed (the gradient
+    hooks used to make a cycle that torch hides from the garbage collector: every model
+    trained in a process stayed in memory, with its optimizer state)."""
+    import gc
+    import weakref
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
+    train_dist(case, model, opt, steps=1)
+    refs = [weakref.ref(model), weakref.ref(opt), weakref.ref(model.fc1.weight)]
+    del model, opt
+    gc.collect()
+    alive = [i for i, ref in enumerate(refs) if ref() is not None]
+    assert not alive, f"still alive after gc.collect(): {alive} (0 model, 1 optimizer, 2 param)"
+
+
+def _gan(seed):
+    torch.manual_seed(seed)
+    gen = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, IN))
+    disc = nn.Sequential(nn.Linear(IN, 8), nn.Tanh(), nn.Linear(8, 1))
+    return gen, disc
+
+
+def _gan_data(case, step):
+    g = torch.Generator().manual_seed(C.seed_of(case, "gan", step))
+    return torch.randn(SIZE * B, IN, generator=g), torch.randn(SIZE * B, 3, generator=g)
+
+
+def _gan_step(gen, disc, opt_g, opt_d, real, z, freeze=True):
+    bce = F.binary_cross_entropy_with_logits
+    ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
+    opt_d.zero_grad()
+    (bce(disc(real), ones) + bce(disc(gen(z).detach()), zeros)).backward()
+    opt_d.step()
+    opt_g.zero_grad()
+    disc.requires_grad_(not freeze)
+    bce(disc(gen(z)), ones).backward()
+    disc.requires_grad_(True)
+    opt_g.step()
+
+
+def two_models_named_alike(case):
+    """A GAN: generator and discriminator are both nn.Sequential, so their parameter names
+    ('0.weight', ...) are the same; the second optimizer's gradients get their own prefix and
+    both models train as on one process."""
+    gen, disc = _gan(1)
+    ref_gen, ref_disc = copy.deepcopy(gen), copy.deepcopy(disc)
+    init = copy.deepcopy(disc)
+
+    def adam(m):
+        return torch.optim.Adam(m.parameters(), lr=0.01)
+
+    opt_g = hvd.DistributedOptimizer(adam(gen), named_parameters=gen.named_parameters())
+    opt_d = hvd.DistributedOptimizer(adam(disc), named_parameters=disc.named_parameters())
+    names_g, names_d = set(opt_g._names.values()), set(opt_d._names.values())
+    assert "allreduce.0.weight" in names_g and not names_g & names_d, (names_g, names_d)
+    assert all(n.startswith(f"allreduce.opt{opt_d._index}.") for n in names_d), names_d
+    ref_g, ref_d = adam(ref_gen), adam(ref_disc)
+    for step in range(4):
+        real, z = _gan_data(case, step)
+        _gan_step(gen, disc, opt_g, opt_d, shard(real), shard(z))
+        _gan_step(ref_gen, ref_disc, ref_g, ref_d, real, z)
+    same_on_all_ranks(gen)
+    same_on_all_ranks(disc)
+    moved(disc, init)
+    close_to(gen, ref_gen, 2e-5)
+    close_to(disc, ref_disc, 2e-5)
+
+
+def gan_without_freezing(case):
+    """The generator's backward also reaches the discriminator's parameters, so their
+    reductions are in flight at the discriminator's next zero_grad(): refused with advice, and
+    after the advised synchronize() training goes on, identical on every rank."""
+    gen, disc = _gan(2)
+    opt_g = hvd.DistributedOptimizer(torch.optim.SGD(gen.parameters(), lr=0.05),
+                                     named_parameters=gen.named_parameters(prefix="gen"))
+    opt_d = hvd.DistributedOptimizer(torch.optim.SGD(disc.parameters(), lr=0.05),
+                                     named_parameters=disc.named_parameters(prefix="disc"))
+    assert opt_d._prefix is None, "distinct names were prefixed anyway"
+    real, z = _gan_data(case, 0)
+    _gan_step(gen, disc, opt_g, opt_d, shard(real), shard(z), freeze=False)
+    try:
+        opt_d.zero_grad()
+    except hvd.HvdliteError as exc:
+        assert "requires_grad_(False)" in str(exc) and "'allreduce.disc." in str(exc), str(exc)
+    else:
+        raise AssertionError("zero_grad() with the discriminator's reductions in flight "
+                             "did not raise")
+    opt_d.synchronize()
+    real, z = _gan_data(case, 1)
+    _gan_step(gen, disc, opt_g, opt_d, shard(real), shard(z))
+    same_on_all_ranks(gen)
+    same_on_all_ranks(disc)
+
+
+def names_of_a_dropped_optimizer(case):
+    """An optimizer nobody can reach any more, but not yet freed (here the garbage collector
+    is off; in general a user's own reference cycle, freed at different times on different
+    ranks) does not make a new one over a model named alike take a prefix."""
+    import gc
+    gc.disable()
+    try:
+        old = make_model()
+        old_opt = hvd.DistributedOptimizer(sgd(old), named_parameters=old.named_parameters())
+        old_opt.cycle = old_opt   # only the cyclic collector can free it
+        del old, old_opt
+        model = make_model(seed=3)
+        opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+    finally:
+        gc.enable()
+    assert opt._prefix is None, sorted(opt._names.values())
+    train_dist(case, model, opt, steps=2)
+    same_on_all_ranks(model)
+
+
 CASES = {
     "isinstance_and_api": isinstance_and_api,
     "sgd_momentum.basic": standard,
@@ -570,6 +707,11 @@ CASES = {
     "add_param_group.parameters_without_names": add_param_group_unnamed,
     "set_backward_passes_per_step": set_bpps,
     "load_state_dict_restarts_accumulation": load_state_dict_restarts,
+    "rewrap_same_parameters": rewrap_same_parameters,
+    "dropped_optimizer_is_freed": dropped_optimizer_is_freed,
+    "two_models_named_alike": two_models_named_alike,
+    "gan_without_freezing": gan_without_freezing,
+    "names_of_a_dropped_optimizer": names_of_a_dropped_optimizer,
 }
 assert list(CASES) == C.OPTIMIZER_CASES
 for case, fn in CASES.items():
