@@ -20,7 +20,7 @@ from hvdlite.common.reduce_ops import ReduceOp
 
 from . import param_owners
 from .compression import Compression
-from .mpi_ops import allreduce_async_
+from .mpi_ops import allreduce, allreduce_async_
 from .sparse import check_sparse_op, sparse_allreduce_async
 
 _TOO_MANY_PASSES = ("Gradients of {name!r} were computed more than backward_passes_per_step="
@@ -332,6 +332,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure=None):
+        if closure is not None and self._should_synchronize:
+            if self._handles:   # a backward before step(closure): finish its reductions
+                self.synchronize()
+            self._synchronized = False
+            return super().step(self._averaging(closure))
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
@@ -340,6 +345,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self.synchronize()
         self._synchronized = False
         return super().step(closure)
+
+    def _averaging(self, closure):
+        """``closure`` (which computes the loss and its gradients; torch optimizers call it
+        inside ``step``, LBFGS several times) followed by this optimizer's reduction, so the
+        optimizer reads averaged gradients; the loss it returns is averaged across ranks too
+        (summed with op=Sum), so that decisions taken on it (LBFGS's line search and
+        tolerances) are the same on every rank and every rank evaluates equally often."""
+        def evaluate():
+            loss = closure()
+            self.synchronize()
+            self._synchronized = False
+            if isinstance(loss, torch.Tensor):
+                op = ReduceOp.Sum if self._op == ReduceOp.Sum else ReduceOp.Average
+                loss = allreduce(loss.detach(), name=f"DistributedOptimizer.{self._index}.loss",
+                                 op=op, process_set=self._process_set)
+            return loss
+
+        return evaluate
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Horovod's method: reduce gradients every ``passes`` backward passes from now on.
@@ -424,7 +447,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         its optimizer with the same set); Average divides by the set's size.
     The result is an instance of the original optimizer's class (``isinstance`` holds) and
     works with LR schedulers, ``state_dict()`` and ``load_state_dict()``.  Parameter groups
-    added later with ``add_param_group`` are reduced too (see its docstring).
+    added later with ``add_param_group`` are reduced too (see its docstring).  ``step(closure)``
+    averages the gradients (and the returned loss) of every closure evaluation, LBFGS's
+    included.
     """
     if process_set is not None:   # type, registration and membership checked up front
         process_set_engine(process_set, "DistributedOptimizer(process_set=...)")

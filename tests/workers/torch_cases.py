@@ -162,6 +162,8 @@ OPTIMIZER_CASES = [
     "two_models_named_alike",
     "gan_without_freezing",
     "names_of_a_dropped_optimizer",
+    "step_with_closure.sgd",
+    "step_with_closure.lbfgs",
 ]
 
 STATE_OPTIMIZERS = ["sgd_momentum", "adam", "adamw", "rmsprop", "adagrad"]

@@ -674,6 +674,37 @@ def names_of_a_dropped_optimizer(case):
     same_on_all_ranks(model)
 
 
+def step_with_closure(case, make_opt, tol):
+    """optimizer.step(closure): the gradients the closure computes are averaged before the
+    optimizer reads them (LBFGS evaluates it several times per step), and so is the returned
+    loss, so every rank takes the same decisions; matches one process on the whole batch."""
+    model = make_model()
+    init, ref = copy.deepcopy(model), copy.deepcopy(model)
+    opt = hvd.DistributedOptimizer(make_opt(model), named_parameters=model.named_parameters())
+    ref_opt = make_opt(ref)
+    for step in range(3):
+        x, y = batch(case, step)
+
+        def closure():
+            opt.zero_grad()
+            loss = F.mse_loss(model(shard(x)), shard(y))
+            loss.backward()
+            return loss
+
+        def ref_closure():
+            ref_opt.zero_grad()
+            loss = F.mse_loss(ref(x), y)
+            loss.backward()
+            return loss
+
+        loss, ref_loss = opt.step(closure), ref_opt.step(ref_closure)
+        torch.testing.assert_close(loss.double(), ref_loss.detach().double(), rtol=0,
+                                   atol=tol)
+    same_on_all_ranks(model)
+    moved(model, init)
+    close_to(model, ref, tol)
+
+
 CASES = {
     "isinstance_and_api": isinstance_and_api,
     "sgd_momentum.basic": standard,
@@ -712,6 +743,9 @@ CASES = {
     "two_models_named_alike": two_models_named_alike,
     "gan_without_freezing": gan_without_freezing,
     "names_of_a_dropped_optimizer": names_of_a_dropped_optimizer,
+    "step_with_closure.sgd": lambda c: step_with_closure(c, sgd, 1e-5),
+    "step_with_closure.lbfgs": lambda c: step_with_closure(
+        c, lambda m: torch.optim.LBFGS(m.parameters(), lr=0.5, max_iter=4), 1e-4),
 }
 assert list(CASES) == C.OPTIMIZER_CASES
 for case, fn in CASES.items():
