@@ -164,6 +164,7 @@ OPTIMIZER_CASES = [
     "names_of_a_dropped_optimizer",
     "step_with_closure.sgd",
     "step_with_closure.lbfgs",
+    "torch_compile",
 ]
 
 STATE_OPTIMIZERS = ["sgd_momentum", "adam", "adamw", "rmsprop", "adagrad"]

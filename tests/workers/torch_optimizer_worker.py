@@ -705,6 +705,27 @@ def step_with_closure(case, make_opt, tol):
     close_to(model, ref, tol)
 
 
+def compiled_model(case):
+    """torch.compile (AOTAutograd, without a C++ toolchain: backend="aot_eager"): the compiled
+    backward still accumulates into the parameters, so the gradient hooks fire and training
+    matches eager training on one process."""
+    model = make_model()
+    init, ref = copy.deepcopy(model), copy.deepcopy(model)
+    compiled = torch.compile(model, backend="aot_eager")
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+    for step in range(STEPS):
+        x, y = batch(case, step)
+        opt.zero_grad()
+        F.mse_loss(compiled(shard(x)), shard(y)).backward()
+        started = [p for p, (handle, _, _) in opt._handles.items() if handle is not None]
+        assert len(started) == 4, "gradients were not started from their hooks"
+        opt.step()
+    train_ref(case, ref, sgd(ref))
+    same_on_all_ranks(model)
+    moved(model, init)
+    close_to(model, ref, 1e-5)
+
+
 CASES = {
     "isinstance_and_api": isinstance_and_api,
     "sgd_momentum.basic": standard,
@@ -746,6 +767,7 @@ CASES = {
     "step_with_closure.sgd": lambda c: step_with_closure(c, sgd, 1e-5),
     "step_with_closure.lbfgs": lambda c: step_with_closure(
         c, lambda m: torch.optim.LBFGS(m.parameters(), lr=0.5, max_iter=4), 1e-4),
+    "torch_compile": compiled_model,
 }
 assert list(CASES) == C.OPTIMIZER_CASES
 for case, fn in CASES.items():
