@@ -32,7 +32,9 @@ SPARSE_CASES = (
        for mode in ("sparse", "as_dense")]
     + ["optimizer.sparse_adam", "optimizer.op_sum", "optimizer.predivide_factor",
        "optimizer.bpps2", "optimizer.compression_fp16", "optimizer.groups",
-       "optimizer.unused_embedding_on_rank0", "optimizer.zero_grad_keep_sparse",
+       "optimizer.unused_embedding_on_rank0", "optimizer.unused_embedding_on_rank0_first_step",
+       "optimizer.embedding_used_staggered",
+       "optimizer.zero_grad_keep_sparse",
        "optimizer.op_max_raises"]
 )
 

@@ -20,7 +20,7 @@ from hvdlite.common.reduce_ops import ReduceOp
 
 from . import param_owners
 from .compression import Compression
-from .mpi_ops import allreduce, allreduce_async_
+from .mpi_ops import allreduce, allreduce_async, allreduce_async_
 from .sparse import check_sparse_op, sparse_allreduce_async
 
 _TOO_MANY_PASSES = ("Gradients of {name!r} were computed more than backward_passes_per_step="
@@ -54,6 +54,9 @@ def _remove_hooks(handles: dict) -> None:
 # Marks a handle entry whose result is a new sparse gradient (it replaces ``p.grad``) rather
 # than a dense wire tensor to decompress into ``p.grad``.
 _SPARSE = object()
+# Marks a handle entry of a rank without a gradient, waiting to learn which reduction (dense
+# or sparse) the other ranks started for that parameter the first time it is reduced.
+_LAYOUT_PENDING = object()
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -80,7 +83,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._names = self._own(self._names)   # after every check: takes hooks over
         self._delay = {p: backward_passes_per_step for p in self._names}
         self._handles: dict = {}            # param -> (handle or None, ctx, wire tensor)
-        self._sparse_seen: dict = {}        # param -> sparse_dim of its last sparse gradient
+        self._layouts: dict = {}            # param -> sparse_dim of its gradient, 0 = dense
+        self._layout_handles: list = []     # this step's layout agreements (first reductions)
         self._group_ready: dict = {}
         self._synchronized = False
         self._should_synchronize = True
@@ -224,6 +228,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _allreduce_grad_async(self, p: torch.Tensor):
         name = self._names[p]
+        if not self._sparse_as_dense and p not in self._layouts:
+            pending = self._agree_layout(p, name)
+            if pending is not None:
+                return pending
+        return self._reduce_grad_async(p, name)
+
+    def _reduce_grad_async(self, p: torch.Tensor, name: str):
         if p.grad is None:
             # No gradient on this rank (parameter unused in this step): still take part with
             # zeros, because other ranks may have one and would otherwise wait forever.
@@ -244,11 +255,55 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                   postscale_factor=postscale, process_set=self._process_set)
         return handle, ctx, wire
 
+    def _agree_layout(self, p: torch.Tensor, name: str):
+        """First reduction of ``p``: a rank without a gradient cannot tell whether the others
+        start a dense allreduce or a sparse reduction (an embedding that its first batch did
+        not use), and guessing wrong leaves every rank waiting for good.  So each rank also
+        sends what it has (sparse_dim, 0 = dense, -1 = nothing; the maximum wins).  A rank
+        with a gradient goes on at once; one without returns a pending entry that
+        ``synchronize()`` resolves."""
+        grad = p.grad
+        code = -1 if grad is None else (grad.sparse_dim() if grad.is_sparse else 0)
+        handle = allreduce_async(torch.tensor([code], dtype=torch.int32),
+                                 name=f"{name}.layout", op=ReduceOp.Max,
+                                 process_set=self._process_set)
+        if grad is None:
+            return handle, _LAYOUT_PENDING, None
+        self._layouts[p] = code
+        self._layout_handles.append(handle)
+        return None
+
+    def _resolve_layouts(self) -> BaseException | None:
+        """Submit the reductions of parameters whose layout this rank had to ask for; wait
+        for the other layout agreements.  Returns the first error (raised by the caller after
+        everything in flight has been waited for)."""
+        first_error = None
+        for p, (handle, ctx, _) in list(self._handles.items()):
+            if ctx is not _LAYOUT_PENDING:
+                continue
+            del self._handles[p]
+            try:
+                code = int(handle.wait()[0])
+                if code < 0:   # no rank has a gradient: the reduction would give zeros
+                    p.grad = torch.zeros_like(p)
+                    continue
+                self._layouts[p] = code
+                self._handles[p] = self._reduce_grad_async(p, self._names[p])
+            except Exception as exc:  # noqa: BLE001 - returned
+                first_error = first_error or exc
+        handles, self._layout_handles = self._layout_handles, []
+        for handle in handles:
+            try:
+                handle.wait()
+            except Exception as exc:  # noqa: BLE001 - returned
+                first_error = first_error or exc
+        return first_error
+
     def _sparse_allreduce_grad_async(self, p: torch.Tensor, name: str):
         """Allgather-based reduction of a sparse gradient (sparse_as_dense=False).  Compression
         does not apply: it casts dense tensors, and the sparse path sends indices anyway."""
         check_sparse_op(self._op, f"sparse gradient of parameter {name!r}")
-        self._sparse_seen[p] = p.grad.sparse_dim()
+        self._layouts[p] = p.grad.sparse_dim()
         # Same factors as the dense path, so a sparse and a dense gradient are scaled alike.
         prescale, postscale = ((1.0 / self._predivide, self._predivide)
                                if self._op == ReduceOp.Average else (1.0, 1.0))
@@ -271,11 +326,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             engine.stream_close()
 
     def _zero_grad_like(self, p: torch.Tensor) -> torch.Tensor:
-        """Zero gradient for a parameter unused on this rank.  A parameter whose gradient was
-        sparse before (this rank saw it) contributes an empty sparse tensor, so that it joins
-        the other ranks' sparse reduction instead of starting a dense one they never match."""
-        sparse_dim = self._sparse_seen.get(p)
-        if sparse_dim is None or self._sparse_as_dense:
+        """Zero gradient for a parameter unused on this rank.  A parameter whose gradient is
+        sparse (seen here, or agreed with the other ranks) contributes an empty sparse tensor,
+        so that it joins the other ranks' sparse reduction instead of starting a dense one they
+        never match."""
+        sparse_dim = self._layouts.get(p, 0)
+        if sparse_dim == 0 or self._sparse_as_dense:
             return torch.zeros_like(p)
         indices = torch.empty((sparse_dim, 0), dtype=torch.int64)
         values = p.detach().new_empty((0, *p.shape[sparse_dim:]))
@@ -297,6 +353,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._handles[p] = self._allreduce_grad_async(p)
         first_error = None
         try:
+            first_error = self._resolve_layouts()
             for p, (handle, ctx, wire) in self._handles.items():
                 try:
                     output = handle.wait()
@@ -440,9 +497,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         ``SparseAdam`` accept it); only op Average/Sum (anything else raises ``ValueError``
         when the gradient is reduced), ``compression`` is not applied to it, and
         ``gradient_predivide_factor`` scales its values like a dense gradient's.  A rank
-        without a gradient for such a parameter joins in with an empty sparse one once it has
-        seen that parameter's gradient sparse; in the very first step it is reduced, every rank
-        needs a gradient for it (or use sparse_as_dense=True).
+        without a gradient for such a parameter joins in with an empty sparse one.  (The first
+        time each parameter is reduced, the ranks also agree on its layout, dense or sparse,
+        with one tiny allreduce, so that a rank without a gradient joins the right reduction;
+        a rank without one then waits for that agreement in ``synchronize()``.  When no rank
+        has a gradient, ``.grad`` becomes zeros without any data reduction.)
       process_set: reduce gradients only among this process set's ranks (every member wraps
         its optimizer with the same set); Average divides by the set's size.
     The result is an instance of the original optimizer's class (``isinstance`` holds) and

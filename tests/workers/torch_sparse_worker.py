@@ -297,6 +297,14 @@ def moved(model, init):
 
 
 def uses_emb(k, step, rank0_drops):
+    """Whether rank k's model uses the embedding in ``step``.  rank0_drops: False (always),
+    True (rank 0 stops after the first step), "first" (rank 0 skips only the first step, so
+    it has no gradient the first time the embedding is reduced), "staggered" (nobody in
+    step 0, only the last rank in step 1, everyone after)."""
+    if rank0_drops == "first":
+        return not (k == 0 and step == 0)
+    if rank0_drops == "staggered":
+        return step >= 2 or (step == 1 and k == SIZE - 1)
     return not (rank0_drops and k == 0 and step >= 1)
 
 
@@ -397,6 +405,22 @@ def groups(case):
     close_to(model, ref, 1e-5)
 
 
+def staggered_embedding(case):
+    """A rank without a gradient the first time a parameter is reduced cannot tell a sparse
+    reduction from a dense one: the ranks agree on it (this used to hang every rank).  When
+    no rank used the embedding, its gradient is zeros everywhere."""
+    steps = iter(range(STEPS))
+
+    def check(model):
+        step = next(steps)
+        g = model.emb.weight.grad
+        if any(uses_emb(k, step, "staggered") for k in range(SIZE)):
+            grads_are(True)(model)
+        else:
+            assert g.layout == torch.strided and not g.any(), "expected dense zeros"
+    standard(case, mixed=True, rank0_drops="staggered", check_grads=check)
+
+
 def op_max_raises(case):
     model = EmbedNet(sparse=True)
     opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters(),
@@ -439,6 +463,9 @@ CASES.update({
     "optimizer.compression_fp16": compression_fp16,
     "optimizer.groups": groups,
     "optimizer.unused_embedding_on_rank0": lambda c: standard(c, mixed=True, rank0_drops=True),
+    "optimizer.unused_embedding_on_rank0_first_step": lambda c: standard(
+        c, mixed=True, rank0_drops="first"),
+    "optimizer.embedding_used_staggered": staggered_embedding,
     "optimizer.zero_grad_keep_sparse": lambda c: standard(c, mixed=True, set_to_none=False),
     "optimizer.op_max_raises": op_max_raises,
 })
