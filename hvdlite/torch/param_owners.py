@@ -4,7 +4,8 @@ Two situations would otherwise send one name twice, which fails (a name already 
 or, worse, depends on timing and so differs between ranks:
 
 * a parameter wrapped again (a new optimizer for the next phase of training): the old
-  optimizer's hook would keep firing, since the hook itself keeps that optimizer alive;
+  optimizer's hook would keep firing for as long as that optimizer lives (until the garbage
+  collector finds it, if it is in a reference cycle);
 * two models named alike (a GAN's generator and discriminator, both ``nn.Sequential``) whose
   gradients are in flight together.
 
