@@ -77,7 +77,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hook_handles: dict = {}     # param -> its gradient hook's handle
         self._grad_hook = _weak_hook(self)
         weakref.finalize(self, _remove_hooks, self._hook_handles)   # no dead hooks left behind
-        self._expected_hooks = 0
         self._names = self._parameter_names(named_parameters)
         self._group_of, self._groups = self._parameter_groups(groups)
         self._names = self._own(self._names)   # after every check: takes hooks over
@@ -134,7 +133,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in params:
             if p.requires_grad:
                 self._hook_handles[p] = p.register_post_accumulate_grad_hook(self._grad_hook)
-        self._expected_hooks = len(self._hook_handles)
 
     def _release_hook(self, p: torch.Tensor) -> None:
         """A newer optimizer wrapped ``p``: its gradient now starts that one's allreduce.  (This
@@ -142,7 +140,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         handle = self._hook_handles.pop(p, None)
         if handle is not None:
             handle.remove()
-            self._expected_hooks = len(self._hook_handles)
 
     def add_param_group(self, param_group: dict) -> None:
         """``torch.optim.Optimizer.add_param_group``, with the new parameters' gradients
@@ -204,9 +201,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._close_stream()
             raise HvdliteError(_TOO_MANY_PASSES.format(name=self._names[p], n=self._passes))
         self._fired += 1
-        if self._stream_engine is None and self._fired < self._expected_hooks:
+        expected = len(self._hook_handles)   # hooks that fire in a full backward pass
+        if self._stream_engine is None and self._fired < expected:
             self._open_stream()
-        elif self._fired >= self._expected_hooks:
+        elif self._fired >= expected:
             self._close_stream()
         self._delay[p] -= 1
         if self._delay[p] > 0:
