@@ -284,6 +284,12 @@ class SizeResult:
                 "allreduce_inplace_ratio": ratio(self.raw, self.allreduce_inplace)}
 
 
+def comparison(raw: Timing, hvdlite: Timing, correct: bool) -> dict:
+    """The JSON fields of a case timed raw and through hvdlite."""
+    return {"correct": correct, "raw": dataclasses.asdict(raw),
+            "hvdlite": dataclasses.asdict(hvdlite), "ratio": ratio(raw, hvdlite)}
+
+
 @dataclasses.dataclass
 class SmallResult:
     """The many-small-tensors round against one raw Allreduce of the same bytes."""
@@ -296,9 +302,8 @@ class SmallResult:
 
     def as_dict(self) -> dict:
         return {"count": self.count, "tensor_bytes": self.tensor_bytes,
-                "total_bytes": self.count * self.tensor_bytes, "correct": self.correct,
-                "raw": dataclasses.asdict(self.raw), "hvdlite": dataclasses.asdict(self.hvdlite),
-                "ratio": ratio(self.raw, self.hvdlite)}
+                "total_bytes": self.count * self.tensor_bytes,
+                **comparison(self.raw, self.hvdlite, self.correct)}
 
 
 @dataclasses.dataclass
@@ -311,9 +316,8 @@ class AfterComputeResult:
     correct: bool
 
     def as_dict(self) -> dict:
-        return {"compute_ms": self.compute_ms, "correct": self.correct,
-                "raw": dataclasses.asdict(self.raw), "hvdlite": dataclasses.asdict(self.hvdlite),
-                "ratio": ratio(self.raw, self.hvdlite)}
+        return {"compute_ms": self.compute_ms,
+                **comparison(self.raw, self.hvdlite, self.correct)}
 
 
 def check_size(send: np.ndarray, recv: np.ndarray, work: np.ndarray, names: tuple[str, str],
