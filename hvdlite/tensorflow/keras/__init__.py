@@ -27,14 +27,19 @@ from ..mpi_ops import (allreduce as _tf_allreduce, allgather as _tf_allgather,
                        broadcast_variables, barrier)
 from . import callbacks
 from . import elastic  # noqa: F401 - hvd.elastic.* raises a clear 'not supported'
+from . import loss_scale
+
+loss_scale.install()   # mixed precision: see hvdlite.tensorflow.keras.loss_scale
 
 
 class _DistributedOptimizer:
     """Mixin placed before the user's optimizer class in a generated subclass: ``apply``
     (which ``apply_gradients`` and ``model.fit`` go through) averages the gradients first."""
 
-    def _hvd_setup(self, allreduce_grads, backward_passes_per_step: int,
-                   average_aggregated_gradients: bool) -> None:
+    def _hvd_setup(self, name: str, allreduce_grads, backward_passes_per_step: int,
+                   average_aggregated_gradients: bool, process_set=global_process_set) -> None:
+        self._hvd_name = name
+        self._hvd_process_set = process_set
         self._hvd_allreduce_grads = allreduce_grads
         self._hvd_passes = int(backward_passes_per_step)
         self._hvd_average_aggregated = bool(average_aggregated_gradients)
@@ -47,6 +52,16 @@ class _DistributedOptimizer:
         without any collective (divided by the number of ranks when the optimizer was made
         with ``scale_local_gradients=True``, the default), as in Horovod."""
         self._hvd_local.add(var)
+
+    def _hvd_all_finite(self, finite):
+        """True on every rank iff ``finite`` is True on every rank of the process set (a
+        LossScaleOptimizer around this one asks; see :mod:`.loss_scale`)."""
+        member, set_size = _check_process_set(self._hvd_process_set)
+        if not member or set_size == 1:
+            return finite
+        flags = _tf_allreduce(tf.cast(finite, tf.int32), op=Min, name=f"{self._hvd_name}.finite",
+                              process_set=self._hvd_process_set)
+        return tf.cast(flags, tf.bool)
 
     def add_variable_from_reference(self, reference_variable, *args, **kwargs):
         # Remember which model variable each slot (momentum, ...) belongs to, so that
@@ -144,11 +159,11 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     except Exception:  # noqa: BLE001 - custom optimizers without a usable config
         new = optimizer
         new.__class__ = cls
-    label = name or f"Distributed{base.__name__}"
-    new._hvd_setup(make_allreduce_grads_fn(f"DistributedOptimizer.{label}", compression,
-                                           sparse_as_dense, op, gradient_predivide_factor,
-                                           process_set, scale_local_gradients),
-                   backward_passes_per_step, average_aggregated_gradients)
+    group = f"DistributedOptimizer.{name or f'Distributed{base.__name__}'}"
+    new._hvd_setup(group, make_allreduce_grads_fn(group, compression, sparse_as_dense, op,
+                                                  gradient_predivide_factor, process_set,
+                                                  scale_local_gradients),
+                   backward_passes_per_step, average_aggregated_gradients, process_set)
     return new
 
 
@@ -222,6 +237,6 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
     if opt is not None and not isinstance(opt, _DistributedOptimizer):
         base = opt.__class__
         opt.__class__ = _distributed_class(base)
-        opt._hvd_setup(make_allreduce_grads_fn(f"DistributedOptimizer.Distributed{base.__name__}",
-                                               compression), 1, False)
+        group = f"DistributedOptimizer.Distributed{base.__name__}"
+        opt._hvd_setup(group, make_allreduce_grads_fn(group, compression), 1, False)
     return model
