@@ -1,17 +1,20 @@
 """DistributedOptimizer: averages gradients across ranks while backward is still running.
 
 A post-accumulate-grad hook on every parameter starts that gradient's allreduce the moment its
-gradient is complete, so communication overlaps the rest of the backward pass; ``step()`` waits
-for all of them and then runs the wrapped optimizer's own ``step``.
+gradient is complete, so communication overlaps the rest of the backward pass.  At the end of
+that backward pass (autograd's final callback, as in torch's DDP) the reductions are waited for
+and written into ``.grad``, so anything that reads the gradients before ``step()`` (GradScaler's
+unscale_ and overflow check, clip_grad_norm_, logging) sees the averaged ones; ``step()`` then
+runs the wrapped optimizer's own ``step``.
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
-import warnings
 import weakref
 
 import torch
+from torch.autograd import Variable
 
 from hvdlite.common.adasum import check_adasum_size
 from hvdlite.common.basics import process_set_engine, size
@@ -85,7 +88,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._layouts: dict = {}            # param -> sparse_dim of its gradient, 0 = dense
         self._layout_handles: list = []     # this step's layout agreements (first reductions)
         self._group_ready: dict = {}
-        self._synchronized = False
+        # The gradients in .grad are reduced and no hook has fired since (a step() needs no
+        # further synchronize()).
+        self._fresh = False
+        self._finish_task = None     # autograd graph task whose end finishes the reductions
         self._should_synchronize = True
         self._hook(self._names)
         self._fired = 0              # hooks fired in this backward pass
@@ -207,9 +213,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         elif self._fired >= expected:
             self._close_stream()
         self._delay[p] -= 1
+        self._fresh = False
         if self._delay[p] > 0:
             self._handles[p] = (None, None, None)
             return
+        self._finish_at_end_of_backward()
         gid = self._group_of.get(p)
         if gid is None:
             self._handles[p] = self._allreduce_grad_async(p)
@@ -223,6 +231,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for member in self._groups[gid]:
                 self._handles[member] = self._allreduce_grad_async(member)
             del self._group_ready[gid]
+
+    def _finish_at_end_of_backward(self) -> None:
+        """Once per backward pass that completes some gradient: queue :meth:`_end_of_backward`
+        as autograd's final callback (it runs after every hook of the pass)."""
+        task = torch._C._current_graph_task_id()
+        if task != self._finish_task:
+            self._finish_task = task
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        """Wait for this backward pass's reductions now, as DDP does, rather than in ``step()``:
+        code between backward and step (GradScaler's unscale_ and its overflow check,
+        clip_grad_norm_) then reads averaged gradients, the same on every rank, instead of
+        racing with reductions still writing into ``.grad``.  Accumulation counts are kept:
+        another backward pass before ``step()`` is still refused."""
+        self._finish_task = None
+        if any(h[0] is not None for h in self._handles.values()):
+            self._reduce_gradients()
 
     def _allreduce_grad_async(self, p: torch.Tensor):
         name = self._names[p]
@@ -338,13 +364,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # --- public API --------------------------------------------------------------------------
     def synchronize(self) -> None:
-        """Wait for every gradient's allreduce and write the averaged gradients into ``.grad``.
+        """Make sure ``.grad`` holds the averaged gradients (Horovod's method, used before
+        gradient clipping with ``skip_synchronize()``).
 
-        Gradients whose hook did not fire (unused parameters, or fewer backward passes than
-        ``backward_passes_per_step``) are reduced now, so all ranks stay in step.  If one
-        reduction fails (e.g. a shape mismatch across ranks), the others are still waited for
-        and written into ``.grad``; then the first error is raised, and nothing stays in flight.
+        The backward pass already did this when it completed the gradients' accumulation (see
+        the module docstring); then this only lets a further backward pass follow before
+        ``step()``, as in Horovod.  Otherwise it reduces now, including gradients whose hook
+        did not fire (unused parameters, or fewer backward passes than
+        ``backward_passes_per_step``), so all ranks stay in step.  If one reduction fails (e.g.
+        a shape mismatch across ranks), the others are still waited for and written into
+        ``.grad``; then the first error is raised, and nothing stays in flight.
         """
+        if not self._fresh:
+            self._reduce_gradients()
+        self._restart_counts()
+
+    def _reduce_gradients(self) -> None:
+        """Reduce every gradient not yet in flight, wait for all, write them into ``.grad``."""
         self._close_stream()   # parameters without a gradient never fire their hooks
         for p in self._names:
             if p.requires_grad and self._handles.get(p, (None,))[0] is None:
@@ -370,11 +406,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._handles.clear()
             self._group_ready.clear()
-            for p in self._delay:
-                self._delay[p] = self._passes
         if first_error is not None:
+            self._restart_counts()   # nothing is in flight; the next backward starts afresh
             raise first_error
-        self._synchronized = True
+        self._fresh = True
+
+    def _restart_counts(self) -> None:
+        for p in self._delay:
+            self._delay[p] = self._passes
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -387,19 +426,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure=None):
+        """Apply the averaged gradients with the wrapped optimizer's ``step`` (reducing them
+        first unless the backward pass or ``synchronize()`` already did, or inside
+        ``skip_synchronize()``).  Gradients already reduced are never reduced twice."""
         if closure is not None and self._should_synchronize:
             if self._handles:   # a backward before step(closure): finish its reductions
                 self.synchronize()
-            self._synchronized = False
-            return super().step(self._averaging(closure))
-        if self._should_synchronize:
-            if self._synchronized:
-                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
-                              "after optimizer.synchronize(); the gradients are reduced twice. "
-                              "Wrap step() in `with optimizer.skip_synchronize():`.")
-            self.synchronize()
-        self._synchronized = False
-        return super().step(closure)
+            self._fresh = False
+            result = super().step(self._averaging(closure))
+        else:
+            if self._should_synchronize and not self._fresh:
+                self.synchronize()
+            result = super().step(closure)
+        self._fresh = False
+        self._restart_counts()
+        return result
 
     def _averaging(self, closure):
         """``closure`` (which computes the loss and its gradients; torch optimizers call it
@@ -410,7 +451,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         def evaluate():
             loss = closure()
             self.synchronize()
-            self._synchronized = False
+            self._fresh = False
             if isinstance(loss, torch.Tensor):
                 op = ReduceOp.Sum if self._op == ReduceOp.Sum else ReduceOp.Average
                 loss = allreduce(loss.detach(), name=f"DistributedOptimizer.{self._index}.loss",
@@ -435,34 +476,36 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         accumulation."""
         self._refuse_in_flight("load_state_dict()")
         self._restart_accumulation()
-        self._synchronized = False
+        self._fresh = False
         return super().load_state_dict(state_dict)
 
     def _restart_accumulation(self) -> None:
         self._close_stream()
         self._handles.clear()
         self._group_ready.clear()
-        for p in self._delay:
-            self._delay[p] = self._passes
+        self._restart_counts()
 
     def _refuse_in_flight(self, what: str) -> None:
         flying = [self._names[p] for p, h in self._handles.items() if h[0] is not None]
         if flying:
             shown = ", ".join(repr(n) for n in flying[:3]) + (", ..." if len(flying) > 3 else "")
             raise HvdliteError(
-                f"optimizer.{what} was called after loss.backward() but before optimizer.step() "
-                f"or optimizer.synchronize(), while the allreduces of {len(flying)} of its "
-                f"gradients ({shown}) were in flight; that would race with them. Call step() "
-                f"first. If that backward pass was meant for another optimizer (a GAN's "
-                f"generator loss reaches the discriminator's parameters too), freeze these "
-                f"parameters during it with requires_grad_(False), or call this optimizer's "
-                f"synchronize() before {what} to finish and discard those reductions.")
+                f"optimizer.{what} was called while the allreduces of {len(flying)} of its "
+                f"gradients ({shown}) were in flight: a backward pass started them and did not "
+                f"complete (it raised), so they were not finished at its end. That would race "
+                f"with them. Call optimizer.synchronize() first (on every rank) to finish them.")
 
     def zero_grad(self, set_to_none: bool = True):
         self._refuse_in_flight("zero_grad()")
         # A backward left unfinished (an error, unused parameters and no step) must not keep
         # the engine gathering.
         self._close_stream()
+        if self._fresh:
+            # Reduced gradients discarded without a step(): a GAN's discriminator after the
+            # generator's backward, or a step GradScaler skipped.  The next backward starts
+            # a new accumulation.
+            self._fresh = False
+            self._restart_counts()
         return super().zero_grad(set_to_none=set_to_none)
 
 

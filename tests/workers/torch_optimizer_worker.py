@@ -86,6 +86,22 @@ def moved(model, init, names=None):
             assert not torch.equal(p, init_params[name]), f"{name!r} never changed"
 
 
+def started_by_hooks(opt):
+    """A list that records each parameter whose reduction its gradient hook starts (the end
+    of the backward pass then waits for them all, so ``opt._handles`` is empty again when
+    ``backward()`` returns)."""
+    started = []
+    on_grad_ready = opt._on_grad_ready
+
+    def spy(p):
+        on_grad_ready(p)
+        if opt._handles.get(p, (None,))[0] is not None:
+            started.append(p)
+
+    opt._on_grad_ready = spy
+    return started
+
+
 def sgd(model, lr=0.1, momentum=0.9):
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
 
@@ -365,18 +381,29 @@ def wrap_existing_state(case):
     close_to(model, ref, 1e-5)
 
 
-def double_sync_warns(case):
+def synchronize_then_step(case):
+    """Horovod reduces twice when step() follows synchronize() without skip_synchronize();
+    here the gradients, already reduced, are not reduced again: with op=Sum a second
+    reduction would multiply them by the number of ranks."""
     model = make_model()
-    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
-    x, y = batch(case, 0)
-    F.mse_loss(model(shard(x)), shard(y)).backward()
-    opt.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        opt.step()
-    assert any("skip_synchronize" in str(w.message) for w in caught), \
-        "step() after synchronize() without skip_synchronize() did not warn"
+    ref = copy.deepcopy(model)
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters(),
+                                   op=hvd.Sum)
+    ref_opt = sgd(ref)
+    for step in range(3):
+        x, y = batch(case, step)
+        opt.zero_grad()
+        (F.mse_loss(model(shard(x)), shard(y)) / SIZE).backward()
+        opt.synchronize()
+        opt.synchronize()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            opt.step()
+        ref_opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
     same_on_all_ranks(model)
+    close_to(model, ref, 1e-5)
 
 
 def zero_grad_then_train(case):
@@ -447,12 +474,14 @@ def add_param_group(case, named=True):
         m.fc1.requires_grad_(True)
         o.add_param_group({"params": m.fc1.parameters(), "lr": 0.05})
 
+    started = started_by_hooks(opt)
     for step in range(3):
         x, y = batch(case, 10 + step)
         opt.zero_grad()
+        started.clear()
         F.mse_loss(model(shard(x)), shard(y)).backward()
-        started = {p for p, (handle, _, _) in opt._handles.items() if handle is not None}
-        assert model.fc1.weight in started and model.fc1.bias in started, \
+        ids = {id(p) for p in started}
+        assert id(model.fc1.weight) in ids and id(model.fc1.bias) in ids, \
             "the added group's gradients were not started from their hooks"
         opt.step()
         ref_opt.zero_grad()
@@ -506,7 +535,8 @@ def set_bpps(case):
 
 def load_state_dict_restarts(case):
     """A checkpoint restored after a partial accumulation (one backward pass of two, no step)
-    starts a fresh accumulation, as in Horovod; with reductions in flight it is refused."""
+    starts a fresh accumulation, as in Horovod; with reductions in flight (a backward pass
+    that failed half-way) it is refused."""
     model = make_model()
     ref = copy.deepcopy(model)
     opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters(),
@@ -524,17 +554,33 @@ def load_state_dict_restarts(case):
     train_ref(case, ref, ref_opt, steps=2)
     same_on_all_ranks(model)
     close_to(model, ref, 1e-5)
-    # two passes: the reductions are in flight until step()
-    for _ in range(2):
-        F.mse_loss(model(shard(x)), shard(y)).backward()
+    # the second pass fails after fc2's reductions started: they stay in flight
+    F.mse_loss(model(shard(x)), shard(y)).backward()
+    failing_backward(model, shard(x), shard(y))
     try:
         opt.load_state_dict(saved_opt)
     except hvd.HvdliteError as exc:
-        assert "load_state_dict()" in str(exc) and "step()" in str(exc), str(exc)
+        assert "load_state_dict()" in str(exc) and "synchronize()" in str(exc), str(exc)
     else:
         raise AssertionError("load_state_dict() with reductions in flight did not raise")
-    opt.step()
+    opt.synchronize()
+    opt.load_state_dict(saved_opt)
     same_on_all_ranks(model)
+
+
+def failing_backward(model, x, y):
+    """A backward pass that raises between fc2's gradients and fc1's."""
+    def fail(grad):
+        raise RuntimeError("boom in backward")
+
+    hidden = torch.tanh(model.fc1(x))
+    hidden.register_hook(fail)
+    try:
+        F.mse_loss(model.fc2(hidden), y).backward()
+    except RuntimeError as exc:
+        assert "boom in backward" in str(exc), str(exc)
+    else:
+        raise AssertionError("the failing backward did not fail")
 
 
 def rewrap_same_parameters(case):
@@ -629,29 +675,123 @@ def two_models_named_alike(case):
 
 
 def gan_without_freezing(case):
-    """The generator's backward also reaches the discriminator's parameters, so their
-    reductions are in flight at the discriminator's next zero_grad(): refused with advice, and
-    after the advised synchronize() training goes on, identical on every rank."""
+    """The generator's backward also reaches the discriminator's parameters: their reductions
+    finish with that backward pass, so the discriminator's next zero_grad() just discards
+    them, and both models train as on one process without freezing anything."""
     gen, disc = _gan(2)
+    ref_gen, ref_disc = copy.deepcopy(gen), copy.deepcopy(disc)
+    init = copy.deepcopy(disc)
     opt_g = hvd.DistributedOptimizer(torch.optim.SGD(gen.parameters(), lr=0.05),
                                      named_parameters=gen.named_parameters(prefix="gen"))
     opt_d = hvd.DistributedOptimizer(torch.optim.SGD(disc.parameters(), lr=0.05),
                                      named_parameters=disc.named_parameters(prefix="disc"))
     assert opt_d._prefix is None, "distinct names were prefixed anyway"
-    real, z = _gan_data(case, 0)
-    _gan_step(gen, disc, opt_g, opt_d, shard(real), shard(z), freeze=False)
-    try:
-        opt_d.zero_grad()
-    except hvd.HvdliteError as exc:
-        assert "requires_grad_(False)" in str(exc) and "'allreduce.disc." in str(exc), str(exc)
-    else:
-        raise AssertionError("zero_grad() with the discriminator's reductions in flight "
-                             "did not raise")
-    opt_d.synchronize()
-    real, z = _gan_data(case, 1)
-    _gan_step(gen, disc, opt_g, opt_d, shard(real), shard(z))
+    ref_g = torch.optim.SGD(ref_gen.parameters(), lr=0.05)
+    ref_d = torch.optim.SGD(ref_disc.parameters(), lr=0.05)
+    for step in range(3):
+        real, z = _gan_data(case, step)
+        _gan_step(gen, disc, opt_g, opt_d, shard(real), shard(z), freeze=False)
+        _gan_step(ref_gen, ref_disc, ref_g, ref_d, real, z, freeze=False)
     same_on_all_ranks(gen)
     same_on_all_ranks(disc)
+    moved(disc, init)
+    close_to(gen, ref_gen, 2e-5)
+    close_to(disc, ref_disc, 2e-5)
+
+
+def grads_reduced_when_backward_returns(case):
+    """``.grad`` holds the averaged gradients as soon as backward() returns (nothing left in
+    flight); with backward_passes_per_step=2 only after the second pass."""
+    for passes in (1, 2):
+        model = make_model()
+        ref = copy.deepcopy(model)
+        opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters(),
+                                       backward_passes_per_step=passes)
+        started = started_by_hooks(opt)
+        x, y = batch(case, passes)
+        local = copy.deepcopy(model)
+        F.mse_loss(local(shard(x)), shard(y)).backward()
+        F.mse_loss(ref(x), y).backward()
+        for k in range(passes):
+            F.mse_loss(model(shard(x)), shard(y)).backward()
+            done = k == passes - 1
+            want = ref if done else local
+            for (name, p), q in zip(model.named_parameters(), want.parameters()):
+                torch.testing.assert_close(p.grad, q.grad * (passes if done else 1), rtol=0,
+                                           atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+            assert len(started) == (4 if done else 0), len(started)
+            in_flight = [p for p, h in opt._handles.items() if h[0] is not None]
+            assert not in_flight, f"{len(in_flight)} reductions still in flight"
+        opt.step()
+        same_on_all_ranks(model)
+
+
+def grad_scaler_recipe(case):
+    """torch.amp's recipe unchanged (scaler.scale(loss).backward(); scaler.step(opt);
+    scaler.update()).  Rank 0's first two batches overflow; the scaler's overflow check reads
+    the averaged gradients, so every rank skips those steps and backs its scale off alike,
+    as one process on the whole batch does."""
+    model = make_model()
+    init, ref = copy.deepcopy(model), copy.deepcopy(model)
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+    ref_opt = sgd(ref)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 100)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 100)
+    for step in range(6):
+        x, y = batch(case, step)
+        if step < 2:
+            y[:B] *= 1e20      # rank 0's rows: the loss overflows float32
+        for m, o, sc, xs, ys in ((model, opt, scaler, shard(x), shard(y)),
+                                 (ref, ref_opt, ref_scaler, x, y)):
+            o.zero_grad()
+            sc.scale(F.mse_loss(m(xs), ys)).backward()
+            sc.step(o)
+            sc.update()
+    assert scaler.get_scale() == ref_scaler.get_scale() == 2.0 ** 98, \
+        (scaler.get_scale(), ref_scaler.get_scale())
+    same_on_all_ranks(model)
+    moved(model, init)
+    close_to(model, ref, 1e-5)
+
+
+def clip_without_synchronize(case):
+    """clip_grad_norm_ straight after backward, without Horovod's synchronize() /
+    skip_synchronize() dance: it clips the averaged gradients, as on one process."""
+    model = make_model()
+    init, ref = copy.deepcopy(model), copy.deepcopy(model)
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+    ref_opt = sgd(ref)
+    for step in range(STEPS):
+        x, y = batch(case, step)
+        for m, o, xs, ys in ((model, opt, shard(x), shard(y)), (ref, ref_opt, x, y)):
+            o.zero_grad()
+            F.mse_loss(m(xs), ys).backward()
+            norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            assert norm > 0.05, f"nothing clipped (norm {norm})"
+            o.step()
+    same_on_all_ranks(model)
+    moved(model, init)
+    close_to(model, ref, 1e-5)
+
+
+def backward_failure(case):
+    """A backward pass that raises half-way leaves the reductions its hooks started in
+    flight: zero_grad() refuses (pointing at synchronize()), synchronize() finishes them, and
+    training goes on identically on every rank."""
+    model = make_model()
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+    x, y = batch(case, 0)
+    failing_backward(model, shard(x), shard(y))
+    try:
+        opt.zero_grad()
+    except hvd.HvdliteError as exc:
+        assert "synchronize()" in str(exc) and "'allreduce.fc2." in str(exc), str(exc)
+    else:
+        raise AssertionError("zero_grad() with reductions in flight did not raise")
+    opt.synchronize()
+    opt.zero_grad()
+    train_dist(case, model, opt, steps=2)
+    same_on_all_ranks(model)
 
 
 def names_of_a_dropped_optimizer(case):
@@ -713,11 +853,12 @@ def compiled_model(case):
     init, ref = copy.deepcopy(model), copy.deepcopy(model)
     compiled = torch.compile(model, backend="aot_eager")
     opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+    started = started_by_hooks(opt)
     for step in range(STEPS):
         x, y = batch(case, step)
         opt.zero_grad()
+        started.clear()
         F.mse_loss(compiled(shard(x)), shard(y)).backward()
-        started = [p for p, (handle, _, _) in opt._handles.items() if handle is not None]
         assert len(started) == 4, "gradients were not started from their hooks"
         opt.step()
     train_ref(case, ref, sgd(ref))
@@ -751,7 +892,7 @@ CASES = {
                                tol=2e-5),
     "broadcast_parameters_then_train": broadcast_then_train,
     "wrap_optimizer_with_existing_state": wrap_existing_state,
-    "step_without_skip_after_synchronize_warns": double_sync_warns,
+    "synchronize_then_step_reduces_once": synchronize_then_step,
     "zero_grad_after_step_then_train": zero_grad_then_train,
     "gradients_take_fast_path": gradients_take_fast_path,
     "add_param_group.named": add_param_group,
@@ -763,6 +904,10 @@ CASES = {
     "dropped_optimizer_is_freed": dropped_optimizer_is_freed,
     "two_models_named_alike": two_models_named_alike,
     "gan_without_freezing": gan_without_freezing,
+    "grads_reduced_when_backward_returns": grads_reduced_when_backward_returns,
+    "grad_scaler_recipe": grad_scaler_recipe,
+    "clip_grad_norm_without_synchronize": clip_without_synchronize,
+    "backward_failure_then_synchronize": backward_failure,
     "names_of_a_dropped_optimizer": names_of_a_dropped_optimizer,
     "step_with_closure.sgd": lambda c: step_with_closure(c, sgd, 1e-5),
     "step_with_closure.lbfgs": lambda c: step_with_closure(
