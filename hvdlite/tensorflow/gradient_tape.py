@@ -7,8 +7,9 @@ from hvdlite.common import basics
 from hvdlite.common.process_sets import ProcessSet, global_process_set
 from hvdlite.common.reduce_ops import ReduceOp, resolve_op
 
+from . import grad_layouts as layouts
 from .compression import Compression
-from .mpi_ops import grouped_allreduce, allreduce
+from .mpi_ops import _allreduce_raw, allreduce
 
 
 def _check_groups(num_groups, groups):
@@ -73,7 +74,9 @@ def make_allreduce_grads_fn(name: str, compression=Compression.none, sparse_as_d
     None).
 
     All dense gradients travel as one group: negotiated and executed as one unit (inside
-    ``tf.function``: one graph node), so the core fuses them into few collectives.  With a
+    ``tf.function``: one graph node), so the core fuses them into few collectives.  Gradients
+    that are None or sparse on some ranks only are reconciled eagerly and reported clearly
+    inside ``tf.function`` (see :mod:`.grad_layouts`).  With a
     ``process_set``, gradients are reduced over its ranks only; on ranks outside the set (and
     when the set has one rank) they are returned unchanged, as in Horovod.
 
@@ -91,16 +94,18 @@ def make_allreduce_grads_fn(name: str, compression=Compression.none, sparse_as_d
 
     def allreduce_grads(grads, variables=None, local=None):
         grads = list(grads)
+        variables = None if variables is None else list(variables)
+        if variables is not None and len(variables) != len(grads):
+            raise ValueError(f"{name}: {len(grads)} gradients for {len(variables)} variables")
         if local and variables is not None:
-            return reduce_shared_only(grads, list(variables), local)
-        return reduce_all(grads)
+            return reduce_shared_only(grads, variables, local)
+        return reduce_all(grads, variables)
 
     def reduce_shared_only(grads, variables, local):
-        if len(variables) != len(grads):
-            raise ValueError(f"{name}: {len(grads)} gradients for {len(variables)} variables")
         is_local = [v in local for v in variables]
         shared = [i for i, mine in enumerate(is_local) if not mine]
-        for i, g in zip(shared, reduce_all([grads[i] for i in shared])):
+        for i, g in zip(shared, reduce_all([grads[i] for i in shared],
+                                           [variables[i] for i in shared])):
             grads[i] = g
         if scale_local_gradients:
             set_size = _check_process_set(process_set)[1]
@@ -108,35 +113,44 @@ def make_allreduce_grads_fn(name: str, compression=Compression.none, sparse_as_d
                      for g, mine in zip(grads, is_local)]
         return grads
 
-    def reduce_all(grads):
+    def reduce_all(grads, variables):
         member, set_size = _check_process_set(process_set)
         if not member or (set_size == 1 and op in (ReduceOp.Average, ReduceOp.Sum)
                           and prescale * postscale == 1.0):
             return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) and sparse_as_dense
                     else g for g in grads]
-        out = list(grads)
-        dense, dense_idx = [], []
-        for i, g in enumerate(grads):
-            if g is None:
-                continue
-            if isinstance(g, tf.IndexedSlices):
-                if sparse_as_dense:
-                    g = tf.convert_to_tensor(g)
-                else:
-                    out[i] = allreduce(g, op=op, prescale_factor=prescale,
-                                       postscale_factor=postscale, name=f"{name}.sparse.{i}",
-                                       compression=compression, process_set=process_set)
-                    continue
-            dense.append(g)
-            dense_idx.append(i)
-        if dense:
+        kinds = [layouts.kind_of(g, sparse_as_dense) for g in grads]
+        if tf.executing_eagerly():
+            # Agree with the other ranks on each gradient's layout; fill in what this rank lacks.
+            kinds = layouts.agree(kinds, name, process_set)
+            grads = [layouts.conform(g, k, None if variables is None else variables[i],
+                                     f"{name}.{i}") for i, (g, k) in enumerate(zip(grads, kinds))]
+            dense_idx = [i for i, k in enumerate(kinds) if k == layouts.DENSE]
+            members, hint = [grads[i] for i in dense_idx], None
+        else:
+            # Traced: every position takes part, a missing or sparse one as an empty
+            # placeholder, so ranks that traced different layouts fail clearly, not hang.
+            dense_idx = list(range(len(grads)))
+            members = [tf.convert_to_tensor(g) if k == layouts.DENSE else layouts.placeholder(k)
+                       for g, k in zip(grads, kinds)]
+            hint = layouts.mismatch_hint(kinds, variables, name)
+        out = [None] * len(grads)
+        if members:
             # Fixed names (position in the gradient list): deterministic on every rank, eagerly
-            # and in tf.function, and stable across steps for the core's response cache.
-            reduced = grouped_allreduce(dense, op=op, prescale_factor=prescale,
-                                        postscale_factor=postscale, compression=compression,
-                                        name=name, process_set=process_set)
-            for i, r in zip(dense_idx, reduced):
-                out[i] = r
+            # and in tf.function, and stable across steps for the core's response cache.  The
+            # group goes first: inside tf.function a mismatch then stops the step before any
+            # sparse reduction starts.
+            compressed = [compression.compress(m) for m in members]
+            reduced = _allreduce_raw([c for c, _ in compressed], name, op, prescale, postscale,
+                                     process_set, grouped=True, mismatch_hint=hint)
+            for i, r, (_, ctx) in zip(dense_idx, reduced, compressed):
+                if kinds[i] == layouts.DENSE:
+                    out[i] = compression.decompress(r, ctx)
+        for i, k in enumerate(kinds):
+            if k in (layouts.SPARSE32, layouts.SPARSE64):
+                out[i] = allreduce(grads[i], op=op, prescale_factor=prescale,
+                                   postscale_factor=postscale, name=f"{name}.sparse.{i}",
+                                   compression=compression, process_set=process_set)
         return out
 
     return allreduce_grads
@@ -186,6 +200,11 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
 
     ``sparse_as_dense`` converts ``tf.IndexedSlices`` gradients (embeddings) to dense tensors
     before the allreduce; otherwise their values and indices are allgathered.
+    A gradient that is None on some ranks only (the loss did not reach its variable there) is
+    averaged with zeros from those ranks when run eagerly (the ranks agree on each gradient's
+    layout first, with one small allreduce); inside ``tf.function`` ranks whose traces differ
+    that way get a TensorMismatchError naming the gradients.  A gradient no rank has stays
+    None.
     ``compression``: ``Compression.fp16`` sends float gradients as float16.
     ``process_set``: average over the ranks of this set only; ranks outside it get their local
     gradients unchanged (Horovod's behaviour).

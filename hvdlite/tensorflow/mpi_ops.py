@@ -44,6 +44,7 @@ from hvdlite.common import basics
 from hvdlite.common import grouped as core_grouped
 from hvdlite.common import ops as core
 from hvdlite.common.dtypes import dtype_info
+from hvdlite.common.errors import TensorMismatchError
 from hvdlite.common.messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER,
                                      split_rows)
 from hvdlite.common.process_sets import ProcessSet, global_process_set
@@ -261,8 +262,9 @@ def _collective(kind: str, tensors: list, names: list, kwargs: dict,
 
 
 def _group(kind: str, tensors: list, name, kwargs: dict, process_set=None,
-           shapes=None) -> list:
-    """One grouped ``kind`` op over ``tensors`` (one graph node)."""
+           shapes=None, mismatch_hint: str | None = None) -> list:
+    """One grouped ``kind`` op over ``tensors`` (one graph node).  ``mismatch_hint`` is added
+    to the message of a TensorMismatchError (what this rank knows about the likely cause)."""
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
         return []
@@ -271,7 +273,12 @@ def _group(kind: str, tensors: list, name, kwargs: dict, process_set=None,
     kwargs = dict(kwargs, process_set=process_set)
 
     def fn(*arrays):
-        return _execute_group(kind, arrays, name, dtypes, kwargs)
+        try:
+            return _execute_group(kind, arrays, name, dtypes, kwargs)
+        except TensorMismatchError as exc:
+            if mismatch_hint is None:
+                raise
+            raise TensorMismatchError(f"{exc}\n{mismatch_hint}") from exc
 
     outs = _node(_label(f"grouped_{kind}", name), fn, tensors, [t.dtype for t in tensors])
     _set_shapes(outs, shapes if shapes is not None else [t.shape for t in tensors])
@@ -324,14 +331,15 @@ def _allreduce_kwargs(op, prescale, postscale) -> dict:
 
 
 def _allreduce_raw(tensors: list, name, op: ReduceOp, prescale: float, postscale: float,
-                   process_set, grouped: bool) -> list:
+                   process_set, grouped: bool, mismatch_hint: str | None = None) -> list:
     """Differentiable allreduce of ``tensors``: one op (``grouped=False``, one tensor) or one
     core group named ``name``."""
     kwargs = _allreduce_kwargs(op, prescale, postscale)
 
     def forward(xs):
         if grouped:
-            return _group(ALLREDUCE, xs, name, kwargs, process_set)
+            return _group(ALLREDUCE, xs, name, kwargs, process_set,
+                          mismatch_hint=mismatch_hint)
         return _collective(ALLREDUCE, xs, [name], kwargs, process_set)
 
     def backward(xs, ys, dys):

@@ -12,4 +12,9 @@ CASES = [
     "mixed_precision.backward_passes",
     "mixed_precision.custom_loop_tape",
     "mixed_precision.custom_loop_optimizer",
+    "none_gradients.eager_tape",
+    "none_gradients.eager_sparse",
+    "none_gradients.eager_keras_optimizer",
+    "none_gradients.traced_alike",
+    "none_gradients.traced_differently_is_an_error",
 ]

@@ -1,10 +1,15 @@
-"""TF / Keras training setups whose correctness depends on every rank taking the same decision:
-Keras mixed precision (a LossScaleOptimizer skips a step when gradients overflow).
+"""TF / Keras training setups whose correctness depends on every rank taking the same decision.
 
-Rank 0's data overflows float16 in the first steps while the other ranks' data never does, so
-a rank that decided from its own gradients would skip different steps than the others (and,
-with hvdlite's reduction inside the skipped update, leave them waiting).  Launched with a short
-HVDLITE_STALL_SHUTDOWN_TIME_SECONDS so that such a wait fails the case instead of the job.
+Keras mixed precision: a LossScaleOptimizer skips a step when gradients overflow.  Rank 0's
+data overflows float16 in the first steps while the other ranks' data never does, so a rank
+that decided from its own gradients would skip different steps than the others (and, with
+hvdlite's reduction inside the skipped update, leave them waiting).
+
+Gradients that are None (or tf.IndexedSlices) on some ranks only: eagerly the ranks reconcile
+them; inside tf.function a disagreement is a clear error on every rank.
+
+Launched with a short HVDLITE_STALL_SHUTDOWN_TIME_SECONDS so that a wait for a rank that
+skipped a collective fails the case instead of the job.
 """
 import os
 
@@ -160,6 +165,159 @@ def custom_loop(distributed_tape):
 
 r.case("mixed_precision.custom_loop_tape", custom_loop, True)
 r.case("mixed_precision.custom_loop_optimizer", custom_loop, False)
+
+
+
+# --- gradients that are None or sparse on some ranks only -------------------------------------
+def uses(rank, what):
+    """Which parts of the model rank ``rank``'s loss reaches (the same table on every rank)."""
+    table = {"b": rank % 2 == 0,            # ranks 0, 2
+             "emb": rank != 1,              # sparse on ranks 0, 2 (int64 ids on 0, int32 on 2)
+             "mixed_dense": rank == 0}      # mixed: dense on rank 0, sparse elsewhere
+    return table[what]
+
+
+def none_variables():
+    a = tf.Variable(np.arange(3, dtype=np.float32) + 1, name="a")
+    b = tf.Variable(np.full(2, 2.0, np.float32), name="b")
+    never = tf.Variable(np.ones(4, np.float32), name="never")
+    return a, b, never
+
+
+def none_loss(rank, a, b, never):
+    loss = tf.reduce_sum(a * a) * (rank + 1)
+    if uses(rank, "b"):
+        loss += tf.reduce_sum(b) * (rank + 1)
+    return loss
+
+
+def none_reference(a0, b0):
+    """Averaged gradients: d/da of every rank, d/db of the ranks that use b (zeros elsewhere)."""
+    ga = sum(2 * a0 * (q + 1) for q in range(SIZE)) / SIZE
+    gb = sum(np.ones_like(b0) * (q + 1) for q in range(SIZE) if uses(q, "b")) / SIZE
+    return ga, gb
+
+
+def eager_tape():
+    a, b, never = none_variables()
+    for _ in range(2):   # twice: the second call reuses the cached negotiation
+        with tf.GradientTape() as tape:
+            loss = none_loss(RANK, a, b, never)
+        grads = hvd.DistributedGradientTape(tape).gradient(loss, [a, b, never])
+        ga, gb = none_reference(a.numpy(), b.numpy())
+        np.testing.assert_allclose(grads[0].numpy(), ga, rtol=1e-6)
+        np.testing.assert_allclose(grads[1].numpy(), gb, rtol=1e-6)
+        assert grads[2] is None, "a gradient no rank has must stay None"
+
+
+r.case("none_gradients.eager_tape", eager_tape)
+
+
+def eager_sparse():
+    """An embedding reached by gathers on some ranks (int64 ids on one, int32 on another) and
+    not at all on rank 1; a table reached densely on rank 0 and by a gather elsewhere."""
+    rows = np.arange(12, dtype=np.float32).reshape(6, 2)
+    emb = tf.Variable(rows, name="emb")
+    mixed = tf.Variable(rows, name="mixed")
+    ids = {q: np.array([q % 6, (q + 2) % 6, q % 6]) for q in range(SIZE)}
+    with tf.GradientTape() as tape:
+        loss = tf.constant(0.0)
+        if uses(RANK, "emb"):
+            dtype = tf.int64 if RANK == 0 else tf.int32
+            loss += tf.reduce_sum(tf.gather(emb, tf.constant(ids[RANK], dtype)))
+        if uses(RANK, "mixed_dense"):
+            loss += tf.reduce_sum(mixed * 3.0)
+        else:
+            loss += tf.reduce_sum(tf.gather(mixed, tf.constant(ids[RANK], tf.int32)))
+    g_emb, g_mixed = hvd.DistributedGradientTape(tape).gradient(loss, [emb, mixed])
+    want_emb = np.zeros_like(rows)
+    want_mixed = np.zeros_like(rows)
+    for q in range(SIZE):
+        for i in ids[q]:
+            if uses(q, "emb"):
+                want_emb[i] += 1
+            if not uses(q, "mixed_dense"):
+                want_mixed[i] += 1
+        if uses(q, "mixed_dense"):
+            want_mixed += 3.0
+    assert isinstance(g_emb, tf.IndexedSlices), type(g_emb)
+    assert not isinstance(g_mixed, tf.IndexedSlices), "dense on one rank: dense everywhere"
+    np.testing.assert_allclose(tf.convert_to_tensor(g_emb).numpy(), want_emb / SIZE, rtol=1e-6)
+    np.testing.assert_allclose(g_mixed.numpy(), want_mixed / SIZE, rtol=1e-6)
+
+
+r.case("none_gradients.eager_sparse", eager_sparse)
+
+
+def eager_keras_optimizer():
+    """apply_gradients eagerly with a gradient only some ranks have: every rank applies the
+    same averaged update; the variable no rank has a gradient for is left alone."""
+    a, b, never = none_variables()
+    opt = hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.5))
+    for _ in range(3):
+        with tf.GradientTape() as tape:
+            loss = none_loss(RANK, a, b, never)
+        grads = tape.gradient(loss, [a, b, never])
+        opt.apply_gradients(zip(grads, [a, b, never]))
+    values = np.concatenate([a.numpy(), b.numpy(), never.numpy()])
+    everyone = hvd.allgather(tf.constant(values[None])).numpy()
+    assert (everyone == everyone[0]).all(), everyone
+    np.testing.assert_array_equal(never.numpy(), np.ones(4, np.float32))
+    assert not np.allclose(b.numpy(), 2.0) and not np.allclose(a.numpy(), [1, 2, 3])
+
+
+r.case("none_gradients.eager_keras_optimizer", eager_keras_optimizer)
+
+
+def traced_alike():
+    """Inside tf.function, a gradient that is None on every rank stays None (an empty
+    placeholder in the group), the others are averaged."""
+    a, b, never = none_variables()
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(a * a) * (RANK + 1) + tf.reduce_sum(b) * (RANK + 1)
+        return hvd.DistributedGradientTape(tape).gradient(loss, [a, b, never])
+
+    for _ in range(2):
+        ga, gb, gn = step()
+        assert gn is None
+        want = sum(q + 1 for q in range(SIZE)) / SIZE
+        np.testing.assert_allclose(ga.numpy(), 2 * a.numpy() * want, rtol=1e-6)
+        np.testing.assert_allclose(gb.numpy(), np.full(2, want), rtol=1e-6)
+
+
+r.case("none_gradients.traced_alike", traced_alike)
+
+
+def traced_differently():
+    """Ranks whose traced functions differ in which gradients are None: every rank gets an
+    error naming the gradient (the ranks with the None one also name its variable), nobody
+    hangs, and the next collective works."""
+    a, b, never = none_variables()
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = none_loss(RANK, a, b, never)
+        return hvd.DistributedGradientTape(tape).gradient(loss, [a, b])
+
+    try:
+        step()
+    except tf.errors.OpError as exc:
+        msg = str(exc)
+        assert "DistributedGradientTape.allreduce.1" in msg and "shape (0,)" in msg, msg
+        assert "unconnected_gradients" in msg, msg
+        if not uses(RANK, "b"):
+            assert "DistributedGradientTape.allreduce.1 (b:0): None" in msg, msg
+    else:
+        raise AssertionError("different traced gradients did not raise")
+    total = hvd.allreduce(tf.constant([1.0]), op=hvd.Sum, name="after_mismatch")
+    assert total.numpy().tolist() == [float(SIZE)]
+
+
+r.case("none_gradients.traced_differently_is_an_error", traced_differently)
 
 missing = [c for c in CASES if c not in r.results]
 assert not missing, missing
