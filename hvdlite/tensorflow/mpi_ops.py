@@ -207,6 +207,7 @@ def _node(label: str, fn: Callable[..., list], inputs: list, touts: list) -> lis
         return [np.asarray(o) for o in fn(*arrays)]
 
     graph = tf.compat.v1.get_default_graph()
+    _refuse_xla(graph, label)
     state = _state_of(graph)
     deps = [state.last] if state.last is not None else []
     with tf.control_dependencies(deps):
@@ -215,6 +216,24 @@ def _node(label: str, fn: Callable[..., list], inputs: list, touts: list) -> lis
     if outs:
         state.last = outs[0].op
     return outs
+
+
+def _refuse_xla(graph, label: str) -> None:
+    """Fail when traced for XLA (every rank traces alike, so every rank fails, before any
+    collective): XLA cannot compile the Python node, and TensorFlow's own error (tf2xla
+    conversion failed, deep in the first step) does not say why."""
+    try:
+        from tensorflow.python.ops import control_flow_util
+        in_xla = control_flow_util.GraphOrParentsInXlaContext(graph)
+    except (ImportError, AttributeError):   # TF internals moved: let XLA report it
+        return
+    if in_xla:
+        raise NotImplementedError(
+            f"hvdlite: the collective {label!r} cannot run inside an XLA-compiled function: "
+            f"hvdlite's "
+            f"collectives run in Python, which XLA cannot compile. Pass jit_compile=False to "
+            f"tf.function, or to model.compile (Keras's default jit_compile=\"auto\" may pick "
+            f"XLA on a GPU).")
 
 
 def _set_shapes(outs, shapes) -> None:

@@ -17,4 +17,5 @@ CASES = [
     "none_gradients.eager_keras_optimizer",
     "none_gradients.traced_alike",
     "none_gradients.traced_differently_is_an_error",
+    "xla.refused_clearly",
 ]

@@ -319,6 +319,31 @@ def traced_differently():
 
 r.case("none_gradients.traced_differently_is_an_error", traced_differently)
 
+def xla_refused():
+    """jit_compile=True (tf.function or model.compile): a clear error on every rank when the
+    function is traced, before any collective, instead of TensorFlow's tf2xla failure."""
+    @tf.function(jit_compile=True)
+    def summed(x):
+        return hvd.allreduce(x, op=hvd.Sum, name="xla.allreduce")
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse",
+                  jit_compile=True)
+    x, y = data(RANK)
+    for run in (lambda: summed(tf.ones([2])),
+                lambda: model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)):
+        try:
+            run()
+        except NotImplementedError as exc:
+            assert "XLA" in str(exc) and "jit_compile=False" in str(exc), str(exc)
+        else:
+            raise AssertionError("an XLA-compiled collective did not raise")
+    total = hvd.allreduce(tf.constant([1.0]), op=hvd.Sum, name="after_xla")
+    assert total.numpy().tolist() == [float(SIZE)]
+
+
+r.case("xla.refused_clearly", xla_refused)
+
 missing = [c for c in CASES if c not in r.results]
 assert not missing, missing
 r.write()
