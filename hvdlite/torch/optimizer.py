@@ -91,6 +91,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # The gradients in .grad are reduced and no hook has fired since (a step() needs no
         # further synchronize()).
         self._fresh = False
+        # Parameters reduced since the last step/zero_grad whose gradient has not changed since
+        # (a later synchronize must not reduce them again: with op=Sum that would be wrong).
+        self._reduced: set = set()
         self._finish_task = None     # autograd graph task whose end finishes the reductions
         self._should_synchronize = True
         self._hook(self._names)
@@ -214,6 +217,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._close_stream()
         self._delay[p] -= 1
         self._fresh = False
+        self._reduced.discard(p)
         if self._delay[p] > 0:
             self._handles[p] = (None, None, None)
             return
@@ -234,10 +238,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _finish_at_end_of_backward(self) -> None:
         """Once per backward pass that completes some gradient: queue :meth:`_end_of_backward`
-        as autograd's final callback (it runs after every hook of the pass)."""
-        task = torch._C._current_graph_task_id()
-        if task != self._finish_task:
-            self._finish_task = task
+        as autograd's final callback (it runs after every hook of the pass).  Not again while
+        one is pending: a backward nested in this one (reentrant activation checkpointing runs
+        one per checkpointed segment) would otherwise finish at the end of each segment."""
+        if self._finish_task is None:
+            self._finish_task = torch._C._current_graph_task_id()
             Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
@@ -245,7 +250,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         code between backward and step (GradScaler's unscale_ and its overflow check,
         clip_grad_norm_) then reads averaged gradients, the same on every rank, instead of
         racing with reductions still writing into ``.grad``.  Accumulation counts are kept:
-        another backward pass before ``step()`` is still refused."""
+        another backward pass before ``step()`` is still refused.  (Queued from inside a nested
+        backward pass, this runs at its end, before the rest of the outer pass: the gradients
+        still to come are then reduced as zeros, and again at the outer pass's end once they
+        arrive on top of those zeros, which gives the same result.)"""
         self._finish_task = None
         if any(h[0] is not None for h in self._handles.values()):
             self._reduce_gradients()
@@ -382,8 +390,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _reduce_gradients(self) -> None:
         """Reduce every gradient not yet in flight, wait for all, write them into ``.grad``."""
         self._close_stream()   # parameters without a gradient never fire their hooks
+        self._finish_task = None   # (a backward that raised never ran its final callback)
         for p in self._names:
-            if p.requires_grad and self._handles.get(p, (None,))[0] is None:
+            if (p.requires_grad and self._handles.get(p, (None,))[0] is None
+                    and p not in self._reduced):
                 self._handles[p] = self._allreduce_grad_async(p)
         first_error = None
         try:
@@ -403,6 +413,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 result = self._compression.decompress(wire, ctx)
                 if result is not p.grad:
                     p.grad.copy_(result)
+            if first_error is None:
+                self._reduced.update(self._handles)
         finally:
             self._handles.clear()
             self._group_ready.clear()
@@ -412,6 +424,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._fresh = True
 
     def _restart_counts(self) -> None:
+        self._reduced.clear()
         for p in self._delay:
             self._delay[p] = self._passes
 
@@ -500,6 +513,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # A backward left unfinished (an error, unused parameters and no step) must not keep
         # the engine gathering.
         self._close_stream()
+        self._reduced.clear()
         if self._fresh:
             # Reduced gradients discarded without a step(): a GAN's discriminator after the
             # generator's backward, or a step GradScaler skipped.  The next backward starts

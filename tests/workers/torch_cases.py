@@ -165,6 +165,7 @@ OPTIMIZER_CASES = [
     "grad_scaler_recipe",
     "clip_grad_norm_without_synchronize",
     "backward_failure_then_synchronize",
+    "reentrant_checkpoint",
     "names_of_a_dropped_optimizer",
     "step_with_closure.sgd",
     "step_with_closure.lbfgs",

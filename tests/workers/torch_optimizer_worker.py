@@ -774,6 +774,58 @@ def clip_without_synchronize(case):
     close_to(model, ref, 1e-5)
 
 
+class Checkpointed(nn.Module):
+    """fc1 -> (checkpointed fc2) [-> head]: reentrant activation checkpointing runs a nested
+    backward pass for the checkpointed part.  Without a head, the first gradients to complete
+    are inside that nested pass."""
+
+    def __init__(self, head: bool):
+        super().__init__()
+        torch.manual_seed(3)
+        self.fc1 = nn.Linear(IN, HID)
+        self.fc2 = nn.Linear(HID, HID if head else OUT)
+        self.head = nn.Linear(HID, OUT) if head else None
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        h = checkpoint(lambda t: torch.tanh(self.fc2(t)), torch.tanh(self.fc1(x)),
+                       use_reentrant=True)
+        return self.head(h) if self.head is not None else h
+
+
+def reentrant_checkpoint(case):
+    """Reentrant checkpointing with op=Sum (a gradient reduced twice would be off by a factor
+    of the number of ranks): training matches one process; with the head outside the
+    checkpoint the reductions are finished once per backward pass, at its very end."""
+    for head in (True, False):
+        model = Checkpointed(head)
+        init, ref = copy.deepcopy(model), copy.deepcopy(model)
+        opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters(),
+                                       op=hvd.Sum)
+        ref_opt = sgd(ref)
+        finishes = []
+        reduce_gradients = opt._reduce_gradients
+
+        def counted():
+            finishes.append(1)
+            reduce_gradients()
+
+        opt._reduce_gradients = counted
+        for step in range(3):
+            x, y = batch(case, step)
+            opt.zero_grad()
+            (F.mse_loss(model(shard(x)), shard(y)) / SIZE).backward()
+            opt.step()
+            ref_opt.zero_grad()
+            F.mse_loss(ref(x), y).backward()
+            ref_opt.step()
+        if head:
+            assert len(finishes) == 3, f"{len(finishes)} finishes in 3 backward passes"
+        same_on_all_ranks(model)
+        moved(model, init)
+        close_to(model, ref, 1e-5)
+
+
 def backward_failure(case):
     """A backward pass that raises half-way leaves the reductions its hooks started in
     flight: zero_grad() refuses (pointing at synchronize()), synchronize() finishes them, and
@@ -908,6 +960,7 @@ CASES = {
     "grad_scaler_recipe": grad_scaler_recipe,
     "clip_grad_norm_without_synchronize": clip_without_synchronize,
     "backward_failure_then_synchronize": backward_failure,
+    "reentrant_checkpoint": reentrant_checkpoint,
     "names_of_a_dropped_optimizer": names_of_a_dropped_optimizer,
     "step_with_closure.sgd": lambda c: step_with_closure(c, sgd, 1e-5),
     "step_with_closure.lbfgs": lambda c: step_with_closure(
