@@ -1,6 +1,7 @@
 """hvdlite.torch error handling on every rank: each case provokes an error that every rank must
 see (as the documented exception type), then checks that a following collective still works."""
 import copy
+import gc
 
 import torch
 import torch.nn as nn
@@ -138,10 +139,11 @@ def m_optimizer(case):
     model = nn.Sequential(nn.Linear(3, odd(4, 5)), nn.Tanh(), nn.Linear(odd(4, 5), 2))
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters())
-    model(torch.ones(2, 3)).sum().backward()
     before = [p.detach().clone() for p in model.parameters()]
-    mismatch(case, opt.step)
-    # the failed step must not have applied anything, and the optimizer must be usable again
+    # the reductions are finished at the end of backward(): the mismatch is raised there
+    mismatch(case, lambda: model(torch.ones(2, 3)).sum().backward())
+    assert not any(h[0] is not None for h in opt._handles.values()), "left in flight"
+    # nothing was applied, and the optimizer is usable again
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     opt.zero_grad()
 
@@ -303,13 +305,25 @@ def params_same_on_all_ranks(model):
 
 
 def o_zero_grad_in_flight(case):
+    """Reductions stay in flight only when a backward pass raised half-way (its end never came
+    to finish them): zero_grad() then refuses and clears nothing, step() finishes them."""
     model = make_model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters())
     x, y = data()
-    F.mse_loss(model(x), y).backward()
-    expect(hvd.HvdliteError, opt.zero_grad)
-    assert all(p.grad is not None for p in model.parameters()), "zero_grad cleared gradients"
+
+    def fail(grad):
+        raise RuntimeError("boom in backward")
+
+    # the hook raises after the last layer's gradients started their reductions
+    hidden = model[0](x)
+    hidden.register_hook(fail)
+    expect(RuntimeError, lambda: F.mse_loss(model[2](torch.tanh(hidden)), y).backward())
+    in_flight = [p for p, h in opt._handles.items() if h[0] is not None]
+    assert in_flight, "test set-up: the failed backward must leave reductions in flight"
+    exc = expect(hvd.HvdliteError, opt.zero_grad)
+    assert "synchronize()" in str(exc), str(exc)
+    assert all(p.grad is not None for p in in_flight), "zero_grad cleared gradients"
     opt.step()      # the reductions in flight complete normally
     opt.zero_grad()
     x, y = data(1)
@@ -430,16 +444,28 @@ def o_sync_error_waits_for_rest(case):
         named_parameters=[*model.named_parameters(), ("bad", bad)],
         compression=hvd.Compression.fp16)
     x, y = data()
+    plain = make_model()
+    local = torch.autograd.grad(F.mse_loss(plain(x), y), list(plain.parameters()))
+    order = []
+    on_grad_ready = opt._on_grad_ready
+
+    def record(p):
+        order.append(p)
+        on_grad_ready(p)
+
+    opt._on_grad_ready = record
     # bad's node is created last, so autograd runs it first: its reduction is waited for first
-    (F.mse_loss(model(x), y) + bad.sum()).backward()
-    assert next(iter(opt._handles)) is bad, "test set-up: the failing gradient must come first"
-    local = [p.grad.clone() for p in model.parameters()]
-    mismatch(case, opt.synchronize)
+    # (at the end of backward(), which raises the error)
+    mismatch(case, lambda: (F.mse_loss(model(x), y) + bad.sum()).backward())
+    assert order[0] is bad, "test set-up: the failing gradient must come first"
     for p, g in zip(model.parameters(), local):
         expected = torch.from_numpy(COMM.allreduce(g.half().float().numpy())) / SIZE
         assert torch.allclose(p.grad, expected, rtol=1e-2, atol=1e-3), (p.grad, expected)
     assert not any(h[0] is not None for h in opt._handles.values())
-    # the same names work again once the shapes agree
+    # the same names work again once the shapes agree.  (The error, raised inside backward(),
+    # keeps that graph alive through its traceback until collected, and with it bad's
+    # gradient accumulator, which remembers bad's old shape.)
+    gc.collect()
     bad.data = torch.zeros(2)
     opt.zero_grad()
     x, y = data(1)

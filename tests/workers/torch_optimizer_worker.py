@@ -662,14 +662,22 @@ def two_models_named_alike(case):
     names_g, names_d = set(opt_g._names.values()), set(opt_d._names.values())
     assert "allreduce.0.weight" in names_g and not names_g & names_d, (names_g, names_d)
     assert all(n.startswith(f"allreduce.opt{opt_d._index}.") for n in names_d), names_d
-    ref_g, ref_d = adam(ref_gen), adam(ref_disc)
-    for step in range(4):
+    _gan_matches_one_process(case, (gen, disc, opt_g, opt_d),
+                             (ref_gen, ref_disc, adam(ref_gen), adam(ref_disc)), init, steps=4)
+
+
+def _gan_matches_one_process(case, dist, ref, init_disc, steps, freeze=True):
+    """Train ``dist`` = (gen, disc, opt_g, opt_d) on this rank's shards and ``ref`` (the same,
+    plain) on the whole batches; the results agree on every rank and with the reference."""
+    gen, disc, opt_g, opt_d = dist
+    ref_gen, ref_disc, ref_g, ref_d = ref
+    for step in range(steps):
         real, z = _gan_data(case, step)
-        _gan_step(gen, disc, opt_g, opt_d, shard(real), shard(z))
-        _gan_step(ref_gen, ref_disc, ref_g, ref_d, real, z)
+        _gan_step(gen, disc, opt_g, opt_d, shard(real), shard(z), freeze)
+        _gan_step(ref_gen, ref_disc, ref_g, ref_d, real, z, freeze)
     same_on_all_ranks(gen)
     same_on_all_ranks(disc)
-    moved(disc, init)
+    moved(disc, init_disc)
     close_to(gen, ref_gen, 2e-5)
     close_to(disc, ref_disc, 2e-5)
 
@@ -688,15 +696,8 @@ def gan_without_freezing(case):
     assert opt_d._prefix is None, "distinct names were prefixed anyway"
     ref_g = torch.optim.SGD(ref_gen.parameters(), lr=0.05)
     ref_d = torch.optim.SGD(ref_disc.parameters(), lr=0.05)
-    for step in range(3):
-        real, z = _gan_data(case, step)
-        _gan_step(gen, disc, opt_g, opt_d, shard(real), shard(z), freeze=False)
-        _gan_step(ref_gen, ref_disc, ref_g, ref_d, real, z, freeze=False)
-    same_on_all_ranks(gen)
-    same_on_all_ranks(disc)
-    moved(disc, init)
-    close_to(gen, ref_gen, 2e-5)
-    close_to(disc, ref_disc, 2e-5)
+    _gan_matches_one_process(case, (gen, disc, opt_g, opt_d), (ref_gen, ref_disc, ref_g, ref_d),
+                             init, steps=3, freeze=False)
 
 
 def grads_reduced_when_backward_returns(case):
