@@ -81,6 +81,8 @@ def check_same_everywhere(model, lso, applied_updates):
 
 
 def fit_case(wrap, run_eagerly=False):
+    from hvdlite.tensorflow.keras import loss_scale
+    assert loss_scale.installed(), "LossScaleOptimizer.check_finite is not patched"
     with mixed_policy():
         model = mixed_model()
         opt = wrap(keras.optimizers.SGD(0.01))

@@ -18,9 +18,13 @@ averaged before the check, so an overflow on any rank reaches every rank.)
 """
 from __future__ import annotations
 
+import warnings
+
 from keras.optimizers import LossScaleOptimizer
 
-_original_check_finite = LossScaleOptimizer.check_finite
+# (None if a Keras release renamed it: then install() warns and leaves Keras alone, and the
+# mixed precision tests, which check installed(), fail in hvdlite's CI.)
+_original_check_finite = getattr(LossScaleOptimizer, "check_finite", None)
 
 
 def _check_finite_on_every_rank(self, grads):
@@ -32,8 +36,15 @@ def _check_finite_on_every_rank(self, grads):
 def install() -> None:
     """Make ``LossScaleOptimizer.check_finite`` agree across ranks for wrapped hvdlite
     optimizers (idempotent)."""
+    if _original_check_finite is None:
+        warnings.warn("hvdlite cannot hook this Keras version's LossScaleOptimizer (no "
+                      "check_finite): with mixed_float16, wrap the other way round, "
+                      "hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(opt)), "
+                      "and pass that to model.compile; a LossScaleOptimizer around a hvdlite "
+                      "DistributedOptimizer can leave ranks waiting for each other.")
+        return
     LossScaleOptimizer.check_finite = _check_finite_on_every_rank
 
 
 def installed() -> bool:
-    return LossScaleOptimizer.check_finite is _check_finite_on_every_rank
+    return getattr(LossScaleOptimizer, "check_finite", None) is _check_finite_on_every_rank
