@@ -40,6 +40,11 @@ from typing import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
+try:   # TensorFlow internals: tells whether a graph is being built for XLA
+    from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext
+except ImportError:   # moved in some release: XLA then reports it itself
+    GraphOrParentsInXlaContext = None
+
 from hvdlite.common import basics
 from hvdlite.common import grouped as core_grouped
 from hvdlite.common import ops as core
@@ -222,18 +227,12 @@ def _refuse_xla(graph, label: str) -> None:
     """Fail when traced for XLA (every rank traces alike, so every rank fails, before any
     collective): XLA cannot compile the Python node, and TensorFlow's own error (tf2xla
     conversion failed, deep in the first step) does not say why."""
-    try:
-        from tensorflow.python.ops import control_flow_util
-        in_xla = control_flow_util.GraphOrParentsInXlaContext(graph)
-    except (ImportError, AttributeError):   # TF internals moved: let XLA report it
-        return
-    if in_xla:
+    if GraphOrParentsInXlaContext is not None and GraphOrParentsInXlaContext(graph):
         raise NotImplementedError(
             f"hvdlite: the collective {label!r} cannot run inside an XLA-compiled function: "
-            f"hvdlite's "
-            f"collectives run in Python, which XLA cannot compile. Pass jit_compile=False to "
-            f"tf.function, or to model.compile (Keras's default jit_compile=\"auto\" may pick "
-            f"XLA on a GPU).")
+            f"hvdlite's collectives run in Python, which XLA cannot compile. Pass "
+            f"jit_compile=False to tf.function, or to model.compile (Keras's default "
+            f"jit_compile=\"auto\" may pick XLA on a GPU).")
 
 
 def _set_shapes(outs, shapes) -> None:
