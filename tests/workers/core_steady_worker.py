@@ -29,23 +29,28 @@ def inp(tag, rank, dtype, op, shape):
 
 
 def run_allreduces(specs, step, in_place=False, order=None):
-    """specs: list of (name, dtype, op, shape, pre, post); all async, then wait; check all."""
+    """specs: list of (name, dtype, op, shape, pre, post); all async, then wait; check all.
+    ``in_place``: True, False, or "mixed" (every other spec in place, alternating by step)."""
     inputs = {s[0]: [inp(f"{s[0]}@{step}", k, s[1], s[2], s[3]) for k in range(SIZE)]
               for s in specs}
+    if in_place == "mixed":
+        in_place = {s[0]: (i + step) % 2 == 1 for i, s in enumerate(specs)}
+    else:
+        in_place = dict.fromkeys((s[0] for s in specs), in_place)
     handles = {}
     arrays = {}
     for s in (order or specs):
         name, dtype, op, shape, pre, post = s
         x = inputs[name][RANK].copy()
         arrays[name] = x
-        fn = hvd.allreduce_async_ if in_place else hvd.allreduce_async
+        fn = hvd.allreduce_async_ if in_place[name] else hvd.allreduce_async
         handles[name] = attempt(lambda: fn(x, name=name, op=OP[op], prescale_factor=pre,
                                            postscale_factor=post))
     got = {n: (h if isinstance(h, Exception) else attempt(h.wait)) for n, h in handles.items()}
     for name, dtype, op, shape, pre, post in specs:
         exp = allreduce_expected(inputs[name], dtype, op, SIZE, pre, post)
         check_array(f"step {step} {name}", got[name], exp)
-        if in_place:
+        if in_place[name]:
             check_array(f"step {step} {name} (array)", arrays[name], exp)
 
 
@@ -272,12 +277,14 @@ def shared_fusion():
                  for i, shape in enumerate(shapes)]
         if RANK == SIZE - 1:
             time.sleep(0.005)   # the last rank arrives late: the others wait at the barriers
-        run_allreduces(specs, step, in_place=step % 2 == 1)   # one batch per op, back to back
+        # one batch per op, back to back; in-place and out-of-place members mixed (an
+        # in-place member at two ranks is combined from its input, not its packed copy)
+        run_allreduces(specs, step, in_place="mixed")
         step += 1
     for dtype in ("float32", "int32", "float16"):
         specs = [(f"shf.scaled.{dtype}.{op}.{i}", dtype, op, shape, 0.5, 3.0)
                  for op in ("Sum", "Average") for i, shape in enumerate(shapes)]
-        run_allreduces(specs, step)
+        run_allreduces(specs, step, in_place="mixed")
         step += 1
     # Groups are negotiated in one round, so each is exactly one fused batch: 0.3 MiB, 3.1 MiB,
     # then 12 x 1,000,000 bytes (the window grows).
