@@ -61,6 +61,14 @@ def exit_early():
     import hvdlite as hvd
     hvd.init()
     if hvd.rank() == 1:
+        # Leave only after rank 0 is done: its shutdown ends this wait (an allreduce rank 0
+        # never submits).  MPICH's launcher kills every other rank as soon as one exits without
+        # finalizing MPI, so leaving at once could take rank 0 down before it reported back
+        # (seen: about one run in twelve).
+        try:
+            hvd.allreduce(np.zeros(1), name="exit_early.until_rank0_is_done")
+        except hvdlite.HvdliteError:
+            pass
         sys.stdout.flush()
         os._exit(0)
     return hvd.rank()
