@@ -106,6 +106,13 @@ def sgd(model, lr=0.1, momentum=0.9):
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
 
 
+def one_process_step(ref, ref_opt, x, y):
+    """The single-process reference: one step on the whole (unsharded) batch."""
+    ref_opt.zero_grad()
+    F.mse_loss(ref(x), y).backward()
+    ref_opt.step()
+
+
 def train_dist(case, model, opt, steps=STEPS, micro=1, dtype=torch.float32, clip=None,
                sched=None, use_extra=False, lrs=None, check_grads=None):
     for step in range(steps):
@@ -399,9 +406,7 @@ def synchronize_then_step(case):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             opt.step()
-        ref_opt.zero_grad()
-        F.mse_loss(ref(x), y).backward()
-        ref_opt.step()
+        one_process_step(ref, ref_opt, x, y)
     same_on_all_ranks(model)
     close_to(model, ref, 1e-5)
 
@@ -484,9 +489,7 @@ def add_param_group(case, named=True):
         assert id(model.fc1.weight) in ids and id(model.fc1.bias) in ids, \
             "the added group's gradients were not started from their hooks"
         opt.step()
-        ref_opt.zero_grad()
-        F.mse_loss(ref(x), y).backward()
-        ref_opt.step()
+        one_process_step(ref, ref_opt, x, y)
     same_on_all_ranks(model)
     moved(model, init)
     close_to(model, ref, 1e-5)
@@ -817,9 +820,7 @@ def reentrant_checkpoint(case):
             opt.zero_grad()
             (F.mse_loss(model(shard(x)), shard(y)) / SIZE).backward()
             opt.step()
-            ref_opt.zero_grad()
-            F.mse_loss(ref(x), y).backward()
-            ref_opt.step()
+            one_process_step(ref, ref_opt, x, y)
         if head:
             assert len(finishes) == 3, f"{len(finishes)} finishes in 3 backward passes"
         same_on_all_ranks(model)
