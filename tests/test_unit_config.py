@@ -15,6 +15,7 @@ def test_defaults_from_empty_environment():
     assert cfg.log_level == "WARNING"
     assert cfg.result_pool_bytes == 512 * 2**20
     assert cfg.shm_fusion_bytes == 64 * 2**20
+    assert cfg.cma == "auto"
     assert cfg == Config()
 
 
@@ -31,6 +32,11 @@ def test_defaults_from_empty_environment():
     ("RESULT_POOL_MB", "result_pool_bytes", "0", 0),
     ("SHM_FUSION_MB", "shm_fusion_bytes", "16", 16 * 2**20),
     ("SHM_FUSION_MB", "shm_fusion_bytes", "0", 0),
+    ("CMA", "cma", "0", "off"),
+    ("CMA", "cma", "off", "off"),
+    ("CMA", "cma", "1", "on"),
+    ("CMA", "cma", "TRUE", "on"),
+    ("CMA", "cma", "auto", "auto"),
 ])
 @pytest.mark.parametrize("prefix", ["HVDLITE_", "HOROVOD_"])
 def test_each_knob_under_both_prefixes(knob, field, raw, value, prefix):
@@ -106,3 +112,10 @@ def test_cycle_time_and_wait_sleep_cap(cycle_ms, cycle_seconds, sleep_cap):
     cfg = Config.from_env({"HVDLITE_CYCLE_TIME": str(cycle_ms)})
     assert cfg.cycle_seconds == pytest.approx(cycle_seconds)
     assert cfg.wait_sleep_cap == pytest.approx(sleep_cap)
+
+
+@pytest.mark.parametrize("raw", ["2", "maybe", "cma"])
+def test_bad_cma_mode_raises(raw):
+    with pytest.raises(ValueError, match="HVDLITE_CMA") as info:
+        Config.from_env({"HVDLITE_CMA": raw})
+    assert "auto" in str(info.value)

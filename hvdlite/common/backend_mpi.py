@@ -7,6 +7,7 @@ from typing import Callable
 import numpy as np
 
 from . import timeline as _timeline
+from .direct_allreduce import DirectAllreduce
 from .dtypes import (dtype_info, mpi_datatype, mpi_reduce_op, numpy_reduce_ufunc,
                      scale_in_place, scale_into)
 from .fusion import FusionBuffer
@@ -37,9 +38,11 @@ def postscale_factor(response: Response, size: int) -> float:
 class MPIBackend:
     def __init__(self, comm, global_ranks: list[int] | None = None,
                  shm_fusion_bytes: int = 0, max_sleep: float = 1e-3,
-                 on_slow: Callable[[float], None] | None = None) -> None:
+                 on_slow: Callable[[float], None] | None = None, cma: str = "off") -> None:
         """``shm_fusion_bytes``: allreduces up to this size are reduced through an intra-node
-        shared-memory window when all ranks share a node (0: always MPI).  ``max_sleep``: the
+        shared-memory window when all ranks share a node (0: always MPI).  ``cma``: "auto" or
+        "on" reduces single large tensors by direct copies between the ranks' memory where the
+        kernel allows it (``Config.cma``), "off" never.  ``max_sleep``: the
         longest sleep between two checks while waiting for peers (``Config.wait_sleep_cap``).
         ``on_slow(waited_seconds)``: called about every second of such a wait (stall checks;
         it may raise to abandon the wait)."""
@@ -55,6 +58,8 @@ class MPIBackend:
         self._on_slow = on_slow
         self.shared = (SharedFusion(comm, shm_fusion_bytes, max_sleep, on_slow)
                        if shm_fusion_bytes > 0 else None)
+        self.direct = (DirectAllreduce(comm, max_sleep, on_slow, required=cma == "on")
+                       if cma != "off" and self.size > 1 else None)
 
     def _postscale(self, response: Response) -> float:
         return postscale_factor(response, self.size)
@@ -112,14 +117,19 @@ class MPIBackend:
         info = dtype_info(response.dtype)
         src = entry.array.reshape(-1)
         out = entry.output.reshape(-1)
-        shared = self.shared
-        if (shared is not None and response.reduce_op != ReduceOp.Adasum
-                and shared.usable(src.nbytes, single=True)):
-            _phase(((response, entry),), "SHM_ALLREDUCE")
-            shared.allreduce_one(src, out, numpy_reduce_ufunc(info, ReduceOp(response.reduce_op)),
-                                 1.0 if entry.stand_in else response.prescale,   # identity stays
-                                 self._postscale(response))
-            return
+        if response.reduce_op != ReduceOp.Adasum:   # the intra-node paths, best first
+            args = (src, out, numpy_reduce_ufunc(info, ReduceOp(response.reduce_op)),
+                    1.0 if entry.stand_in else response.prescale,   # the identity stays neutral
+                    self._postscale(response))
+            direct, shared = self.direct, self.shared
+            if direct is not None and direct.usable(src.nbytes):
+                _phase(((response, entry),), "CMA_ALLREDUCE")
+                direct.allreduce_one(*args, name=response.name)
+                return
+            if shared is not None and shared.usable(src.nbytes, single=True):
+                _phase(((response, entry),), "SHM_ALLREDUCE")
+                shared.allreduce_one(*args)
+                return
         _phase(((response, entry),), "ADASUM_ALLREDUCE"
                if response.reduce_op == ReduceOp.Adasum else "MPI_ALLREDUCE")
         if entry.output is entry.array:   # in place: no copy at all

@@ -61,6 +61,18 @@ def _gpu_operations(environ: Mapping[str, str] | None) -> str:
     return value
 
 
+def _cma_mode(environ: Mapping[str, str] | None) -> str:
+    raw = (env_value("CMA", environ) or "auto").lower()
+    if raw in ("auto", ""):
+        return "auto"
+    if raw in ("0", "false", "no", "off"):
+        return "off"
+    if raw in ("1", "true", "yes", "on"):
+        return "on"
+    raise ValueError(f"HVDLITE_CMA={raw!r} is not understood; use auto (the default: direct "
+                     f"copies between ranks where the kernel allows them), 1 or 0.")
+
+
 def env_flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``HVDLITE_<name>`` (or ``HOROVOD_<name>``) is set to something other than
     0/false/no/off."""
@@ -84,6 +96,9 @@ class Config:
     result_pool_bytes: int = int(DEFAULT_RESULT_POOL_MB * 2**20)
     # Largest fused batch reduced through intra-node shared memory (shm_fusion.SharedFusion).
     shm_fusion_bytes: int = int(DEFAULT_SHM_FUSION_MB * 2**20)
+    # Single large allreduces by direct copies between ranks (direct_allreduce): "auto" (where
+    # the kernel allows it), "on" (the same, but warn where it does not) or "off".
+    cma: str = "auto"
 
     @property
     def cycle_seconds(self) -> float:
@@ -114,4 +129,5 @@ class Config:
                                   * 2**20),
             shm_fusion_bytes=int(_number("SHM_FUSION_MB", DEFAULT_SHM_FUSION_MB, environ)
                                  * 2**20),
+            cma=_cma_mode(environ),
         )

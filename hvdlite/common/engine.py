@@ -65,6 +65,7 @@ class Engine:
         self.rank = self.controller.label   # global rank, for messages
         self.backend = MPIBackend(comm, self.controller.global_ranks,
                                   shm_fusion_bytes=config.shm_fusion_bytes,
+                                  cma=config.cma,
                                   max_sleep=self.controller.max_sleep,
                                   on_slow=self._data_stall)
         self._gpu = None          # GPU backend and its completion thread, made on first use

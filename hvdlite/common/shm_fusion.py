@@ -84,21 +84,12 @@ class SharedFusion:
         if self._disabled or self.size < 2 or not least <= nbytes <= self.max_batch_bytes:
             return False
         if self._single_node is None:
-            self._single_node = self._all_on_one_node()
+            self._single_node = all_on_one_node(self.comm)
         if not self._single_node:
             return False
         if nbytes > self._slot_bytes:
             self._grow(nbytes)
         return not self._disabled
-
-    def _all_on_one_node(self) -> bool:
-        from mpi4py import MPI
-        local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-        try:
-            together = local.Get_size() == self.size
-        finally:
-            local.Free()
-        return bool(self.comm.allreduce(together, op=MPI.LAND))
 
     def _grow(self, nbytes: int) -> None:
         from mpi4py import MPI
@@ -271,3 +262,14 @@ def _shm_space() -> int | None:
     except OSError:
         return None
     return st.f_bavail * st.f_frsize
+
+
+def all_on_one_node(comm) -> bool:
+    """Whether every rank of ``comm`` shares one node's memory.  Collective."""
+    from mpi4py import MPI
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        together = local.Get_size() == comm.Get_size()
+    finally:
+        local.Free()
+    return bool(comm.allreduce(together, op=MPI.LAND))

@@ -64,6 +64,8 @@ def config_applied():
     assert cfg.cache_capacity == want_cache, (cfg.cache_capacity, want_cache)
     want_shm = int(float(env.get("HVDLITE_SHM_FUSION_MB", 64)) * 2**20)
     assert cfg.shm_fusion_bytes == want_shm, (cfg.shm_fusion_bytes, want_shm)
+    want_cma = {"0": "off"}.get(env.get("HVDLITE_CMA", "auto"), "auto")
+    assert cfg.cma == want_cma, (cfg.cma, want_cma)
     want_pool = float(env.get("HVDLITE_RESULT_POOL_MB", 512)) * 2**20
     assert result_pool().max_idle_bytes == want_pool, (result_pool().max_idle_bytes, want_pool)
 
@@ -311,35 +313,43 @@ def shared_fusion():
         assert shared.batches == before, "batches above the fusion threshold used the window"
 
 
-def shared_single():
-    """A single allreduce of 1 MiB or more is reduced through the shared-memory window without a
-    pack (each rank publishes only its peers' shares): every dtype and op against numpy, in
-    place and out of place, odd counts whose shares straddle cache lines, a 3-D shape, scale
-    factors, and a late rank.  With HVDLITE_SHM_FUSION_MB=0 it goes through MPI instead."""
+def large_single():
+    """A single allreduce of 2 MiB or more takes an intra-node path: direct copies between the
+    ranks' memory (cross-memory attach), or with HVDLITE_CMA=0 the shared-memory window without
+    a pack (each rank publishes only its peers' shares), or with that off too, MPI.  Every dtype
+    and op against numpy, in place and out of place, odd counts whose shares straddle cache
+    lines and chunks, a 3-D shape, scale factors, and a late rank."""
     import time
-    shared = basics.engine().backend.shared
-    before = 0 if shared is None else shared.singles
+    backend = basics.engine().backend
+    env = cc.STEADY_CONFIGS[CONFIG]
+    cma_on = env.get("HVDLITE_CMA", "auto") != "0"
+    shm_on = float(env.get("HVDLITE_SHM_FUSION_MB", 64)) != 0
+    counters = (backend.direct, backend.shared)
+    before = [0 if c is None else c.singles for c in counters]
     expected = 0
     for step, dtype in enumerate(cc.DTYPES):
-        count = (1 << 20) // np.dtype(cc.np_dtype(dtype)).itemsize + 37   # >= 1 MiB, odd
+        count = (2 << 20) // np.dtype(cc.np_dtype(dtype)).itemsize + 37   # >= 2 MiB, odd
         shape = (count,) if step % 3 else (37, 1, count // 37 + 1)
         specs = [(f"shs.{dtype}.{op}", dtype, op, shape, 1.0, 1.0)
                  for op in cc.OPS if not (dtype == "bool" and op == "Average")]
         if RANK == SIZE - 1 and step % 2:
-            time.sleep(0.005)   # the last rank arrives late: the others wait at the barriers
+            time.sleep(0.005)   # the last rank arrives late: the others wait for it
         run_allreduces(specs, step, in_place=step % 2 == 1)
         expected += len(specs)
     for i, dtype in enumerate(("float32", "int32", "float16", "float64")):
-        count = (1 << 20) // np.dtype(cc.np_dtype(dtype)).itemsize + 3
+        count = (2 << 20) // np.dtype(cc.np_dtype(dtype)).itemsize + 3
         specs = [(f"shs.scaled.{dtype}.{op}", dtype, op, (count,), 0.5, 3.0)
                  for op in ("Sum", "Average", "Max")]
         run_allreduces(specs, 100 + i, in_place=i % 2 == 0)
         expected += len(specs)
-    if float(cc.STEADY_CONFIGS[CONFIG].get("HVDLITE_SHM_FUSION_MB", 64)) == 0:
-        assert shared is None, "shared-memory fusion exists although HVDLITE_SHM_FUSION_MB=0"
-    else:
-        assert shared.singles == before + expected, \
-            f"{shared.singles - before} of {expected} single tensors went through shared memory"
+    assert (backend.direct is None) == (not cma_on), "HVDLITE_CMA decided nothing"
+    if not shm_on:
+        assert backend.shared is None, "a window exists although HVDLITE_SHM_FUSION_MB=0"
+    direct = cma_on and cc.direct_copies_expected(backend)
+    want = [expected if direct else 0, expected if shm_on and not direct else 0]
+    got = [0 if c is None else c.singles - b for c, b in zip(counters, before)]
+    assert got == want, (f"single tensors by direct copies / through the window: {got}, "
+                         f"expected {want}")
 
 
 CASES = {
@@ -361,7 +371,7 @@ CASES = {
     "steady.out_of_order_repeated": out_of_order_repeated,
     "steady.pooled_results": pooled_results,
     "steady.shared_fusion": shared_fusion,
-    "steady.shared_single": shared_single,
+    "steady.large_single": large_single,
 }
 assert list(CASES) == cc.STEADY_CASES
 for name, fn in CASES.items():
