@@ -552,6 +552,22 @@ def test_check_build_follows_the_queries(monkeypatch):
     assert "WARNING: mpi4py is built against Open MPI but the launcher is MPICH" in report
 
 
+@pytest.mark.parametrize("scope,expect", [("0\n", "process_vm_readv found (a job tries"),
+                                          ("1\n", "ptrace_scope is 1: ranks may read"),
+                                          ("3", "ptrace_scope is 3"),
+                                          (None, "process_vm_readv found (a job tries")])
+def test_check_build_reports_direct_copies(tmp_path, scope, expect):
+    path = tmp_path / "ptrace_scope"
+    if scope is not None:
+        path.write_text(scope)
+    assert expect in check_build.cma_line(str(path))
+
+
+def test_check_build_lists_direct_copies(monkeypatch):
+    monkeypatch.setattr(check_build, "cma_line", lambda: "probe text")
+    assert "\nDirect copies between ranks: probe text\n" in check_build.check_build_report()
+
+
 def test_mismatch_ignores_mpich_intel_pairs():
     assert check_build._mismatch("MPICH Version: 4.2", INTEL) is None
     assert check_build._mismatch("MPICH Version: 4.2", HYDRA) is None

@@ -95,7 +95,26 @@ def _features() -> dict[str, object]:
     return {"version": hvdlite.__version__, "mpi": bool(hvdlite.mpi_built()),
             "nccl": int(hvdlite.nccl_built() or 0), "gloo": bool(hvdlite.gloo_built()),
             "ddl": bool(hvdlite.ddl_built()), "ccl": bool(hvdlite.ccl_built()),
-            "cuda": _cuda_line()}
+            "cuda": _cuda_line(), "cma": cma_line()}
+
+
+def cma_line(yama_scope_file: str = "/proc/sys/kernel/yama/ptrace_scope") -> str:
+    """What this machine says about direct copies between ranks (cross-memory attach).  Only a
+    job can tell for sure: it tries them once (see hvdlite/common/direct_allreduce.py)."""
+    from hvdlite.common import cma
+    if cma.load() is None:
+        return ("not available (Linux's process_vm_readv is missing): large allreduces use the "
+                "shared-memory window")
+    try:
+        with open(yama_scope_file) as f:
+            scope: int | None = int(f.read().strip())
+    except (OSError, ValueError):
+        scope = None   # no Yama: only the usual same-user rule applies
+    if scope is not None and scope >= 1:
+        return (f"process_vm_readv found, but Yama's ptrace_scope is {scope}: ranks may read "
+                f"each other's memory only with CAP_SYS_PTRACE, else large allreduces use the "
+                f"shared-memory window")
+    return "process_vm_readv found (a job tries it once; HVDLITE_CMA=0 turns it off)"
 
 
 def _cuda_line() -> str:
@@ -126,6 +145,8 @@ def format_report(features: dict[str, object], frameworks: Sequence[tuple[str, b
     lines.append(f"MPI launcher: {launcher}")
     if features.get("cuda"):
         lines.append(f"CUDA: {features['cuda']}")
+    if features.get("cma"):
+        lines.append(f"Direct copies between ranks: {features['cma']}")
     if mismatch:
         lines.append(f"WARNING: {mismatch}")
     return "\n".join(lines) + "\n"

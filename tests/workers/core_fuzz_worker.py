@@ -112,8 +112,8 @@ def plan(seed, step):
         shape = tuple(int(x) for x in g.integers(0, 5, size=int(g.integers(0, 4))))
         if kind in ROW_KINDS and not shape:
             shape = (int(g.integers(0, 5)),)
-        if g.random() < 0.15:   # large enough for the shared-memory paths (64 KiB, 1 MiB)
-            shape = (int(g.integers(1, 70)), 4096)
+        if g.random() < 0.15:   # large enough for the intra-node paths (64 KiB, 1 MiB, 2 MiB)
+            shape = (int(g.integers(1, 140)), 4096)
         op = ["Sum", "Average", "Min", "Max", "Product"][int(g.integers(5))]
         if (kind == "reducescatter" and op == "Product") or (
                 np.dtype(dtype).kind in "iu" and op == "Average"):
