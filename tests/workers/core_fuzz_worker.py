@@ -4,13 +4,14 @@ Each step draws (from a generator every rank seeds alike) 1-19 operations: allre
 out of place (every op, prescale/postscale), allgather with per-rank row counts, broadcast in
 and out of place from a random root, alltoall with random splits, reducescatter, grouped
 allreduce and allgather, over every integer and float dtype and shapes from scalar to 3-D,
-including empty ones, and now and then up to 280k elements (fused batches and single
-tensors large enough for the shared-memory paths); names reuse a pool of 60, so the response cache sees hits, changed
-parameters and evictions.  Each rank submits them in its own random order, sleeping at random
-between submissions (now and then 30 ms), optionally from two threads, and waits for them in
-another random order.  Sometimes one rank gives one allreduce a different shape (every rank
-must get a TensorMismatchError for it and correct results for the rest), sometimes the step
-ends with a barrier; with ``--sets`` some operations run on process sets of 1-2 ranks.
+including empty ones, and now and then up to 570k elements (fused batches and single
+tensors large enough for the intra-node paths: the shared-memory window and direct copies);
+names reuse a pool of 60, so the response cache sees hits, changed parameters and evictions.
+Each rank submits them in its own random order, sleeping at random between submissions (now
+and then 30 ms), optionally from two threads, and waits for them in another random order.
+Sometimes one rank gives one allreduce a different shape (every rank must get a
+TensorMismatchError for it and correct results for the rest), sometimes the step ends with a
+barrier; with ``--sets`` some operations run on process sets of 1-2 ranks.
 Inputs are small integers, regenerated on every rank from (seed, step, name, rank), so each
 rank computes every expected result itself.  Checks run after the step's last wait, so a
 failed check never leaves another rank waiting.
