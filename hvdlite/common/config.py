@@ -61,13 +61,17 @@ def _gpu_operations(environ: Mapping[str, str] | None) -> str:
     return value
 
 
+_OFF_WORDS = ("0", "false", "no", "off")
+_ON_WORDS = ("1", "true", "yes", "on")
+
+
 def _cma_mode(environ: Mapping[str, str] | None) -> str:
     raw = (env_value("CMA", environ) or "auto").lower()
     if raw in ("auto", ""):
         return "auto"
-    if raw in ("0", "false", "no", "off"):
+    if raw in _OFF_WORDS:
         return "off"
-    if raw in ("1", "true", "yes", "on"):
+    if raw in _ON_WORDS:
         return "on"
     raise ValueError(f"HVDLITE_CMA={raw!r} is not understood; use auto (the default: direct "
                      f"copies between ranks where the kernel allows them), 1 or 0.")
@@ -77,7 +81,7 @@ def env_flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``HVDLITE_<name>`` (or ``HOROVOD_<name>``) is set to something other than
     0/false/no/off."""
     raw = env_value(name, environ)
-    return raw is not None and raw.lower() not in ("0", "false", "no", "off")
+    return raw is not None and raw.lower() not in _OFF_WORDS
 
 
 

@@ -167,9 +167,11 @@ class DirectAllreduce:
         table = self._table
         self._wait(self.comm.Iallgather([mine, MPI.INT64_T], [table, MPI.INT64_T]))
         scales = table[:, 2].view(np.float64)
+        # (rank, pid, input address, output address, prescale) of every peer, as plain numbers
+        peers = [(r, pids[r], int(table[r, 0]), int(table[r, 1]), float(scales[r]))
+                 for r in range(self.size) if r != self.rank]
         bounds = SharedFusion.shares(src.size, itemsize, self.size)
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
-        peers = [r for r in range(self.size) if r != self.rank]
         step = max(1, _CHUNK_BYTES // itemsize)
         scratch = self._scratch[:step * itemsize].view(src.dtype)
         failure: OSError | None = None
@@ -184,13 +186,14 @@ class DirectAllreduce:
                     # faster than combining straight from the input (memcpy spares the
                     # read-for-ownership of the cold output lines).
                     scale_into(chunk, src[x:y], prescale)
-                    for peer in peers:
-                        copier.read(pids[peer], int(table[peer, 0]) + x * itemsize, part)
-                        scale_into(part, part, float(scales[peer]))
+                    offset = x * itemsize
+                    for peer, pid, src_at, _, scale in peers:
+                        copier.read(pid, src_at + offset, part)
+                        scale_into(part, part, scale)
                         ufunc(chunk, part, out=chunk)
                     scale_into(chunk, chunk, postscale)
-                    for peer in peers:
-                        copier.write(pids[peer], int(table[peer, 1]) + x * itemsize, chunk)
+                    for peer, pid, _, out_at, _ in peers:
+                        copier.write(pid, out_at + offset, chunk)
         except OSError as exc:   # the others must still reach the end: tell them, then raise
             failure = exc
         self._flag[0] = failure is not None

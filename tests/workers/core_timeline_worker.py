@@ -68,7 +68,7 @@ def run_env_mode() -> None:
     r = Reporter(rank)
     small = [np.full(10000, rank + i, np.float32) for i in range(2)]   # 80 KB: fused
     big = np.full(1 << 19, rank, np.float32)                           # 2 MiB: single
-    basics_backend = []
+    seen_backend = []
 
     def work():
         for step in range(4):   # step 0 negotiates in full, later steps hit the cache
@@ -77,7 +77,7 @@ def run_env_mode() -> None:
             got = [h.wait() for h in hs]
             assert all(g[0] == sum(range(size)) + size * i for i, g in enumerate(got)), got
         assert hvd.allreduce(big, name="tl.big", op=hvd.Sum)[0] == sum(range(size))
-        basics_backend.append(basics.engine().backend)   # (checked after shutdown)
+        seen_backend.append(basics.engine().backend)   # (checked after shutdown)
         assert hvd.allgather(np.arange(rank + 1), name="tl.gather").size == \
             size * (size + 1) // 2
         assert hvd.broadcast(np.full(3, rank), root_rank=0, name="tl.bcast")[0] == 0
@@ -109,7 +109,7 @@ def run_env_mode() -> None:
         # the first (full) negotiation shows every rank's request as a tick
         assert ticks(rows["tl.small.0"]) == list(range(size)), rows["tl.small.0"]
         # one large tensor: direct copies between the ranks' memory where the kernel allows
-        big_path = ("CMA_ALLREDUCE" if direct_copies_expected(basics_backend[0])
+        big_path = ("CMA_ALLREDUCE" if direct_copies_expected(seen_backend[0])
                     else "SHM_ALLREDUCE")
         assert (1, big_path) in spans(rows["tl.big"]), spans(rows["tl.big"])
         assert spans(rows["tl.gather"]) == [(0, "NEGOTIATE_ALLGATHER"), (0, "ALLGATHER"),
