@@ -553,7 +553,8 @@ def test_check_build_follows_the_queries(monkeypatch):
 
 
 @pytest.mark.parametrize("scope,expect", [("0\n", "process_vm_readv found (a job tries"),
-                                          ("1\n", "ptrace_scope is 1: ranks may read"),
+                                          ("1\n", "ptrace_scope is 1, so each rank lets in"),
+                                          ("2", "ptrace_scope is 2: ranks may read"),
                                           ("3", "ptrace_scope is 3"),
                                           (None, "process_vm_readv found (a job tries")])
 def test_check_build_reports_direct_copies(tmp_path, scope, expect):

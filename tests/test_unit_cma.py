@@ -88,3 +88,89 @@ def test_own_process():
     dst = np.zeros(100, dtype=np.float64)
     copier.read(os.getpid(), src.ctypes.data, dst)
     np.testing.assert_array_equal(dst, src)
+
+
+@pytest.mark.parametrize("text,scope", [("0\n", 0), ("1", 1), ("3\n", 3), ("junk", None),
+                                        (None, None)])
+def test_yama_scope(tmp_path, text, scope):
+    path = tmp_path / "ptrace_scope"
+    if text is not None:
+        path.write_text(text)
+    assert cma.yama_scope(str(path)) == scope
+
+
+def test_allow_tracer_declares_or_says_why():
+    if cma.yama_scope() is None:   # no Yama in this kernel: the option does not exist
+        with pytest.raises(OSError) as info:
+            cma.allow_tracer(os.getppid())
+        assert info.value.errno == errno.EINVAL
+        assert f"prctl(PR_SET_PTRACER, {os.getppid()}) failed: Invalid argument" in str(info.value)
+    else:
+        cma.allow_tracer(os.getppid())
+        cma.allow_tracer(0)   # withdrawn again: this test process stays as it was
+
+
+# A sibling's view: under Yama's ptrace_scope 1 it may read a process that declared their
+# common parent (as each rank declares its launcher), and not one that did not.
+SIBLING = r"""
+import sys, numpy as np
+from hvdlite.common import cma
+pid, address = map(int, sys.argv[1:3])
+got = np.empty(4, dtype=np.uint32)
+try:
+    cma.load().read(pid, address, got)
+except OSError as exc:
+    print("refused", exc.errno)
+else:
+    print("read", *got.tolist())
+"""
+
+
+@pytest.mark.skipif(cma.yama_scope() != 1, reason="needs a kernel with Yama's ptrace_scope 1 "
+                                                  "(elsewhere the declaration changes nothing)")
+@pytest.mark.parametrize("declare", [True, False])
+def test_declared_launcher_lets_siblings_in(declare):
+    code = CHILD.replace("import sys, numpy as np",
+                         "import os, sys, numpy as np\nfrom hvdlite.common import cma\n"
+                         + ("cma.allow_tracer(os.getppid())" if declare else ""))
+    target = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        data_at, _ = map(int, target.stdout.readline().split())
+        out = subprocess.run([sys.executable, "-c", SIBLING, str(target.pid), str(data_at)],
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+    finally:
+        target.kill()
+        target.wait(timeout=30)
+    assert out.split() == (["read", "3", "10", "17", "24"] if declare
+                           else ["refused", str(errno.EPERM)]), out
+
+
+def test_ancestors_and_parents(tmp_path):
+    chain = cma.ancestors()
+    assert chain[0] == os.getppid() and 1 not in chain and len(set(chain)) == len(chain)
+    # A process whose name holds a space and parentheses ("pid (name) state ppid ..." in /proc).
+    odd = tmp_path / "x) (y z"
+    odd.symlink_to(sys.executable)
+    proc = subprocess.Popen([str(odd), "-c", "import sys; sys.stdin.readline()"],
+                            stdin=subprocess.PIPE)
+    try:
+        assert cma._parent(proc.pid) == os.getpid()
+        assert cma.ancestors(proc.pid) == [os.getpid()] + cma.ancestors()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=30)
+    assert cma._parent(gone.pid) is None and cma.ancestors(gone.pid) == []
+
+
+@pytest.mark.parametrize("lineages,common", [
+    ([[5, 4, 3], [7, 4, 3], [4, 3]], 4),   # rank 2 a child of 4, the others under wrappers
+    ([[5, 4], [5, 4], None], 5),           # a rank without Yama's view is left out
+    ([[5, 4], [6]], None),                 # only process 1 in common
+    ([None, None], None),
+    ([[9, 8]], 9),
+])
+def test_nearest_common_ancestor(lineages, common):
+    assert cma.nearest_common_ancestor(lineages) == common

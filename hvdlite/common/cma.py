@@ -4,12 +4,13 @@ Linux's ``process_vm_readv`` / ``process_vm_writev`` copy straight between two a
 the way MPI libraries (Open MPI's vader, MPICH's CMA path) move large messages within a node:
 no shared segment in between, so a buffer crosses memory once instead of being packed into a
 shared window by its owner and read out of it by the peer.  The kernel allows it where ptrace
-would be allowed (same user; Yama's ``ptrace_scope`` 0, or ``CAP_SYS_PTRACE``) and where no
+would be allowed (same user; with Yama's ``ptrace_scope`` 1 only from a process the target
+declared with ``prctl(PR_SET_PTRACER)`` or a descendant of it; ``CAP_SYS_PTRACE``) and where no
 seccomp filter forbids the two calls; :func:`load` only finds the calls, whether a given peer
 may be reached is found out by trying (see ``direct_allreduce``).
 
-There is no maintained Python binding of these two calls, so this is the thin ctypes one: two
-C structures and two foreign functions from the C library that Python itself is linked against.
+There is no maintained Python binding of these calls, so this is the thin ctypes one: two C
+structures and three foreign functions from the C library that Python itself is linked against.
 """
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ import os
 import sys
 
 import numpy as np
+
+YAMA_SCOPE_FILE = "/proc/sys/kernel/yama/ptrace_scope"
+_PR_SET_PTRACER = 0x59616D61   # "Yama": prctl option of <linux/prctl.h>
 
 
 class _IoVec(ctypes.Structure):
@@ -79,3 +83,56 @@ def load() -> CrossMemory | None:
     except (OSError, AttributeError):
         return None
     return CrossMemory(libc)
+
+
+def yama_scope(path: str | None = None) -> int | None:
+    """Yama's ``ptrace_scope`` (0: same user suffices; 1: only declared tracers and ancestors;
+    2: only with ``CAP_SYS_PTRACE``; 3: never), or None where Yama is absent."""
+    try:
+        with open(path or YAMA_SCOPE_FILE) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def allow_tracer(pid: int) -> None:
+    """Let process ``pid`` and its descendants reach this process's memory under Yama's
+    ``ptrace_scope`` 1 (``prctl(PR_SET_PTRACER, pid)``; 0 withdraws it).  Raises OSError where
+    it is refused (EINVAL: no Yama in this kernel)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl.restype = ctypes.c_int
+    libc.prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+    if libc.prctl(_PR_SET_PTRACER, pid, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_PTRACER, {pid}) failed: {os.strerror(err)}")
+
+
+def ancestors(pid: int | None = None, limit: int = 64) -> list[int]:
+    """The ancestors of process ``pid`` (default: this one), nearest first, without process 1
+    (from ``/proc``; shorter if one ends while being read)."""
+    chain: list[int] = []
+    current = os.getppid() if pid is None else _parent(pid)
+    while current is not None and current > 1 and len(chain) < limit:
+        chain.append(current)
+        current = _parent(current)
+    return chain
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # "pid (name) state ppid ...": the name may hold spaces and parentheses, so split after it
+    return int(stat[stat.rindex(b")") + 2:].split()[1])
+
+
+def nearest_common_ancestor(lineages: list[list[int] | None]) -> int | None:
+    """The first process of the first lineage that is in every lineage (each nearest first;
+    ``None`` entries are ignored), or None where there is none."""
+    chains = [chain for chain in lineages if chain is not None]
+    if not chains:
+        return None
+    others = [set(chain) for chain in chains[1:]]
+    return next((pid for pid in chains[0] if all(pid in seen for seen in others)), None)

@@ -21,9 +21,10 @@ crosses memory about half as often: at 2 ranks a 16 MiB in-place Sum measured 3.
 against 5.6-7.1 ms through the window.
 
 Whether the copies are possible is decided once, collectively, by trying them (a process may
-not reach another where Yama's ``ptrace_scope`` is 1 or more, or where a seccomp filter blocks
-the calls): every rank makes the same collective calls in the same order, and where any rank
-cannot reach any peer, every rank keeps using the shared window or MPI.
+not reach another where Yama's ``ptrace_scope`` is 2 or more, where it is 1 and the target has
+not let the reader in, or where a seccomp filter blocks the calls): every rank makes the same
+collective calls in the same order, and where any rank cannot reach any peer, every rank keeps
+using the shared window or MPI.
 """
 from __future__ import annotations
 
@@ -103,15 +104,23 @@ class DirectAllreduce:
         reason = None if copier is not None else "process_vm_readv is not available here"
         if not all_on_one_node(self.comm):
             reason = reason or "the ranks are not all on one node"
+        # Under Yama's ptrace_scope 1 the ranks must first let each other in (see _allow).
+        lineage = cma.ancestors() if reason is None and cma.yama_scope() == 1 else None
         # Probe: read a known value out of every peer and write this rank's into every peer.
         probe = np.array([_MAGIC | self.rank], dtype=np.int64)
         inbox = np.zeros(self.size, dtype=np.int64)
-        posts = self.comm.allgather((os.getpid(), probe.ctypes.data, inbox.ctypes.data, reason))
+        posts = self.comm.allgather((os.getpid(), probe.ctypes.data, inbox.ctypes.data,
+                                     lineage, reason))
         reasons = [why for *_, why in posts]
+        declared = None
+        if all(why is None for why in reasons) and lineage is not None:
+            declared, reason = self._allow([lineage for *_, lineage, _ in posts])
+        if all(why is None for why in reasons) and any(post[3] is not None for post in posts):
+            reasons = self.comm.allgather(reason)   # every rank has declared before any reads
         if all(why is None for why in reasons):   # the same answer on every rank
             got = np.zeros(1, dtype=np.int64)
             try:
-                for r, (pid, probe_at, inbox_at, _) in enumerate(posts):
+                for r, (pid, probe_at, inbox_at, _, _) in enumerate(posts):
                     if r != self.rank:
                         copier.read(pid, probe_at, got)
                         if got[0] != _MAGIC | r:
@@ -120,6 +129,9 @@ class DirectAllreduce:
                         copier.write(pid, inbox_at + 8 * self.rank, probe)
             except OSError as exc:
                 reason = str(exc)
+                if exc.errno == errno.EPERM and declared is not None:
+                    reason += (f" (Yama's ptrace_scope is 1, and every rank let in process "
+                               f"{declared} and its descendants)")
             # Every rank's writes are done once this allgather completes.
             wrote = self.comm.allgather(reason)
             if reason is None:
@@ -131,14 +143,41 @@ class DirectAllreduce:
         if all(why is None for why in reasons):
             self._copier, self._pids = copier, [pid for pid, *_ in posts]
             return
+        if declared is not None:   # not used after all: withdraw what this rank allowed
+            try:
+                cma.allow_tracer(0)
+            except OSError:
+                pass
         why = next(f"rank {r}: {w}" for r, w in enumerate(reasons) if w is not None)
         self.unavailable_reason = why
         if self.rank == 0:
             (log.warning if self.required else log.info)(
                 "hvdlite: direct copies between ranks (cross-memory attach) are unavailable "
                 "(%s); large allreduces go through the shared-memory window or MPI instead. "
-                "Where Yama's ptrace_scope is 1 or more (/proc/sys/kernel/yama/ptrace_scope) "
-                "ranks may not read each other's memory.", why)
+                "Where Yama's ptrace_scope (/proc/sys/kernel/yama/ptrace_scope) is 2 or more, "
+                "or 1 and the ranks of a node have no common launcher process, ranks may not "
+                "read each other's memory.", why)
+
+    @staticmethod
+    def _allow(lineages: list[list[int] | None]) -> tuple[int | None, str | None]:
+        """Under Yama's ``ptrace_scope`` 1 a process may reach another's memory only if that
+        process declared it, or an ancestor of it, with ``prctl(PR_SET_PTRACER)``.  The ranks
+        of a node descend from one launcher process (MPICH's ``hydra_pmi_proxy``, Open MPI's
+        daemon, Slurm's ``slurmstepd``), maybe through wrappers of their own (a shell script,
+        ``--output-filename``), so each rank declares the nearest process that is an ancestor
+        of every rank: that lets in the job's own processes and none from outside the job
+        (Open MPI's shared-memory transport lets in *any* process of the user).  ``lineages``:
+        every rank's ancestors, nearest first.  Returns (the declared process or None, why
+        direct copies are impossible or None)."""
+        launcher = cma.nearest_common_ancestor(lineages)
+        if launcher is None:   # process 1 would let in every process of the machine
+            return None, ("Yama's ptrace_scope is 1 and the ranks have no common launcher "
+                          "process to let in (only process 1)")
+        try:
+            cma.allow_tracer(launcher)
+        except OSError as exc:
+            return None, f"Yama's ptrace_scope is 1 and {exc.strerror or exc}"
+        return launcher, None
 
     # --- one tensor ----------------------------------------------------------------------------
     def allreduce_one(self, src: np.ndarray, out: np.ndarray, ufunc, prescale: float,

@@ -98,19 +98,19 @@ def _features() -> dict[str, object]:
             "cuda": _cuda_line(), "cma": cma_line()}
 
 
-def cma_line(yama_scope_file: str = "/proc/sys/kernel/yama/ptrace_scope") -> str:
+def cma_line(yama_scope_file: str | None = None) -> str:
     """What this machine says about direct copies between ranks (cross-memory attach).  Only a
     job can tell for sure: it tries them once (see hvdlite/common/direct_allreduce.py)."""
     from hvdlite.common import cma
     if cma.load() is None:
         return ("not available (Linux's process_vm_readv is missing): large allreduces use the "
                 "shared-memory window")
-    try:
-        with open(yama_scope_file) as f:
-            scope: int | None = int(f.read().strip())
-    except (OSError, ValueError):
-        scope = None   # no Yama: only the usual same-user rule applies
-    if scope is not None and scope >= 1:
+    scope = cma.yama_scope(yama_scope_file)   # None: no Yama, only the same-user rule applies
+    if scope == 1:
+        return ("process_vm_readv found; Yama's ptrace_scope is 1, so each rank lets in only "
+                "its launcher process and that process's other ranks (prctl PR_SET_PTRACER; a "
+                "job tries it once; HVDLITE_CMA=0 turns it off)")
+    if scope is not None and scope >= 2:
         return (f"process_vm_readv found, but Yama's ptrace_scope is {scope}: ranks may read "
                 f"each other's memory only with CAP_SYS_PTRACE, else large allreduces use the "
                 f"shared-memory window")

@@ -7,9 +7,19 @@ shared-memory window, with a note in the log, or a warning under HVDLITE_CMA=1) 
 "copy_fails" (rank 1's second read of a peer's memory fails: every rank must raise a clear
 error instead of hanging or returning a half-reduced result) or "peer_gone" (the same failure
 as when the peer's process has gone: rank 1 must say that it could not reach its memory).
+
+Yama's ptrace_scope 1, made to look so on every rank: "yama_prctl" (each rank really calls
+prctl(PR_SET_PTRACER, its parent); a kernel without Yama refuses it, and every rank must keep
+the window, naming the refusal), "yama_declared" (the declaration is recorded instead: each
+rank declares its launcher, its parent, once and keeps it, and the copies are used),
+"yama_wrapped" (the same with each rank under a wrapper process of its own: the launcher is the
+wrappers' parent), "yama_no_launcher" (rank 1 looks started by process 1: no rank declares
+anything, and none uses the copies) and "yama_withdrawn" (rank 1's probe is refused after every
+rank declared: every rank withdraws its declaration and keeps the window).
 """
 import errno
 import logging
+import os
 import sys
 
 import numpy as np
@@ -101,8 +111,93 @@ def copy_fails(code=errno.EPERM):
         raise AssertionError("an operation after the failure succeeded")
 
 
+def reduce_once(tag):
+    xs = inputs(tag)
+    got = hvd.allreduce(xs[RANK], op=hvd.Sum, name=tag)
+    np.testing.assert_array_equal(got, np.sum(xs, axis=0, dtype=np.float32))
+    return basics.engine().backend
+
+
+def yama_prctl():
+    real_scope = cma.yama_scope()
+    cma.yama_scope = lambda path=None: 1
+    backend = reduce_once("yama_prctl")
+    if real_scope is None:   # no Yama in this kernel: prctl(PR_SET_PTRACER) is refused
+        assert not backend.direct.available and backend.shared.singles == 1
+        reason = backend.direct.unavailable_reason
+        assert reason.startswith("rank 0: Yama's ptrace_scope is 1 and prctl(PR_SET_PTRACER, "), \
+            reason
+        assert "Invalid argument" in reason, reason
+    elif real_scope <= 1:    # the declaration lets the ranks in
+        assert backend.direct.available and backend.direct.singles == 1, \
+            backend.direct.unavailable_reason
+    else:                    # only CAP_SYS_PTRACE would
+        assert not backend.direct.available and backend.shared.singles == 1
+
+
+def declared_calls():
+    calls = []
+    cma.yama_scope = lambda path=None: 1
+    cma.allow_tracer = calls.append
+    return calls
+
+
+def parent_of(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def yama_declared(launcher):
+    calls = declared_calls()
+    backend = reduce_once("yama_declared")
+    assert backend.direct.available and backend.direct.singles == 1, \
+        backend.direct.unavailable_reason
+    assert calls == [launcher], (calls, launcher)   # the launcher, once, and kept
+
+
+def yama_no_launcher():
+    calls = declared_calls()
+    if RANK == 1:   # as if rank 1 had been started by process 1, outside the launcher
+        cma.ancestors = lambda: []
+    backend = reduce_once("yama_no_launcher")
+    assert not backend.direct.available and backend.shared.singles == 1
+    assert backend.direct.unavailable_reason == (
+        "rank 0: Yama's ptrace_scope is 1 and the ranks have no common launcher process to let "
+        "in (only process 1)"), backend.direct.unavailable_reason
+    assert calls == [], calls   # never process 1: that would be every process of the machine
+
+
+def yama_withdrawn():
+    calls = declared_calls()
+    if RANK == 1:   # the kernel refuses rank 1's probe anyway
+        def refused(pid, address, dst):
+            raise OSError(errno.EPERM, "process_vm_readv refused: injected")
+        real_load = cma.load
+
+        def load():
+            copier = real_load()
+            copier.read = refused
+            return copier
+        direct_allreduce.cma.load = load
+    backend = reduce_once("yama_withdrawn")
+    assert not backend.direct.available and backend.shared.singles == 1
+    reason = backend.direct.unavailable_reason
+    assert reason.startswith("rank 1: [Errno 1] process_vm_readv refused: injected (Yama's "
+                             "ptrace_scope "
+                             f"is 1, and every rank let in process {os.getppid()} and its "
+                             "descendants)"), reason
+    assert calls == [os.getppid(), 0], calls   # declared, then withdrawn on every rank
+
+
 assert cma.load() is not None, "process_vm_readv missing on a Linux test machine"
 r.case(f"cma.{MODE}", {"refused": refused, "copy_fails": copy_fails,
-                       "peer_gone": lambda: copy_fails(errno.EFAULT)}[MODE])
+                       "peer_gone": lambda: copy_fails(errno.EFAULT),
+                       "yama_prctl": yama_prctl,
+                       "yama_declared": lambda: yama_declared(os.getppid()),
+                       # started by hvdlite run --output-filename's wrapper, one per rank: the
+                       # launcher is the wrappers' parent
+                       "yama_wrapped": lambda: yama_declared(parent_of(os.getppid())),
+                       "yama_no_launcher": yama_no_launcher,
+                       "yama_withdrawn": yama_withdrawn}[MODE])
 r.write()
 hvd.shutdown()
