@@ -35,3 +35,11 @@ def test_yama_launcher_above_wrappers(mpi_job, tmp_path, np_):
     job = mpi_job(np_, [sys.executable, "-m", "hvdlite.runner.rank_output", str(tmp_path),
                         str(np_), sys.executable, worker, "yama_wrapped"], timeout=90)
     assert_case_passed(job, np_, "cma.yama_wrapped")
+
+
+def test_yama_declaration_shared_by_process_sets(mpi_job):
+    """One process declaration serves every process set (3 ranks: a pair set inside the
+    global one); a set whose probe fails must not withdraw what the global set uses."""
+    job = mpi_job(3, ["core_cma_worker.py", "yama_sets"], timeout=90,
+                  env={"HVDLITE_DYNAMIC_PROCESS_SETS": "1"})
+    assert_case_passed(job, 3, "cma.yama_sets")

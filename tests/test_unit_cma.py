@@ -174,3 +174,24 @@ def test_ancestors_and_parents(tmp_path):
 ])
 def test_nearest_common_ancestor(lineages, common):
     assert cma.nearest_common_ancestor(lineages) == common
+
+
+def test_one_declaration_for_every_process_set(monkeypatch):
+    """The bookkeeping behind each rank's prctl(PR_SET_PTRACER) (pure logic: the calls are
+    recorded; tests/test_core_cma.py runs it under mpiexec)."""
+    from hvdlite.common import direct_allreduce as da
+    calls = []
+    monkeypatch.setattr(da.cma, "allow_tracer", calls.append)
+    monkeypatch.setattr(da, "_launcher", None)
+    monkeypatch.setattr(da, "_launcher_users", 0)
+    allow, release = da.DirectAllreduce._allow, da.DirectAllreduce._release
+    assert allow([[7, 4, 3], [8, 4, 3]]) == (4, None) and calls == [4]
+    assert allow([[7, 4, 3], [7, 4, 3]]) == (4, None) and calls == [4]   # inside: nothing new
+    declared, why = allow([[9, 2], [9, 2]])   # outside: declaring 9 would shut out the first
+    assert declared is None and "another process set let in process 4" in why and calls == [4]
+    release()
+    assert calls == [4]        # the first set still uses it
+    release()
+    assert calls == [4, 0]     # no set does: withdrawn
+    assert allow([[9, 2], [9, 2]]) == (9, None) and calls == [4, 0, 9]
+    assert allow([[5], [6]])[0] is None and calls == [4, 0, 9]   # never process 1

@@ -31,6 +31,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 from typing import Callable
 
 import numpy as np
@@ -50,6 +51,14 @@ log = logging.getLogger("hvdlite")
 MIN_BYTES = 2 << 20
 _CHUNK_BYTES = 256 * 1024   # one step: the scratch and the output chunk stay in L2
 _MAGIC = 0x68766C6974650000  # "hvlite..": what the probe expects to find in a peer's memory
+
+
+# The process this one let in with prctl(PR_SET_PTRACER) under Yama's ptrace_scope 1, and how
+# many process sets rely on it.  A process has one such declaration for all its process sets
+# (each decides in its own background thread), so it is withdrawn only when none relies on it.
+_launcher_lock = threading.Lock()
+_launcher: int | None = None
+_launcher_users = 0
 
 
 class DirectCopyError(HvdliteError):
@@ -143,11 +152,8 @@ class DirectAllreduce:
         if all(why is None for why in reasons):
             self._copier, self._pids = copier, [pid for pid, *_ in posts]
             return
-        if declared is not None:   # not used after all: withdraw what this rank allowed
-            try:
-                cma.allow_tracer(0)
-            except OSError:
-                pass
+        if declared is not None:   # not used after all
+            self._release()
         why = next(f"rank {r}: {w}" for r, w in enumerate(reasons) if w is not None)
         self.unavailable_reason = why
         if self.rank == 0:
@@ -168,16 +174,39 @@ class DirectAllreduce:
         of every rank: that lets in the job's own processes and none from outside the job
         (Open MPI's shared-memory transport lets in *any* process of the user).  ``lineages``:
         every rank's ancestors, nearest first.  Returns (the declared process or None, why
-        direct copies are impossible or None)."""
+        direct copies are impossible or None); a declared process is released with
+        :meth:`_release` if the copies are not used after all."""
+        global _launcher, _launcher_users
         launcher = cma.nearest_common_ancestor(lineages)
         if launcher is None:   # process 1 would let in every process of the machine
             return None, ("Yama's ptrace_scope is 1 and the ranks have no common launcher "
                           "process to let in (only process 1)")
-        try:
-            cma.allow_tracer(launcher)
-        except OSError as exc:
-            return None, f"Yama's ptrace_scope is 1 and {exc.strerror or exc}"
-        return launcher, None
+        with _launcher_lock:
+            if _launcher is None:
+                try:
+                    cma.allow_tracer(launcher)
+                except OSError as exc:
+                    return None, f"Yama's ptrace_scope is 1 and {exc.strerror or exc}"
+                _launcher = launcher
+            elif not all(_launcher in chain for chain in lineages if chain is not None):
+                # Only one process may be declared; another set's would be replaced.
+                return None, (f"Yama's ptrace_scope is 1 and another process set let in "
+                              f"process {_launcher}, which not every rank descends from")
+            _launcher_users += 1   # (a set within the one already declared: it covers them)
+            return _launcher, None
+
+    @staticmethod
+    def _release() -> None:
+        """This set does not use the declaration after all: withdraw it if no set does."""
+        global _launcher, _launcher_users
+        with _launcher_lock:
+            _launcher_users -= 1
+            if _launcher_users == 0:
+                _launcher = None
+                try:
+                    cma.allow_tracer(0)
+                except OSError:
+                    pass
 
     # --- one tensor ----------------------------------------------------------------------------
     def allreduce_one(self, src: np.ndarray, out: np.ndarray, ufunc, prescale: float,

@@ -15,7 +15,9 @@ rank declares its launcher, its parent, once and keeps it, and the copies are us
 "yama_wrapped" (the same with each rank under a wrapper process of its own: the launcher is the
 wrappers' parent), "yama_no_launcher" (rank 1 looks started by process 1: no rank declares
 anything, and none uses the copies) and "yama_withdrawn" (rank 1's probe is refused after every
-rank declared: every rank withdraws its declaration and keeps the window).
+rank declared: every rank withdraws its declaration and keeps the window), "yama_sets" (one
+declaration serves every process set; a failing set withdraws nothing; needs
+HVDLITE_DYNAMIC_PROCESS_SETS=1).
 """
 import errno
 import logging
@@ -189,6 +191,38 @@ def yama_withdrawn():
     assert calls == [os.getppid(), 0], calls   # declared, then withdrawn on every rank
 
 
+def yama_sets():
+    """One declaration serves every process set: a set inside it declares nothing new, and a
+    set whose probe fails must not withdraw what the global set still uses."""
+    calls = declared_calls()
+    reduce_once("yama_sets.global")
+    assert calls == [os.getppid()], calls
+    pair_ranks = [0, 1]
+    for attempt, fails in (("ok", False), ("fails", True)):
+        pair = hvd.add_process_set(pair_ranks)
+        if RANK in pair_ranks:
+            if fails and RANK == 1:
+                real_load = cma.load
+
+                def load():
+                    copier = real_load()
+
+                    def refused(pid, address, dst):
+                        raise OSError(errno.EPERM, "process_vm_readv refused: injected")
+                    copier.read = refused
+                    return copier
+                direct_allreduce.cma.load = load
+            xs = inputs(attempt)[:2]
+            got = hvd.allreduce(xs[RANK], op=hvd.Sum, name=f"pair.{attempt}", process_set=pair)
+            np.testing.assert_array_equal(got, xs[0] + xs[1])
+            direct = basics.process_set_engine(pair, "test")[0].backend.direct
+            assert direct.available != fails, direct.unavailable_reason
+        hvd.remove_process_set(pair)
+        assert calls == [os.getppid()], (attempt, calls)   # nothing new, nothing withdrawn
+    backend = reduce_once("yama_sets.after")
+    assert backend.direct.available and backend.direct.singles == 2
+
+
 assert cma.load() is not None, "process_vm_readv missing on a Linux test machine"
 r.case(f"cma.{MODE}", {"refused": refused, "copy_fails": copy_fails,
                        "peer_gone": lambda: copy_fails(errno.EFAULT),
@@ -198,6 +232,6 @@ r.case(f"cma.{MODE}", {"refused": refused, "copy_fails": copy_fails,
                        # launcher is the wrappers' parent
                        "yama_wrapped": lambda: yama_declared(parent_of(os.getppid())),
                        "yama_no_launcher": yama_no_launcher,
-                       "yama_withdrawn": yama_withdrawn}[MODE])
+                       "yama_withdrawn": yama_withdrawn, "yama_sets": yama_sets}[MODE])
 r.write()
 hvd.shutdown()
