@@ -122,10 +122,10 @@ def _parent(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-    except OSError:
+        # "pid (name) state ppid ...": the name may hold spaces and parentheses
+        return int(stat[stat.rindex(b")") + 2:].split()[1])
+    except (OSError, ValueError, IndexError):   # gone, or no /proc as Linux writes it
         return None
-    # "pid (name) state ppid ...": the name may hold spaces and parentheses, so split after it
-    return int(stat[stat.rindex(b")") + 2:].split()[1])
 
 
 def nearest_common_ancestor(lineages: list[list[int] | None]) -> int | None:

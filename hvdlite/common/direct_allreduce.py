@@ -123,7 +123,7 @@ class DirectAllreduce:
         reasons = [why for *_, why in posts]
         declared = None
         if all(why is None for why in reasons) and lineage is not None:
-            declared, reason = self._allow([lineage for *_, lineage, _ in posts])
+            declared, reason = self._allow([post[3] for post in posts])
         if all(why is None for why in reasons) and any(post[3] is not None for post in posts):
             reasons = self.comm.allgather(reason)   # every rank has declared before any reads
         if all(why is None for why in reasons):   # the same answer on every rank

@@ -108,8 +108,8 @@ def cma_line(yama_scope_file: str | None = None) -> str:
     scope = cma.yama_scope(yama_scope_file)   # None: no Yama, only the same-user rule applies
     if scope == 1:
         return ("process_vm_readv found; Yama's ptrace_scope is 1, so each rank lets in only "
-                "its launcher process and that process's other ranks (prctl PR_SET_PTRACER; a "
-                "job tries it once; HVDLITE_CMA=0 turns it off)")
+                "the job's launcher process and its descendants (prctl PR_SET_PTRACER; a job "
+                "tries it once; HVDLITE_CMA=0 turns it off)")
     if scope is not None and scope >= 2:
         return (f"process_vm_readv found, but Yama's ptrace_scope is {scope}: ranks may read "
                 f"each other's memory only with CAP_SYS_PTRACE, else large allreduces use the "
