@@ -184,7 +184,7 @@ def test_one_declaration_for_every_process_set(monkeypatch):
     monkeypatch.setattr(da.cma, "allow_tracer", calls.append)
     monkeypatch.setattr(da, "_launcher", None)
     monkeypatch.setattr(da, "_launcher_users", 0)
-    allow, release = da.DirectAllreduce._allow, da.DirectAllreduce._release
+    allow, release = da._let_in_launcher, da._release_launcher
     assert allow([[7, 4, 3], [8, 4, 3]]) == (4, None) and calls == [4]
     assert allow([[7, 4, 3], [7, 4, 3]]) == (4, None) and calls == [4]   # inside: nothing new
     declared, why = allow([[9, 2], [9, 2]])   # outside: declaring 9 would shut out the first

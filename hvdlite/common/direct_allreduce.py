@@ -61,6 +61,50 @@ _launcher: int | None = None
 _launcher_users = 0
 
 
+def _let_in_launcher(lineages: list[list[int] | None]) -> tuple[int | None, str | None]:
+    """Under Yama's ``ptrace_scope`` 1 a process may reach another's memory only if that
+    process declared it, or an ancestor of it, with ``prctl(PR_SET_PTRACER)``.  The ranks
+    of a node descend from one launcher process (MPICH's ``hydra_pmi_proxy``, Open MPI's
+    daemon, Slurm's ``slurmstepd``), maybe through wrappers of their own (a shell script,
+    ``--output-filename``), so each rank declares the nearest process that is an ancestor
+    of every rank: that lets in the job's own processes and none from outside the job
+    (Open MPI's shared-memory transport lets in *any* process of the user).  ``lineages``:
+    every rank's ancestors, nearest first.  Returns (the declared process or None, why
+    direct copies are impossible or None); a declared process is released with
+    :func:`_release_launcher` if the copies are not used after all."""
+    global _launcher, _launcher_users
+    launcher = cma.nearest_common_ancestor(lineages)
+    if launcher is None:   # process 1 would let in every process of the machine
+        return None, ("Yama's ptrace_scope is 1 and the ranks have no common launcher "
+                      "process to let in (only process 1)")
+    with _launcher_lock:
+        if _launcher is None:
+            try:
+                cma.allow_tracer(launcher)
+            except OSError as exc:
+                return None, f"Yama's ptrace_scope is 1 and {exc.strerror or exc}"
+            _launcher = launcher
+        elif not all(_launcher in chain for chain in lineages if chain is not None):
+            # Only one process may be declared; another set's would be replaced.
+            return None, (f"Yama's ptrace_scope is 1 and another process set let in "
+                          f"process {_launcher}, which not every rank descends from")
+        _launcher_users += 1   # (a set within the one already declared: it covers them)
+        return _launcher, None
+
+
+def _release_launcher() -> None:
+    """This set does not use the declaration after all: withdraw it if no set does."""
+    global _launcher, _launcher_users
+    with _launcher_lock:
+        _launcher_users -= 1
+        if _launcher_users == 0:
+            _launcher = None
+            try:
+                cma.allow_tracer(0)
+            except OSError:
+                pass
+
+
 class DirectCopyError(HvdliteError):
     """A copy between two ranks' memory failed in the middle of an allreduce."""
 
@@ -113,47 +157,25 @@ class DirectAllreduce:
         reason = None if copier is not None else "process_vm_readv is not available here"
         if not all_on_one_node(self.comm):
             reason = reason or "the ranks are not all on one node"
-        # Under Yama's ptrace_scope 1 the ranks must first let each other in (see _allow).
+        # Under Yama's ptrace_scope 1 the ranks must first let each other in (_let_in_launcher).
         lineage = cma.ancestors() if reason is None and cma.yama_scope() == 1 else None
-        # Probe: read a known value out of every peer and write this rank's into every peer.
         probe = np.array([_MAGIC | self.rank], dtype=np.int64)
         inbox = np.zeros(self.size, dtype=np.int64)
         posts = self.comm.allgather((os.getpid(), probe.ctypes.data, inbox.ctypes.data,
                                      lineage, reason))
         reasons = [why for *_, why in posts]
         declared = None
-        if all(why is None for why in reasons) and lineage is not None:
-            declared, reason = self._allow([post[3] for post in posts])
         if all(why is None for why in reasons) and any(post[3] is not None for post in posts):
+            if lineage is not None:
+                declared, reason = _let_in_launcher([post[3] for post in posts])
             reasons = self.comm.allgather(reason)   # every rank has declared before any reads
         if all(why is None for why in reasons):   # the same answer on every rank
-            got = np.zeros(1, dtype=np.int64)
-            try:
-                for r, (pid, probe_at, inbox_at, _, _) in enumerate(posts):
-                    if r != self.rank:
-                        copier.read(pid, probe_at, got)
-                        if got[0] != _MAGIC | r:
-                            raise OSError(None, f"read {got[0]:#x} from rank {r}'s process "
-                                                f"{pid}, expected {_MAGIC | r:#x}")
-                        copier.write(pid, inbox_at + 8 * self.rank, probe)
-            except OSError as exc:
-                reason = str(exc)
-                if exc.errno == errno.EPERM and declared is not None:
-                    reason += (f" (Yama's ptrace_scope is 1, and every rank let in process "
-                               f"{declared} and its descendants)")
-            # Every rank's writes are done once this allgather completes.
-            wrote = self.comm.allgather(reason)
-            if reason is None:
-                late = [r for r in range(self.size)
-                        if r != self.rank and inbox[r] != _MAGIC | r and wrote[r] is None]
-                if late:
-                    reason = f"the values written by rank(s) {late} did not arrive"
-            reasons = self.comm.allgather(reason)
+            reasons = self.comm.allgather(self._probe(copier, posts, probe, inbox, declared))
         if all(why is None for why in reasons):
             self._copier, self._pids = copier, [pid for pid, *_ in posts]
             return
         if declared is not None:   # not used after all
-            self._release()
+            _release_launcher()
         why = next(f"rank {r}: {w}" for r, w in enumerate(reasons) if w is not None)
         self.unavailable_reason = why
         if self.rank == 0:
@@ -164,49 +186,33 @@ class DirectAllreduce:
                 "or 1 and the ranks of a node have no common launcher process, ranks may not "
                 "read each other's memory.", why)
 
-    @staticmethod
-    def _allow(lineages: list[list[int] | None]) -> tuple[int | None, str | None]:
-        """Under Yama's ``ptrace_scope`` 1 a process may reach another's memory only if that
-        process declared it, or an ancestor of it, with ``prctl(PR_SET_PTRACER)``.  The ranks
-        of a node descend from one launcher process (MPICH's ``hydra_pmi_proxy``, Open MPI's
-        daemon, Slurm's ``slurmstepd``), maybe through wrappers of their own (a shell script,
-        ``--output-filename``), so each rank declares the nearest process that is an ancestor
-        of every rank: that lets in the job's own processes and none from outside the job
-        (Open MPI's shared-memory transport lets in *any* process of the user).  ``lineages``:
-        every rank's ancestors, nearest first.  Returns (the declared process or None, why
-        direct copies are impossible or None); a declared process is released with
-        :meth:`_release` if the copies are not used after all."""
-        global _launcher, _launcher_users
-        launcher = cma.nearest_common_ancestor(lineages)
-        if launcher is None:   # process 1 would let in every process of the machine
-            return None, ("Yama's ptrace_scope is 1 and the ranks have no common launcher "
-                          "process to let in (only process 1)")
-        with _launcher_lock:
-            if _launcher is None:
-                try:
-                    cma.allow_tracer(launcher)
-                except OSError as exc:
-                    return None, f"Yama's ptrace_scope is 1 and {exc.strerror or exc}"
-                _launcher = launcher
-            elif not all(_launcher in chain for chain in lineages if chain is not None):
-                # Only one process may be declared; another set's would be replaced.
-                return None, (f"Yama's ptrace_scope is 1 and another process set let in "
-                              f"process {_launcher}, which not every rank descends from")
-            _launcher_users += 1   # (a set within the one already declared: it covers them)
-            return _launcher, None
-
-    @staticmethod
-    def _release() -> None:
-        """This set does not use the declaration after all: withdraw it if no set does."""
-        global _launcher, _launcher_users
-        with _launcher_lock:
-            _launcher_users -= 1
-            if _launcher_users == 0:
-                _launcher = None
-                try:
-                    cma.allow_tracer(0)
-                except OSError:
-                    pass
+    def _probe(self, copier: cma.CrossMemory, posts: list[tuple], probe: np.ndarray,
+               inbox: np.ndarray, declared: int | None) -> str | None:
+        """Read a known value out of every peer and write this rank's into every peer's inbox
+        (``posts``: every rank's pid, probe and inbox addresses); why that failed, or None."""
+        got = np.zeros(1, dtype=np.int64)
+        reason = None
+        try:
+            for r, (pid, probe_at, inbox_at, _, _) in enumerate(posts):
+                if r != self.rank:
+                    copier.read(pid, probe_at, got)
+                    if got[0] != _MAGIC | r:
+                        raise OSError(None, f"read {got[0]:#x} from rank {r}'s process "
+                                            f"{pid}, expected {_MAGIC | r:#x}")
+                    copier.write(pid, inbox_at + 8 * self.rank, probe)
+        except OSError as exc:
+            reason = str(exc)
+            if exc.errno == errno.EPERM and declared is not None:
+                reason += (f" (Yama's ptrace_scope is 1, and every rank let in process "
+                           f"{declared} and its descendants)")
+        # Every rank's writes are done once this allgather completes.
+        wrote = self.comm.allgather(reason)
+        if reason is None:
+            late = [r for r in range(self.size)
+                    if r != self.rank and inbox[r] != _MAGIC | r and wrote[r] is None]
+            if late:
+                reason = f"the values written by rank(s) {late} did not arrive"
+        return reason
 
     # --- one tensor ----------------------------------------------------------------------------
     def allreduce_one(self, src: np.ndarray, out: np.ndarray, ufunc, prescale: float,
