@@ -169,18 +169,24 @@ def yama_no_launcher():
     assert calls == [], calls   # never process 1: that would be every process of the machine
 
 
+def refuse_later_reads():
+    """Copiers loaded from now on (by the next probe) have every read refused, as by Yama."""
+    real_load = cma.load
+
+    def load():
+        copier = real_load()
+
+        def refused(pid, address, dst):
+            raise OSError(errno.EPERM, "process_vm_readv refused: injected")
+        copier.read = refused
+        return copier
+    direct_allreduce.cma.load = load
+
+
 def yama_withdrawn():
     calls = declared_calls()
     if RANK == 1:   # the kernel refuses rank 1's probe anyway
-        def refused(pid, address, dst):
-            raise OSError(errno.EPERM, "process_vm_readv refused: injected")
-        real_load = cma.load
-
-        def load():
-            copier = real_load()
-            copier.read = refused
-            return copier
-        direct_allreduce.cma.load = load
+        refuse_later_reads()
     backend = reduce_once("yama_withdrawn")
     assert not backend.direct.available and backend.shared.singles == 1
     reason = backend.direct.unavailable_reason
@@ -202,16 +208,7 @@ def yama_sets():
         pair = hvd.add_process_set(pair_ranks)
         if RANK in pair_ranks:
             if fails and RANK == 1:
-                real_load = cma.load
-
-                def load():
-                    copier = real_load()
-
-                    def refused(pid, address, dst):
-                        raise OSError(errno.EPERM, "process_vm_readv refused: injected")
-                    copier.read = refused
-                    return copier
-                direct_allreduce.cma.load = load
+                refuse_later_reads()
             xs = inputs(attempt)[:2]
             got = hvd.allreduce(xs[RANK], op=hvd.Sum, name=f"pair.{attempt}", process_set=pair)
             np.testing.assert_array_equal(got, xs[0] + xs[1])
