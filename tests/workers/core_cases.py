@@ -178,7 +178,8 @@ def direct_copies_expected(backend) -> bool:
     """Whether the single large allreduces of a worker must have gone by direct copies between
     the ranks' memory.  Where the kernel forbade them (the probe failed) that is a failure,
     unless the machine is declared to forbid them: HVDLITE_TEST_CMA_OPTIONAL=1 (for instance
-    where /proc/sys/kernel/yama/ptrace_scope is 1 or more)."""
+    where /proc/sys/kernel/yama/ptrace_scope is 2 or more; at 1 hvdlite lets the job's
+    launcher in)."""
     direct = backend.direct
     if direct is None:
         return False
