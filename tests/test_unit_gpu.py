@@ -620,3 +620,92 @@ def test_completions_close_from_its_own_thread_does_not_deadlock():
     c._thread.join(10)
     c.close()
     assert not c._thread.is_alive()
+
+
+# --- NCCL's unique id and the communicator's bootstrap (MPI.COMM_SELF, fake binding) -------------
+from hvdlite.common.backend_nccl import (  # noqa: E402 - grouped with the tests that use them
+    NCCLBackend, unique_id_for_binding, unique_id_to_array)
+
+UID_BYTES = bytes((i * 37 + 11) % 256 for i in range(128))   # covers bytes >= 128
+UID_TUPLE = tuple(np.frombuffer(UID_BYTES, dtype=np.int8).tolist())   # older CuPy: signed ints
+
+
+@pytest.mark.parametrize("uid", [UID_BYTES, UID_TUPLE], ids=["cupy14-bytes", "cupy13-tuple"])
+def test_unique_id_array_holds_the_id_bytes(uid):
+    arr = unique_id_to_array(uid)
+    assert arr.dtype == np.int8 and arr.tobytes() == UID_BYTES
+
+
+@pytest.mark.parametrize("version,want", [("14.2.0", UID_BYTES), ("15.0.0rc1", UID_BYTES),
+                                          ("13.6.0", UID_TUPLE), ("12.3.0", UID_TUPLE)])
+def test_unique_id_for_binding_matches_the_cupy_version(version, want):
+    got = unique_id_for_binding(unique_id_to_array(UID_BYTES), version)
+    assert type(got) is type(want) and got == want
+
+
+def test_unique_id_of_the_wrong_size_is_refused():
+    with pytest.raises(HvdliteError, match="127 bytes, expected 128"):
+        unique_id_to_array(UID_BYTES[:127])
+
+
+class _FakeBinding:
+    """cupy.cuda.nccl as seen by NCCLBackend._communicator: records what it was given."""
+
+    def __init__(self, uid=UID_BYTES, uid_error=None):
+        self.uid, self.uid_error, self.created = uid, uid_error, []
+        binding = self
+
+        class NcclCommunicator:
+            def __init__(self, ndev, comm_id, rank):
+                binding.created.append((ndev, comm_id, rank))
+        self.NcclCommunicator = NcclCommunicator
+
+    def get_unique_id(self):
+        if self.uid_error is not None:
+            raise self.uid_error
+        return self.uid
+
+
+class _BootstrapRuntime:
+    def __init__(self, binding, cupy_version):
+        self.binding = binding
+        self.cupy = types.SimpleNamespace(
+            __version__=cupy_version,
+            cuda=types.SimpleNamespace(Device=lambda i: _NullContext()))
+
+    def require_nccl(self, what):
+        return self.binding
+
+    def require(self, what):
+        return self.cupy
+
+
+class _NullContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _backend(binding, cupy_version="14.2.0"):
+    from mpi4py import MPI
+    return NCCLBackend(MPI.COMM_SELF, None, _BootstrapRuntime(binding, cupy_version),
+                       agree=lambda error: None)
+
+
+@pytest.mark.parametrize("cupy_version,uid,want", [("14.2.0", UID_BYTES, UID_BYTES),
+                                                   ("13.6.0", UID_TUPLE, UID_TUPLE)])
+def test_communicator_gets_the_id_in_its_binding_form(cupy_version, uid, want):
+    binding = _FakeBinding(uid=uid)
+    backend = _backend(binding, cupy_version)
+    comm = backend._communicator(0)
+    assert binding.created == [(1, want, 0)]
+    assert backend._communicator(0) is comm and len(binding.created) == 1   # created once
+
+
+def test_communicator_reports_a_failed_unique_id():
+    binding = _FakeBinding(uid_error=RuntimeError("NCCL_ERROR_SYSTEM_ERROR"))
+    with pytest.raises(HvdliteError, match="unique id on rank 0: NCCL_ERROR_SYSTEM_ERROR"):
+        _backend(binding)._communicator(0)
+    assert binding.created == []

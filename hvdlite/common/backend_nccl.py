@@ -35,6 +35,29 @@ _NCCL_OPS = {ReduceOp.Sum: _NCCL_SUM, ReduceOp.Average: _NCCL_SUM, ReduceOp.Prod
 _NCCL_BOOL_OPS = {ReduceOp.Sum: _NCCL_MAX, ReduceOp.Max: _NCCL_MAX, ReduceOp.Min: _NCCL_MIN,
                   ReduceOp.Product: _NCCL_MIN}
 _NCCL_BYTES = 1   # ncclUint8: allgather and broadcast move raw bytes
+_UNIQUE_ID_BYTES = 128   # NCCL_UNIQUE_ID_BYTES (nccl.h)
+
+
+def unique_id_to_array(uid: Any) -> np.ndarray:
+    """NCCL's unique id as the int8 array that MPI broadcasts.  CuPy 14 returns ``bytes``;
+    earlier CuPy returns a tuple of 128 signed ints."""
+    if isinstance(uid, (bytes, bytearray)):
+        arr = np.frombuffer(bytes(uid), dtype=np.int8).copy()
+    else:
+        arr = np.array([int(b) for b in uid], dtype=np.int64).astype(np.int8)
+    if arr.size != _UNIQUE_ID_BYTES:
+        raise HvdliteError(f"NCCL's unique id has {arr.size} bytes, expected "
+                           f"{_UNIQUE_ID_BYTES}: this CuPy/NCCL pairing is not supported.")
+    return arr
+
+
+def unique_id_for_binding(arr: np.ndarray, cupy_version: str) -> bytes | tuple[int, ...]:
+    """The broadcast id in the form ``NcclCommunicator`` takes: bytes from CuPy 14 on, a tuple
+    of signed ints before (CuPy's own ``get_unique_id`` return type of that version)."""
+    major = int(cupy_version.split(".")[0])
+    if major >= 14:
+        return arr.astype(np.int8).tobytes()
+    return tuple(int(b) for b in arr.astype(np.int8))
 
 
 def nccl_reduce_check(dtype_name: str, op: ReduceOp, what: str) -> None:
@@ -66,16 +89,30 @@ class NCCLBackend:
         if self._nccl_comm is not None:
             return self._nccl_comm
         nccl = self._rt.require_nccl("creating the NCCL communicator")
-        uid = np.zeros(128, dtype=np.int8)
+        # Byte 0 says whether rank 0 made an id, so that a failure there reaches every rank
+        # at once instead of leaving the others waiting for an id that never comes.
+        message = np.zeros(1 + _UNIQUE_ID_BYTES, dtype=np.int8)
+        failure = None
         if self.rank == 0:
-            uid[:] = np.array(nccl.get_unique_id(), dtype=np.int64).astype(np.int8)
-        request = self.comm.Ibcast(uid, root=0)   # non-blocking: a dead rank is noticed
+            try:
+                message[1:] = unique_id_to_array(nccl.get_unique_id())
+                message[0] = 1
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the broadcast
+                failure = exc
+        request = self.comm.Ibcast(message, root=0)   # non-blocking: a dead rank is noticed
         wait_until(request.Test, max_sleep=1e-3, on_slow=self._init_slow, slow_every=30.0)
+        if failure is not None:
+            raise HvdliteError(f"NCCL could not create its unique id on rank 0: "
+                               f"{failure}") from failure
+        if message[0] != 1:
+            raise HvdliteError("creating the NCCL communicator: rank 0 of the process set could "
+                               "not create NCCL's unique id (its error says why).")
+        uid = message[1:]
         cp = self._rt.require("creating the NCCL communicator")
         try:
             with cp.cuda.Device(device_id):
-                self._nccl_comm = nccl.NcclCommunicator(self.size, tuple(int(b) for b in uid),
-                                                        self.rank)
+                self._nccl_comm = nccl.NcclCommunicator(
+                    self.size, unique_id_for_binding(uid, cp.__version__), self.rank)
         except Exception as exc:
             raise HvdliteError(
                 f"NCCL could not create its communicator on cuda:{device_id} (rank "
