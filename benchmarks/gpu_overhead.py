@@ -7,6 +7,8 @@ medians:
   bare-1      1 rank, plain torch optimizer on the GPU (the reference)
   hvd-1       1 rank, hvd.DistributedOptimizer, gradients through NCCL
               -> overhead = 1 - hvd-1 / bare-1, per batch size (target: <= 2 %)
+  hvd-sync-1  the same with HVDLITE_ENABLE_ASYNC_COMPLETION=0 (handles complete after the host
+              saw the GPU finish), for information: what asynchronous completion saves
   staged-2    2 ranks sharing the GPU with HVDLITE_GPU_OPERATIONS=mpi (host staging), for
               information only: two ranks on one GPU split its compute, so this shows what host
               staging costs, not multi-GPU scaling (NCCL refuses two ranks on one GPU)
@@ -76,6 +78,8 @@ def run_once(launcher: str, ranks: int, extra: list[str], env_extra: dict, bench
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         env.pop("HVDLITE_GPU_OPERATIONS", None)
         env.pop("HOROVOD_GPU_OPERATIONS", None)
+        for knob in ("HVDLITE_ENABLE_ASYNC_COMPLETION", "HOROVOD_ENABLE_ASYNC_COMPLETION"):
+            env.pop(knob, None)
         env.update(env_extra)
         cmd = [launcher, "-n", str(ranks), sys.executable, str(EXAMPLE), "--cuda",
                "--json", str(out), *bench, *extra]
@@ -137,6 +141,8 @@ def main(argv=None) -> int:
     for b in batches:
         configs[f"bare-1@{b}"] = (1, ["--no-distributed-optimizer"], {}, b)
         configs[f"hvd-1@{b}"] = (1, [], hvd_env, b)
+        configs[f"hvd-sync-1@{b}"] = (1, [], {**hvd_env, "HVDLITE_ENABLE_ASYNC_COMPLETION": "0"},
+                                      b)
     if args.staged_ranks > 1:
         b = max(batches)
         configs[f"staged-{args.staged_ranks}@{b}"] = (
@@ -190,6 +196,12 @@ def main(argv=None) -> int:
         print(f"DistributedOptimizer overhead at 1 rank, batch {b}: {overhead:.2f}% "
               f"({per_step_ms:+.3f} ms per step; target <= {args.target:g}%: "
               f"{'MET' if ok else 'NOT MET'})")
+        sync = med.get(f"hvd-sync-1@{b}")
+        if sync:
+            summary["overhead"][str(b)]["sync_percent"] = 100.0 * (1.0 - sync / bare)
+            print(f"  with HVDLITE_ENABLE_ASYNC_COMPLETION=0 (information): "
+                  f"{100.0 * (1.0 - sync / bare):.2f}% ({1000.0 * (b / sync - b / bare):+.3f} ms "
+                  f"per step)")
     staged = [n for n in configs if n.startswith("staged-")]
     for name in staged:
         b = configs[name][3]

@@ -13,7 +13,6 @@ import pytest
 from tests.mpi_harness import assert_case_passed, assert_every_case_reported
 from tests.workers import gpu_errors_worker, gpu_staged_worker
 
-NP_VALUES = (2, 3)
 TIMEOUT = 240   # generous: the test machine is small and shared
 STALL_ENV = {"HVDLITE_STALL_CHECK_TIME_SECONDS": "10",
              "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "20"}
@@ -21,23 +20,31 @@ STAGED_ENV = {"HVDLITE_GPU_OPERATIONS": "mpi", **STALL_ENV}
 ERRORS_NP = 2
 
 
-def _staged(mpi_job, np_):
-    return mpi_job(np_, ["gpu_staged_worker.py"], timeout=TIMEOUT, env=STAGED_ENV)
+# Each job's env: the default (asynchronous completion), and handles that complete only after
+# the device work (HVDLITE_ENABLE_ASYNC_COMPLETION=0) at 2 ranks.
+JOBS = {"np2": (2, {}), "np3": (3, {}),
+        "np2-sync": (2, {"HVDLITE_ENABLE_ASYNC_COMPLETION": "0"})}
+
+
+def _staged(mpi_job, job):
+    np_, extra = JOBS[job]
+    return mpi_job(np_, ["gpu_staged_worker.py"], timeout=TIMEOUT, env={**STAGED_ENV, **extra})
 
 
 def _errors(mpi_job):
     return mpi_job(ERRORS_NP, ["gpu_errors_worker.py"], timeout=TIMEOUT, env=STALL_ENV)
 
 
-@pytest.mark.parametrize("np_,case", [pytest.param(n, c, id=f"np{n}-{c}") for n in NP_VALUES
-                                      for c in gpu_staged_worker.cases_for(n)])
-def test_staged(mpi_job, np_, case):
-    assert_case_passed(_staged(mpi_job, np_), np_, case)
+@pytest.mark.parametrize("job,case", [pytest.param(j, c, id=f"{j}-{c}") for j in JOBS
+                                      for c in gpu_staged_worker.cases_for(JOBS[j][0])])
+def test_staged(mpi_job, job, case):
+    assert_case_passed(_staged(mpi_job, job), JOBS[job][0], case)
 
 
-@pytest.mark.parametrize("np_", NP_VALUES)
-def test_staged_every_case_reported(mpi_job, np_):
-    assert_every_case_reported(_staged(mpi_job, np_), np_, gpu_staged_worker.cases_for(np_))
+@pytest.mark.parametrize("job", list(JOBS))
+def test_staged_every_case_reported(mpi_job, job):
+    np_ = JOBS[job][0]
+    assert_every_case_reported(_staged(mpi_job, job), np_, gpu_staged_worker.cases_for(np_))
 
 
 @pytest.mark.parametrize("case", gpu_errors_worker.cases())

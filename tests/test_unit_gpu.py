@@ -622,6 +622,88 @@ def test_completions_close_from_its_own_thread_does_not_deadlock():
     assert not c._thread.is_alive()
 
 
+def test_completions_already_completed_entries_are_only_held(caplog):
+    """Asynchronous completion: the entries were completed by the engine; the thread only holds
+    them until their event fires, and a device error is logged (naming them), not raised."""
+    rt = _Events()
+    rt.gate.set()
+    done, failed = [], []
+    c = GpuCompletions(rt, lambda es: done.append([e.name for e in es]),
+                       lambda e, err: failed.append((e.name, err)))
+    with caplog.at_level("ERROR", logger="hvdlite"):
+        c.put(3, _entries("p"), None, completed=True)
+        c.put(-4, _entries("q"), None, completed=True)
+        c.close()
+    assert done == [] and failed == [] and rt.waited == [3, -4]
+    assert "['q']" in caplog.text and "cudaErrorIllegalAddress" in caplog.text, caplog.text
+    assert "HVDLITE_ENABLE_ASYNC_COMPLETION=0" in caplog.text
+
+
+# --- asynchronous completion: the knob, and handing results to the framework ---------------------
+@pytest.mark.parametrize("env,want", [
+    ({}, True), ({"HVDLITE_ENABLE_ASYNC_COMPLETION": "0"}, False),
+    ({"HVDLITE_ENABLE_ASYNC_COMPLETION": "off"}, False),
+    ({"HVDLITE_ENABLE_ASYNC_COMPLETION": "1"}, True),
+    ({"HOROVOD_ENABLE_ASYNC_COMPLETION": "0"}, False),   # Horovod's spelling
+    ({"HVDLITE_ENABLE_ASYNC_COMPLETION": "1", "HOROVOD_ENABLE_ASYNC_COMPLETION": "0"}, True),
+])
+def test_async_completion_knob(env, want):
+    assert Config.from_env(env).gpu_async_completion is want
+
+
+def test_async_completion_knob_refuses_other_values():
+    with pytest.raises(ValueError, match="HVDLITE_ENABLE_ASYNC_COMPLETION='later'"):
+        Config.from_env({"HVDLITE_ENABLE_ASYNC_COMPLETION": "later"})
+
+
+class _WaitRecorder(cuda.GpuRuntime):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def event_wait(self, event):
+        self.calls.append(("host", event))
+
+    def stream_wait(self, event, stream_ptr):
+        self.calls.append(("stream", event, stream_ptr))
+
+
+def test_wait_for_device_work_on_the_framework_stream():
+    rt = _WaitRecorder()
+    cuda.set_runtime_for_tests(rt)
+    cuda.set_consumer_stream(lambda device: 0xabc0 + device)
+    try:
+        cuda.wait_for_device_work("ev", 3)
+    finally:
+        cuda.set_consumer_stream(None)
+    assert rt.calls == [("stream", "ev", 0xabc3)]
+
+
+def test_wait_for_device_work_without_a_framework_waits_on_the_host():
+    rt = _WaitRecorder()
+    cuda.set_runtime_for_tests(rt)
+    cuda.wait_for_device_work("ev", 0)
+    assert rt.calls == [("host", "ev")]
+
+
+def test_handle_hands_over_once_before_post_processing():
+    order = []
+    h = Handle("x", lambda: True)
+    h._device_ready = lambda: order.append("ready")
+    h.then(lambda res: order.append("post") or res + 1)
+    h._complete(1)
+    assert h.wait() == 2 and h.wait() == 2
+    assert order == ["ready", "post"]
+
+
+def test_handle_with_an_error_skips_the_handover():
+    h = Handle("x", lambda: True)
+    h._device_ready = lambda: pytest.fail("handed over a failed result")
+    h._complete(None, HvdliteError("boom"))
+    with pytest.raises(HvdliteError, match="boom"):
+        h.wait()
+
+
 # --- NCCL's unique id and the communicator's bootstrap (MPI.COMM_SELF, fake binding) -------------
 from hvdlite.common.backend_nccl import (  # noqa: E402 - grouped with the tests that use them
     NCCLBackend, unique_id_for_binding, unique_id_to_array)
@@ -709,3 +791,72 @@ def test_communicator_reports_a_failed_unique_id():
     with pytest.raises(HvdliteError, match="unique id on rank 0: NCCL_ERROR_SYSTEM_ERROR"):
         _backend(binding)._communicator(0)
     assert binding.created == []
+
+
+# --- device primitives over a fake CuPy: fusion copies and producer ordering ---------------------
+class _FakeRuntimeCalls:
+    """Just enough of ``cupy`` for GpuRuntime's pointer-level primitives; records the calls."""
+
+    def __init__(self):
+        self.calls = []
+        fake = self
+
+        class Event:
+            def __init__(self, block=False, disable_timing=False):
+                self.ptr = 4242
+
+        class Device:
+            def __init__(self, device_id=None):
+                pass
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+        runtime = types.SimpleNamespace(
+            memcpyAsync=lambda *a: fake.calls.append(("memcpy",) + a),
+            eventRecord=lambda *a: fake.calls.append(("record",) + a),
+            streamWaitEvent=lambda *a: fake.calls.append(("wait",) + a))
+        self.cuda = types.SimpleNamespace(
+            Event=Event, Device=Device, runtime=runtime,
+            get_current_stream=lambda: types.SimpleNamespace(ptr=77))
+
+
+def _fake_array(ptr, nbytes, contiguous=True):
+    return types.SimpleNamespace(data=types.SimpleNamespace(ptr=ptr), nbytes=nbytes,
+                                 flags=types.SimpleNamespace(c_contiguous=contiguous))
+
+
+def _runtime_over_fake():
+    rt = cuda.GpuRuntime()
+    rt._cp = _FakeRuntimeCalls()
+    rt._streams[0] = types.SimpleNamespace(ptr=55)
+    return rt
+
+
+def test_fusion_copies_pack_and_unpack_at_byte_offsets():
+    rt = _runtime_over_fake()
+    parts = [_fake_array(1000, 8), _fake_array(2000, 0), _fake_array(3000, 12)]
+    rt.concatenate_into(parts, _fake_array(9000, 20))
+    rt.split_into(_fake_array(9000, 20), parts)
+    d2d = 3
+    assert rt._cp.calls == [("memcpy", 9000, 1000, 8, d2d, 77), ("memcpy", 9008, 3000, 12, d2d, 77),
+                            ("memcpy", 1000, 9000, 8, d2d, 77), ("memcpy", 3000, 9008, 12, d2d, 77)]
+
+
+def test_fusion_copies_refuse_non_contiguous_arrays():
+    rt = _runtime_over_fake()
+    with pytest.raises(HvdliteError, match="contiguous"):
+        rt.split_into(_fake_array(9000, 8), [_fake_array(1000, 8, contiguous=False)])
+    assert rt._cp.calls == []
+
+
+def test_wait_for_producer_orders_our_stream_after_theirs():
+    rt = _runtime_over_fake()
+    rt.wait_for_producer(0, 0)    # torch's legacy default stream
+    assert rt._cp.calls == [("record", 4242, 0), ("wait", 55, 4242, 0)]
+    rt._cp.calls.clear()
+    rt.wait_for_producer(55, 0)   # produced on hvdlite's own stream: already in order
+    assert rt._cp.calls == []

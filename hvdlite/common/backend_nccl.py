@@ -5,10 +5,10 @@ NCCL unique id and the set's MPI communicator broadcasts it.  Every rank execute
 negotiated responses in the same order, so every member reaches that point together.  Work is
 queued on hvdlite's stream of the process's GPU; :meth:`execute` returns an event behind it.
 
-Small allreduces are packed into a persistent device fusion buffer (one concatenate kernel),
-reduced with one NCCL call and unpacked; a lone tensor is reduced in place.  Allgather and
-broadcast move bytes, so they take every dtype.  Operations NCCL has no direct form for
-(alltoall, reducescatter, Adasum) go through the host-staged MPI path.
+Small allreduces are packed into a persistent device fusion buffer (one device-to-device copy
+each), reduced with one NCCL call and unpacked the same way; a lone tensor is reduced in place.
+Allgather and broadcast move bytes, so they take every dtype.  Operations NCCL has no direct
+form for (alltoall, reducescatter, Adasum) go through the host-staged MPI path.
 """
 from __future__ import annotations
 
@@ -218,10 +218,7 @@ class NCCLBackend:
         def call() -> None:
             self._reduce(nccl_comm, stream, buf, buf, total, response)
             self._postscale(buf, response)
-            offset = 0
-            for (_, entry), array in zip(batch, arrays):
-                entry.output.ravel()[...] = buf[offset:offset + array.size]
-                offset += array.size
+            self._rt.split_into(buf, [entry.output for _, entry in batch])
         return call
 
     def _fusion_view(self, nbytes: int, dtype):

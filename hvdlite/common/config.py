@@ -77,6 +77,18 @@ def _cma_mode(environ: Mapping[str, str] | None) -> str:
                      f"copies between ranks where the kernel allows them), 1 or 0.")
 
 
+def _async_completion(environ: Mapping[str, str] | None) -> bool:
+    raw = env_value("ENABLE_ASYNC_COMPLETION", environ)
+    if raw is None or raw.lower() in _ON_WORDS:
+        return True
+    if raw.lower() in _OFF_WORDS:
+        return False
+    raise ValueError(f"HVDLITE_ENABLE_ASYNC_COMPLETION={raw!r} is not understood; use 1 (the "
+                     f"default: a GPU handle completes once its work is queued, and wait() "
+                     f"makes the framework's stream wait for it) or 0 (wait() returns after the "
+                     f"GPU work has finished).")
+
+
 def env_flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``HVDLITE_<name>`` (or ``HOROVOD_<name>``) is set to something other than
     0/false/no/off."""
@@ -96,6 +108,9 @@ class Config:
     log_level: str = "WARNING"
     dynamic_process_sets: bool = False   # allow add_process_set / remove_process_set
     gpu_operations: str = "nccl"         # how GPU tensors move: "nccl" or "mpi" (host-staged)
+    # GPU handles complete once their work is queued; wait() orders the framework's stream after
+    # it on the device (False: complete after the host saw the work finish).
+    gpu_async_completion: bool = True
     # Idle host result memory kept for reuse (memory.BufferPool); per rank, need not agree.
     result_pool_bytes: int = int(DEFAULT_RESULT_POOL_MB * 2**20)
     # Largest fused batch reduced through intra-node shared memory (shm_fusion.SharedFusion).
@@ -129,6 +144,7 @@ class Config:
             log_level=(env_value("LOG_LEVEL", environ) or "WARNING").upper(),
             dynamic_process_sets=env_flag("DYNAMIC_PROCESS_SETS", environ),
             gpu_operations=_gpu_operations(environ),
+            gpu_async_completion=_async_completion(environ),
             result_pool_bytes=int(_number("RESULT_POOL_MB", DEFAULT_RESULT_POOL_MB, environ)
                                   * 2**20),
             shm_fusion_bytes=int(_number("SHM_FUSION_MB", DEFAULT_SHM_FUSION_MB, environ)

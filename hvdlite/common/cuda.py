@@ -1,23 +1,28 @@
 """CUDA and NCCL through CuPy: lazy probes and the device primitives the GPU backends use.
 
 Nothing here imports CuPy until a GPU tensor (or a build query) needs it, so CPU-only jobs never
-need it installed.  Framework tensors reach the core as zero-copy CuPy views made through DLPack
-(:func:`GpuRuntime.device_view`); the exchange names hvdlite's own stream as the consumer, so the
-framework orders that stream after the kernels that produced the tensor (an event wait on the
-device, no host synchronisation).  Every piece of GPU work hvdlite does runs on that stream, and a
-handle completes only after an event recorded behind the work has fired, so the framework sees
-the result as soon as ``wait()`` returns.
+need it installed.  Framework tensors reach the core as zero-copy CuPy views of their memory
+(:meth:`GpuRuntime.wrap_device_memory`), and hvdlite's own stream is ordered after the stream
+that produced them (:meth:`GpuRuntime.wait_for_producer`: an event wait on the device, no host
+synchronisation).  That is what a DLPack exchange with a consumer stream does, at a fraction of
+its host cost (an H100 measurement: 24 us per tensor through ``cupy.from_dlpack``, 133 us while
+hvdlite's background thread was busy).  Every piece of GPU work hvdlite does runs on that
+stream, and an event is recorded behind it.  By default (asynchronous completion) the handle
+completes once the work is queued, and ``wait()`` makes the framework's current stream wait for
+that event on the device (:func:`wait_for_device_work`): the host never waits for the GPU, as
+with ``torch.distributed``'s NCCL work handles.  With ``HVDLITE_ENABLE_ASYNC_COMPLETION=0`` the
+handle completes only after the event has fired on the host instead.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from .errors import GpuUnavailableError
+from .errors import GpuUnavailableError, HvdliteError
 
 INSTALL_HINT = ("install CuPy with NCCL for your CUDA version: pip install 'hvdlite[nccl]' "
                 "(CUDA 13) or 'hvdlite[nccl-cuda12]' (CUDA 12)")
@@ -139,16 +144,43 @@ class GpuRuntime:
     def event_wait(event: Any) -> None:
         event.synchronize()
 
+    def stream_wait(self, event: Any, stream_ptr: int) -> None:
+        """Make the CUDA stream ``stream_ptr`` (a framework's) wait for ``event`` on the device;
+        the host does not wait."""
+        cp = self.require("a GPU operation")
+        cp.cuda.runtime.streamWaitEvent(stream_ptr, event.ptr, 0)
+
     def synchronize(self, device_id: int) -> None:
         """Host waits for hvdlite's stream (only the host-staged path needs this)."""
         self.stream(device_id).synchronize()
 
     # --- arrays -----------------------------------------------------------------------------------
-    def device_view(self, obj: Any, device_id: int, what: str) -> Any:
-        """Zero-copy CuPy array over a framework GPU tensor (anything with ``__dlpack__``)."""
+    def wrap_device_memory(self, ptr: int, shape: tuple, dtype: np.dtype, device_id: int,
+                           owner: Any, what: str) -> Any:
+        """Zero-copy CuPy array over ``shape`` contiguous ``dtype`` elements at ``ptr`` on
+        ``device_id`` (a framework tensor's memory); it keeps ``owner`` (the tensor) alive."""
         cp = self.require(what)
-        with self.on(device_id):
-            return cp.from_dlpack(obj)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if nbytes == 0:   # an empty tensor may have no memory at all
+            with cp.cuda.Device(device_id):
+                return cp.empty(shape, dtype=dtype)
+        memory = cp.cuda.UnownedMemory(ptr, nbytes, owner, device_id)
+        return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(memory, 0))
+
+    def wait_for_producer(self, producer_stream: int, device_id: int) -> None:
+        """Order hvdlite's stream after the work queued so far on ``producer_stream`` (a raw
+        ``cudaStream_t``; 0 is the legacy default stream): an event recorded there, waited for
+        on the device."""
+        cp = self.require("a GPU operation")
+        ours = self.stream(device_id)
+        if producer_stream == ours.ptr:
+            return
+        with cp.cuda.Device(device_id):
+            event = cp.cuda.Event(block=False, disable_timing=True)
+        # Destroying the event right after is fine: CUDA releases it once it has completed,
+        # and the wait queued on our stream stays.
+        cp.cuda.runtime.eventRecord(event.ptr, producer_stream)
+        cp.cuda.runtime.streamWaitEvent(ours.ptr, event.ptr, 0)
 
     def device_of(self, array: Any) -> int:
         return int(array.device.id)
@@ -171,7 +203,26 @@ class GpuRuntime:
         array.set(host)
 
     def concatenate_into(self, arrays: list, out: Any) -> None:
-        self._cp.concatenate([a.ravel() for a in arrays], out=out)
+        """Pack contiguous ``arrays`` back to back into ``out`` on the current stream: one
+        device-to-device copy each (measured on an H100 for 6 gradients: 38 us of host time,
+        against 93 us for ``cupy.concatenate``)."""
+        self._copy_pieces([(out.data.ptr + offset, a.data.ptr, a.nbytes)
+                           for offset, a in _offsets(arrays)], [out, *arrays])
+
+    def split_into(self, buf: Any, outs: list) -> None:
+        """Unpack ``buf`` (the packed layout of ``outs``) into the contiguous arrays ``outs``."""
+        self._copy_pieces([(o.data.ptr, buf.data.ptr + offset, o.nbytes)
+                           for offset, o in _offsets(outs)], [buf, *outs])
+
+    def _copy_pieces(self, pieces: list, arrays: list) -> None:
+        cp = self.require("a GPU operation")
+        if not all(a.flags.c_contiguous for a in arrays):
+            raise HvdliteError("internal error: fusion copies need contiguous device arrays")
+        stream = cp.cuda.get_current_stream().ptr
+        copy, device_to_device = cp.cuda.runtime.memcpyAsync, 3   # cudaMemcpyDeviceToDevice
+        for dst, src, nbytes in pieces:
+            if nbytes:
+                copy(dst, src, nbytes, device_to_device, stream)
 
     def scale(self, array: Any, factor: float, dtype_name: str) -> None:
         """Multiply in place on the device with the CPU path's rules: integers in float64 and
@@ -202,6 +253,39 @@ class GpuRuntime:
                                           f"hvdlite_scale_{dtype_name}")
             self._scale_kernels[dtype_name] = kernel
         return kernel
+
+
+def _offsets(arrays: list) -> Iterator[tuple[int, Any]]:
+    """(byte offset in the packed layout, array) for arrays packed back to back."""
+    offset = 0
+    for a in arrays:
+        yield offset, a
+        offset += a.nbytes
+
+
+# --- handing results to the framework -----------------------------------------------------------
+# The framework whose GPU tensors hvdlite moves names its current stream on a device (PyTorch:
+# torch.cuda.current_stream(device).cuda_stream); a completed handle makes that stream wait.
+_consumer_stream: Callable[[int], int] | None = None
+
+
+def set_consumer_stream(provider: Callable[[int], int] | None) -> None:
+    """Register how to find the calling thread's current stream (a raw ``cudaStream_t``) on a
+    device, so that results are handed over by a device-side wait.  None: no framework stream
+    is known, and ``wait()`` waits for the work on the host instead."""
+    global _consumer_stream
+    _consumer_stream = provider
+
+
+def wait_for_device_work(event: Any, device_id: int) -> None:
+    """Order the caller's use of a result after the device work that made it (``event``): a
+    device-side wait on the framework's current stream, or a host wait without a framework."""
+    provider = _consumer_stream
+    rt = runtime()
+    if provider is None:
+        rt.event_wait(event)
+    else:
+        rt.stream_wait(event, provider(device_id))
 
 
 _runtime: GpuRuntime | None = None

@@ -6,6 +6,7 @@ agreed order through the backend (fusing small allreduces), and complete the han
 """
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import queue
@@ -294,6 +295,16 @@ class Engine:
             for entry in entries:
                 self._complete(entry, error=error)
             return
+        if self.config.gpu_async_completion:
+            # Complete now; each handle's wait() makes the framework's stream wait for the
+            # event, so the host never waits for the GPU (a sync per step idles the device).
+            ready = functools.partial(cuda.wait_for_device_work, event,
+                                      cuda.process_device(self.rank))
+            for entry in entries:
+                entry.handle._device_ready = ready
+            self._complete_batch(entries)
+            self._gpu_completions.put(event, entries, keep_alive, completed=True)
+            return
         self._gpu_completions.put(event, entries, keep_alive)
 
     def _agree_prepared(self, error: BaseException | None) -> None:
@@ -301,9 +312,12 @@ class Engine:
         buffers)?  If any failed, every rank raises (naming those ranks) and none enters the
         collective, so a local failure cannot leave the others waiting inside it."""
         mine = np.array([0 if error is None else 1], dtype=np.int32)
-        every = np.empty(self.controller.size, dtype=np.int32)
-        request = self.comm.Iallgather(mine, every)
-        wait_until(request.Test, self.controller.max_sleep)
+        if self.controller.size == 1:   # nobody else to tell (a collective per batch saved)
+            every = mine
+        else:
+            every = np.empty(self.controller.size, dtype=np.int32)
+            request = self.comm.Iallgather(mine, every)
+            wait_until(request.Test, self.controller.max_sleep)
         failed = [self.controller.global_ranks[i] for i in np.flatnonzero(every)]
         if not failed:
             return

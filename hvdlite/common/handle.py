@@ -19,12 +19,15 @@ class Handle:
     """Completion handle of one asynchronous collective.
 
     ``poll()`` never blocks; ``wait()`` blocks until the operation finished on this rank and
-    returns its result or raises its error.  Post-processing registered by an adapter (wrapping a
-    numpy result into a framework tensor, copying back into a non-contiguous input, ...) runs once,
-    on the thread that waits.
+    returns its result or raises its error.  For a GPU result under asynchronous completion
+    (the default), "finished" means queued on the device: ``wait()`` then makes the framework's
+    current stream wait for it, so work queued there afterwards sees the result.
+    Post-processing registered by an adapter (wrapping a numpy result into a framework tensor,
+    copying back into a non-contiguous input, ...) runs once, on the thread that waits.
     """
 
-    __slots__ = ("name", "_done", "_lock", "_result", "_error", "_post", "_engine_alive")
+    __slots__ = ("name", "_done", "_lock", "_result", "_error", "_post", "_engine_alive",
+                 "_device_ready")
 
     def __init__(self, name: str, engine_alive: Callable[[], bool]) -> None:
         self.name = name
@@ -35,6 +38,10 @@ class Handle:
         self._error: BaseException | None = None
         self._post: list[Callable[[Any], Any]] | None = None
         self._engine_alive = engine_alive
+        # GPU results completed before their device work finished (asynchronous completion):
+        # called once by the first wait(), before post-processing, to order the framework's
+        # stream after that work.
+        self._device_ready: Callable[[], None] | None = None
 
     # --- engine side -------------------------------------------------------------------------
     def _complete(self, result: Any = None, error: BaseException | None = None) -> None:
@@ -63,6 +70,9 @@ class Handle:
                 self._block(timeout)
         if self._error is not None:
             raise self._error
+        if self._device_ready is not None:
+            ready, self._device_ready = self._device_ready, None
+            ready()
         if self._post:
             post, self._post = self._post, None
             for fn in post:

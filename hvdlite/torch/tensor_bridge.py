@@ -1,7 +1,9 @@
 """Zero-copy handoff between torch tensors and the core's arrays.
 
-CPU tensors become numpy views; CUDA tensors become CuPy views through DLPack (the exchange makes
-hvdlite's stream wait for the stream that produced the tensor; see ``hvdlite.common.cuda``)."""
+CPU tensors become numpy views; CUDA tensors become CuPy views of their memory, and hvdlite's stream
+is made to wait (on the device) for torch's current stream, which produced them: what a DLPack
+exchange does, without its host cost (see ``hvdlite.common.cuda``).  The first CUDA tensor
+registers torch's current stream as the one that waits for GPU results."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,6 +13,12 @@ from hvdlite.common.errors import UnsupportedDtypeError
 
 # torch dtypes numpy cannot represent travel as same-width integer views.
 _VIEW_AS = {torch.bfloat16: (torch.int16, "bfloat16")}
+# The element type of a CUDA tensor's device view (bfloat16 is viewed as int16 before).
+_NUMPY_DTYPES = {torch.bool: np.dtype(np.bool_), torch.uint8: np.dtype(np.uint8),
+                 torch.int8: np.dtype(np.int8), torch.int16: np.dtype(np.int16),
+                 torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64),
+                 torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np.float32),
+                 torch.float64: np.dtype(np.float64)}
 _UNSUPPORTED_DTYPES = frozenset({torch.complex32, torch.complex64, torch.complex128, torch.uint16,
                                  torch.uint32, torch.uint64})
 _UNSUPPORTED_HINT = ("cast it to a supported dtype (bool, uint8, int8, int16, int32, int64, "
@@ -47,10 +55,22 @@ def as_core_array(tensor: torch.Tensor) -> tuple[np.ndarray, str | None]:
         t = t.view(view_as[0])
     if t.is_cuda:
         from hvdlite.common import cuda
-        array = cuda.runtime().device_view(t, t.device.index, f"tensor on {t.device}")
+        if cuda._consumer_stream is not _current_stream:
+            cuda.set_consumer_stream(_current_stream)
+        device = t.device.index
+        rt = cuda.runtime()
+        rt.wait_for_producer(_current_stream(device), device)
+        array = rt.wrap_device_memory(t.data_ptr(), tuple(t.shape), _NUMPY_DTYPES[t.dtype],
+                                      device, t, f"tensor on {t.device}")
     else:
         array = t.numpy()
     return array, (view_as[1] if view_as is not None else None)
+
+
+def _current_stream(device_id: int) -> int:
+    """The waiting thread's current torch stream on ``device_id``: GPU results are handed over
+    by making it wait for hvdlite's work (``hvdlite.common.cuda.wait_for_device_work``)."""
+    return torch.cuda.current_stream(device_id).cuda_stream
 
 
 def empty_core_backed(shape: tuple, like: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:

@@ -15,6 +15,8 @@ One launch per job runs every case of tests/gpu/workers/gpu_torch_worker.py:
                     reduces too, uneven allgather across ranks), plus a CPU tensor on one rank
                     and a CUDA tensor on the other under one name (TensorMismatchError on every
                     rank, the next op works) and join
+  *-sync            the same with HVDLITE_ENABLE_ASYNC_COMPLETION=0 (the others run with
+                    asynchronous completion, the default)
   train-*           DistributedOptimizer on small CUDA models (NCCL at 1 rank, staged at 2):
                     parameters bitwise identical on every rank and close to a single-process
                     run on the concatenated batch
@@ -44,11 +46,16 @@ TIMEOUTS = {"collectives": 300, "train": 240}   # seconds per MPI job (killed af
 GPU_STALL_ENV = {"HVDLITE_STALL_CHECK_TIME_SECONDS": "30",
                  "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "60"}
 
-# job id -> (worker mode, backend, number of ranks)
+# job id -> (worker mode, backend, number of ranks); every job runs with asynchronous completion
+# (the default) except those in SYNC_JOBS (HVDLITE_ENABLE_ASYNC_COMPLETION=0: handles complete
+# after the host saw the device work finish).
 JOBS = {"nccl-np1": ("collectives", "nccl", 1),
+        "nccl-np1-sync": ("collectives", "nccl", 1),
         "staged-np2": ("collectives", "staged", 2),
+        "staged-np2-sync": ("collectives", "staged", 2),
         "train-nccl-np1": ("train", "nccl", 1),
         "train-staged-np2": ("train", "staged", 2)}
+SYNC_JOBS = {"nccl-np1-sync", "staged-np2-sync"}
 if gpu_probe().devices >= 2:   # NCCL between ranks needs one GPU per rank
     JOBS.update({"nccl-np2": ("collectives", "nccl", 2),
                  "train-nccl-np2": ("train", "nccl", 2)})
@@ -69,7 +76,8 @@ def _marks(job: str, case: str | None = None):
 
 def _job(mpi_job, job: str):
     mode, backend, np_ = JOBS[job]
-    env = {"HVDLITE_GPU_OPERATIONS": W.GPU_OPERATIONS[backend], **GPU_STALL_ENV}
+    env = {"HVDLITE_GPU_OPERATIONS": W.GPU_OPERATIONS[backend], **GPU_STALL_ENV,
+           "HVDLITE_ENABLE_ASYNC_COMPLETION": "0" if job in SYNC_JOBS else "1"}
     return mpi_job(np_, [sys.executable, WORKER, mode, backend], timeout=TIMEOUTS[mode], env=env)
 
 

@@ -3,12 +3,14 @@ GPU data path's own logic (routing, host staging, fusion of device entries, comp
 the GPU completion thread, submission checks) under real MPI.
 
 "Device arrays" are numpy arrays submitted with ``device=0`` through ``hvdlite.common.ops.submit``;
-copies to and from the "device" are real copies, events are always complete.  What it cannot
-check (CUDA streams, DLPack, NCCL itself) is covered by tests/gpu/ on a GPU machine.
+copies to and from the "device" are real copies, and events fire when recorded unless a test
+holds them back (``hold_events``).  Device-side stream waits are recorded, not performed.  What it
+cannot check (CUDA streams, DLPack, NCCL itself) is covered by tests/gpu/ on a GPU machine.
 """
 from __future__ import annotations
 
 import contextlib
+import threading
 import types
 
 import numpy as np
@@ -33,6 +35,15 @@ class _CupyStandIn:
         return getattr(np, name)
 
 
+class LoopbackEvent:
+    """A recorded "event": fired at once, or when the test releases the held ones."""
+
+    def __init__(self, fired: bool) -> None:
+        self.fired = threading.Event()
+        if fired:
+            self.fired.set()
+
+
 class LoopbackRuntime(cuda.GpuRuntime):
     device_id = 0   # the "GPU" every device array of this process is on
 
@@ -43,6 +54,10 @@ class LoopbackRuntime(cuda.GpuRuntime):
         self.to_device_calls = 0
         self.synchronize_calls = 0
         self.records = 0
+        self.hold_events = False   # events recorded meanwhile fire only at release_events()
+        self.held: list[LoopbackEvent] = []
+        self.stream_waits: list[tuple[int, bool]] = []   # (stream, event fired by then)
+        self.host_waits: list[str] = []                   # thread names of event_wait calls
         self._cupy = _CupyStandIn(self)
 
     def require(self, what):
@@ -66,21 +81,30 @@ class LoopbackRuntime(cuda.GpuRuntime):
 
     def record(self, device_id):
         self.records += 1
-        return object()
+        event = LoopbackEvent(fired=not self.hold_events)
+        if self.hold_events:
+            self.held.append(event)
+        return event
+
+    def release_events(self) -> None:
+        held, self.held = self.held, []
+        for event in held:
+            event.fired.set()
 
     @staticmethod
     def event_done(event):
-        return True
+        return event.fired.is_set()
 
-    @staticmethod
-    def event_wait(event):
-        return None
+    def event_wait(self, event):
+        self.host_waits.append(threading.current_thread().name)
+        if not event.fired.wait(30.0):   # bounded: a broken test fails, it does not hang
+            raise RuntimeError("loopback event never released (test bug)")
+
+    def stream_wait(self, event, stream_ptr):
+        self.stream_waits.append((stream_ptr, event.fired.is_set()))
 
     def synchronize(self, device_id):
         self.synchronize_calls += 1
-
-    def device_view(self, obj, device_id, what):
-        return obj
 
     def device_of(self, array):
         return self.device_id
@@ -98,6 +122,12 @@ class LoopbackRuntime(cuda.GpuRuntime):
 
     def concatenate_into(self, arrays, out):
         np.concatenate([a.ravel() for a in arrays], out=out)
+
+    def split_into(self, buf, outs):
+        offset = 0
+        for o in outs:
+            o.reshape(-1)[...] = buf[offset:offset + o.size]
+            offset += o.size
 
     def scale(self, array, factor, dtype_name):
         scale_in_place(array, factor)

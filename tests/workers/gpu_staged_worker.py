@@ -23,6 +23,7 @@ import functools
 import os
 import sys
 import threading
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # sibling helper modules
 
@@ -806,6 +807,75 @@ def cpu_then_gpu_same_name():
 @case("devices.staged_on_own_gpu")
 def staged_on_own_gpu():
     assert RT.devices_used == {RANK}, f"staged on {RT.devices_used}, this rank is cuda:{RANK}"
+
+
+# --- completion: asynchronous (the default), or after the host saw the device finish -------------
+def async_completion() -> bool:
+    return basics.engine().config.gpu_async_completion
+
+
+def wait_for(ready, what: str, seconds: float = 30.0) -> None:
+    """Poll until ``ready()`` (bounded: a broken library fails the case, it does not hang)."""
+    deadline = time.monotonic() + seconds
+    while not ready():
+        assert time.monotonic() < deadline, f"timed out after {seconds} s waiting for {what}"
+        time.sleep(0.001)
+
+
+@case("completion.mode_from_environment")
+def completion_mode():
+    raw = os.environ.get("HVDLITE_ENABLE_ASYNC_COMPLETION", "1")
+    assert async_completion() is (raw != "0"), (raw, basics.engine().config)
+
+
+@case("completion.handle_versus_device_event")
+def completion_handle_versus_event():
+    """With the batch's event held back (its device work "still running"): under asynchronous
+    completion the handle completes anyway, and wait() hands the result over by a device-side
+    wait on the framework's stream (the registered provider's, for this rank's GPU), once; with
+    HVDLITE_ENABLE_ASYNC_COMPLETION=0 the handle stays pending until the event fires."""
+    cuda.set_consumer_stream(lambda device: 7000 + device)
+    RT.stream_waits.clear()
+    RT.hold_events = True
+    h = None
+    try:
+        h = dsubmit(ALLREDUCE, np.full(4, RANK + 1.0, np.float32), reduce_op=ReduceOp.Sum,
+                    name="completion.held")
+        assert not isinstance(h, BaseException), repr(h)
+        wait_for(lambda: RT.held, "the batch's event to be recorded")
+        event = RT.held[0]
+        if async_completion():
+            wait_for(h.poll, "the handle to complete while its event is held")
+            assert not event.fired.is_set()
+            got = h.wait()
+            assert RT.stream_waits == [(7000 + RT.device_id, False)], RT.stream_waits
+            assert h.wait() is got and len(RT.stream_waits) == 1, "handed over twice"
+        else:
+            time.sleep(0.2)   # room for a wrong early completion to show
+            assert not h.poll(), "handle completed before its device work finished"
+            RT.release_events()
+            got = h.wait(30)
+            assert RT.stream_waits == [], RT.stream_waits
+    finally:
+        RT.hold_events = False
+        RT.release_events()
+        cuda.set_consumer_stream(None)
+    check_exact("allreduce", got, np.full(4, SIZE * (SIZE + 1) / 2, np.float32))
+
+
+@case("completion.without_a_framework_stream")
+def completion_without_framework():
+    """No framework registered its stream (the core API used directly): under asynchronous
+    completion wait() waits for the event on the host, in the waiting thread."""
+    cuda.set_consumer_stream(None)
+    RT.host_waits.clear()
+    RT.stream_waits.clear()
+    got = finish(dsubmit(ALLREDUCE, np.full(2, RANK + 1.0), reduce_op=ReduceOp.Sum,
+                         name="completion.host"))
+    check_exact("allreduce", got, np.full(2, SIZE * (SIZE + 1) / 2))
+    mine = RT.host_waits.count(threading.current_thread().name)
+    assert mine == (1 if async_completion() else 0), RT.host_waits
+    assert RT.stream_waits == [], RT.stream_waits
 
 
 # --- last: shutdown with device work in flight, then init again on another GPU --------------------

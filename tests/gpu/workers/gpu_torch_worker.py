@@ -127,7 +127,8 @@ ORDER_CASES = ["order.matmul_then_allreduce_out", "order.matmul_then_allreduce_i
                "order.wait_in_reverse_and_consume", "order.chained_allreduces",
                "order.kernel_then_broadcast_inplace", "order.kernel_then_broadcast_out",
                "order.kernel_then_allgather", "order.interleaved_kernels_and_async",
-               "order.input_overwritten_after_wait", "order.grouped_after_kernels"]
+               "order.input_overwritten_after_wait", "order.grouped_after_kernels",
+               "order.synchronize_and_the_device"]
 GRAD_CASES = ["grad.allreduce.Sum", "grad.allreduce.Average", "grad.allgather", "grad.broadcast"]
 DEVICE_CASES = ["device.backend_in_use", "device.build_flags", "device.outputs_on_device"]
 MISMATCH_CASES = ["mismatch.cpu_vs_cuda.allreduce", "mismatch.cpu_vs_cuda.allreduce_inplace",
@@ -950,6 +951,25 @@ def order_case(case):
         check_exact_float(outs[0], ref * n, "member 0")
         check_exact_float(outs[1], ref[:64] * (2 * n), "member 1")
         check_exact_float(outs[2], (ref[64:96] - 1.0) * n, "member 2")
+    elif what == "synchronize_and_the_device":
+        # NCCL under asynchronous completion (the default): synchronize() returns while the
+        # input's producer is still spinning (~200 ms), since the handover is a device-side
+        # wait, and torch's stream has work left.  With HVDLITE_ENABLE_ASYNC_COMPLETION=0 the
+        # host waited for hvdlite's work, which waited for that spin; host staging (mpi) waits
+        # for the input on the host before MPI reads it: either way nothing is left.
+        c = torch.full((a.shape[0], b.shape[1]), float("nan"), device=DEV)
+        if ON_GPU:
+            torch.cuda._sleep(4 * SPIN_CYCLES)
+        torch.matmul(a, b, out=c)
+        res = hvd.synchronize(hvd.allreduce_async(c, op=hvd.Sum, name=case))
+        left = ON_GPU and not torch.cuda.current_stream(DEV).query()
+        check_exact_float(res, ref * n)
+        if ON_GPU:
+            async_on = os.environ.get("HVDLITE_ENABLE_ASYNC_COMPLETION", "1").strip() != "0"
+            want = async_on and BACKEND == "nccl"
+            assert left == want, (
+                f"work left on torch's stream right after synchronize(): {left}; expected "
+                f"{want} ({BACKEND}, asynchronous completion {'on' if async_on else 'off'})")
     else:
         raise ValueError(case)
 
