@@ -860,3 +860,9 @@ def test_wait_for_producer_orders_our_stream_after_theirs():
     rt._cp.calls.clear()
     rt.wait_for_producer(55, 0)   # produced on hvdlite's own stream: already in order
     assert rt._cp.calls == []
+
+
+def test_wait_for_producer_without_cupy_names_the_tensor(monkeypatch):
+    _no_cupy(monkeypatch)
+    with pytest.raises(GpuUnavailableError, match="^tensor on cuda:0: the tensor is on a GPU"):
+        cuda.GpuRuntime().wait_for_producer(0, 0, "tensor on cuda:0")

@@ -167,11 +167,12 @@ class GpuRuntime:
         memory = cp.cuda.UnownedMemory(ptr, nbytes, owner, device_id)
         return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(memory, 0))
 
-    def wait_for_producer(self, producer_stream: int, device_id: int) -> None:
+    def wait_for_producer(self, producer_stream: int, device_id: int,
+                          what: str = "a GPU operation") -> None:
         """Order hvdlite's stream after the work queued so far on ``producer_stream`` (a raw
         ``cudaStream_t``; 0 is the legacy default stream): an event recorded there, waited for
         on the device."""
-        cp = self.require("a GPU operation")
+        cp = self.require(what)
         ours = self.stream(device_id)
         if producer_stream == ours.ptr:
             return

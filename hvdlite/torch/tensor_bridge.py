@@ -57,11 +57,11 @@ def as_core_array(tensor: torch.Tensor) -> tuple[np.ndarray, str | None]:
         from hvdlite.common import cuda
         if cuda._consumer_stream is not _current_stream:
             cuda.set_consumer_stream(_current_stream)
-        device = t.device.index
+        device, what = t.device.index, f"tensor on {t.device}"
         rt = cuda.runtime()
-        rt.wait_for_producer(_current_stream(device), device)
+        rt.wait_for_producer(_current_stream(device), device, what)
         array = rt.wrap_device_memory(t.data_ptr(), tuple(t.shape), _NUMPY_DTYPES[t.dtype],
-                                      device, t, f"tensor on {t.device}")
+                                      device, t, what)
     else:
         array = t.numpy()
     return array, (view_as[1] if view_as is not None else None)
