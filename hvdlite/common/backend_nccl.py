@@ -54,10 +54,9 @@ def unique_id_to_array(uid: Any) -> np.ndarray:
 def unique_id_for_binding(arr: np.ndarray, cupy_version: str) -> bytes | tuple[int, ...]:
     """The broadcast id in the form ``NcclCommunicator`` takes: bytes from CuPy 14 on, a tuple
     of signed ints before (CuPy's own ``get_unique_id`` return type of that version)."""
-    major = int(cupy_version.split(".")[0])
-    if major >= 14:
-        return arr.astype(np.int8).tobytes()
-    return tuple(int(b) for b in arr.astype(np.int8))
+    if int(cupy_version.split(".")[0]) >= 14:
+        return arr.tobytes()
+    return tuple(int(b) for b in arr)
 
 
 def nccl_reduce_check(dtype_name: str, op: ReduceOp, what: str) -> None:

@@ -181,7 +181,7 @@ class GpuRuntime:
         # Destroying the event right after is fine: CUDA releases it once it has completed,
         # and the wait queued on our stream stays.
         cp.cuda.runtime.eventRecord(event.ptr, producer_stream)
-        cp.cuda.runtime.streamWaitEvent(ours.ptr, event.ptr, 0)
+        self.stream_wait(event, ours.ptr)
 
     def device_of(self, array: Any) -> int:
         return int(array.device.id)

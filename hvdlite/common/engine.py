@@ -287,7 +287,8 @@ class Engine:
             via = "NCCL" if self.config.gpu_operations == "nccl" else "STAGED"
             tl.activity([e.name for e in entries], f"{via}_{batch[0][0].kind.upper()}")
         try:
-            event, keep_alive = self._gpu.execute(batch, cuda.process_device(self.rank))
+            device = cuda.process_device(self.rank)
+            event, keep_alive = self._gpu.execute(batch, device)
         except Exception as exc:   # noqa: BLE001 - a CUDA/NCCL failure fails this batch only
             error = exc if isinstance(exc, HvdliteError) else HvdliteError(
                 f"GPU operation on {[e.name for e in entries]} failed on rank {self.rank}: "
@@ -298,8 +299,7 @@ class Engine:
         if self.config.gpu_async_completion:
             # Complete now; each handle's wait() makes the framework's stream wait for the
             # event, so the host never waits for the GPU (a sync per step idles the device).
-            ready = functools.partial(cuda.wait_for_device_work, event,
-                                      cuda.process_device(self.rank))
+            ready = functools.partial(cuda.wait_for_device_work, event, device)
             for entry in entries:
                 entry.handle._device_ready = ready
             self._complete_batch(entries)
