@@ -43,6 +43,16 @@ def base_env(extra: dict | None = None) -> dict:
     return env
 
 
+# Jobs whose cases keep every rank in lock-step set this, so that a collective some rank never
+# submits (a broken case, or a library bug) fails its case with a StallError naming the tensor
+# instead of hanging the job until its timeout.  It is a safety net, not a timing assertion, so
+# it leaves room for ranks that fall behind for reasons of the machine: the first torch optimizer
+# a process builds imports torch._dynamo (~840 modules), and on a cold page cache one rank took
+# 22 s for it and the other 6 s; CI once failed a case at the old 20 s limit for exactly this.
+STALL_SAFETY_NET_ENV = {"HVDLITE_STALL_CHECK_TIME_SECONDS": "20",
+                        "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "60"}
+
+
 @dataclasses.dataclass
 class JobResult:
     returncode: int | None

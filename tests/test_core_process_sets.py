@@ -8,11 +8,9 @@ its report after every case, so a hang shows up as the failure of the case that 
 """
 import pytest
 
-from tests.mpi_harness import case_failures, check_job
+from tests.mpi_harness import STALL_SAFETY_NET_ENV, case_failures, check_job
 from tests.workers.core_process_sets_worker import cases
 
-STALL_ENV = {"HVDLITE_STALL_CHECK_TIME_SECONDS": "10",
-             "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "20"}
 MODES = {   # mode -> (environment, rank counts)
     "static": ({}, (2, 3, 4)),
     "dynamic": ({"HVDLITE_DYNAMIC_PROCESS_SETS": "1"}, (2, 3, 4)),
@@ -24,7 +22,7 @@ TIMEOUT = 240
 
 def _job(mpi_job, mode, np_):
     return mpi_job(np_, ["core_process_sets_worker.py", mode], timeout=TIMEOUT,
-                   env={**STALL_ENV, **MODES[mode][0]})
+                   env={**STALL_SAFETY_NET_ENV, **MODES[mode][0]})
 
 
 def _params():

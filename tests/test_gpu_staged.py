@@ -10,13 +10,12 @@ count and worker; each case is its own test here.
 """
 import pytest
 
-from tests.mpi_harness import assert_case_passed, assert_every_case_reported
+from tests.mpi_harness import (STALL_SAFETY_NET_ENV, assert_case_passed,
+                               assert_every_case_reported)
 from tests.workers import gpu_errors_worker, gpu_staged_worker
 
 TIMEOUT = 240   # generous: the test machine is small and shared
-STALL_ENV = {"HVDLITE_STALL_CHECK_TIME_SECONDS": "10",
-             "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "20"}
-STAGED_ENV = {"HVDLITE_GPU_OPERATIONS": "mpi", **STALL_ENV}
+STAGED_ENV = {"HVDLITE_GPU_OPERATIONS": "mpi", **STALL_SAFETY_NET_ENV}
 ERRORS_NP = 2
 
 
@@ -32,7 +31,7 @@ def _staged(mpi_job, job):
 
 
 def _errors(mpi_job):
-    return mpi_job(ERRORS_NP, ["gpu_errors_worker.py"], timeout=TIMEOUT, env=STALL_ENV)
+    return mpi_job(ERRORS_NP, ["gpu_errors_worker.py"], timeout=TIMEOUT, env=STALL_SAFETY_NET_ENV)
 
 
 @pytest.mark.parametrize("job,case", [pytest.param(j, c, id=f"{j}-{c}") for j in JOBS

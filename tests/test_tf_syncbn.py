@@ -8,8 +8,9 @@ per size (importing TensorFlow costs seconds per rank); each is checked here as 
 """
 import pytest
 
-from tests.mpi_harness import assert_case_passed, assert_every_case_reported
-from tests.workers.tf_syncbn_cases import NP_VALUES, STALL_ENV, cases_for
+from tests.mpi_harness import (STALL_SAFETY_NET_ENV, assert_case_passed,
+                               assert_every_case_reported)
+from tests.workers.tf_syncbn_cases import NP_VALUES, cases_for
 
 pytest.importorskip("tensorflow")
 
@@ -18,7 +19,7 @@ TIMEOUT = 300
 
 
 def _job(mpi_job, np):
-    return mpi_job(np, [WORKER], timeout=TIMEOUT, env=STALL_ENV)
+    return mpi_job(np, [WORKER], timeout=TIMEOUT, env=STALL_SAFETY_NET_ENV)
 
 
 @pytest.mark.parametrize("np", NP_VALUES)

@@ -3,17 +3,14 @@ precision's overflow check), under real MPI launches at 2 and 3 ranks (one launc
 every case reported per rank)."""
 import pytest
 
-from tests.mpi_harness import assert_case_passed
+from tests.mpi_harness import STALL_SAFETY_NET_ENV, assert_case_passed
 from tests.workers.tf_training_cases import CASES, NP_VALUES
 
 pytest.importorskip("tensorflow")
-
-# A rank left waiting in a collective the others skipped fails its case in seconds.
-STALL_ENV = {"HVDLITE_STALL_CHECK_TIME_SECONDS": "5", "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "10"}
 
 
 @pytest.mark.parametrize("np", NP_VALUES)
 @pytest.mark.parametrize("case", CASES)
 def test_tf_training(mpi_job, np, case):
-    assert_case_passed(mpi_job(np, ["tf_training_worker.py"], timeout=240, env=STALL_ENV), np,
-                       case)
+    job = mpi_job(np, ["tf_training_worker.py"], timeout=240, env=STALL_SAFETY_NET_ENV)
+    assert_case_passed(job, np, case)

@@ -11,6 +11,7 @@ against its own torch/numpy reference built from every rank's deterministic inpu
 """
 import pytest
 
+from tests.mpi_harness import STALL_SAFETY_NET_ENV
 from tests.workers import torch_cases as C
 from tests.workers import torch_collectives_worker as W
 
@@ -24,7 +25,7 @@ XFAIL: dict[str, str] = {}
 
 
 def _job(mpi_job, mode, np_):
-    return mpi_job(np_, [WORKER, mode], timeout=TIMEOUT, env=C.STALL_ENV)
+    return mpi_job(np_, [WORKER, mode], timeout=TIMEOUT, env=STALL_SAFETY_NET_ENV)
 
 
 def _params():

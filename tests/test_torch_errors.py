@@ -3,6 +3,7 @@ documented exception, and a collective right after it must still work
 (see tests/workers/torch_errors_worker.py)."""
 import pytest
 
+from tests.mpi_harness import STALL_SAFETY_NET_ENV
 from tests.workers import torch_cases as C
 
 WORKER = "torch_errors_worker.py"
@@ -10,7 +11,7 @@ TIMEOUT = 240
 
 
 def _job(mpi_job, np):
-    return mpi_job(np, [WORKER], timeout=TIMEOUT, env=C.STALL_ENV)
+    return mpi_job(np, [WORKER], timeout=TIMEOUT, env=STALL_SAFETY_NET_ENV)
 
 
 @pytest.mark.parametrize("np", C.NP_VALUES)

@@ -6,6 +6,7 @@ on every rank and match a single-process reference trained on the full batch ins
 """
 import pytest
 
+from tests.mpi_harness import STALL_SAFETY_NET_ENV
 from tests.workers import torch_cases as C
 
 WORKER = "torch_optimizer_worker.py"
@@ -13,7 +14,7 @@ TIMEOUT = 240
 
 
 def _job(mpi_job, np):
-    return mpi_job(np, [WORKER], timeout=TIMEOUT, env=C.STALL_ENV)
+    return mpi_job(np, [WORKER], timeout=TIMEOUT, env=STALL_SAFETY_NET_ENV)
 
 
 @pytest.mark.parametrize("np", C.NP_VALUES)

@@ -5,6 +5,7 @@ sparse embedding is reduced (see tests/workers/torch_optimizer_fuzz_worker.py, w
 ``draw_config(seed)`` shows each seed's configuration)."""
 import pytest
 
+from tests.mpi_harness import STALL_SAFETY_NET_ENV
 from tests.workers import torch_cases as C
 
 SEEDS = list(range(12))   # cover sparse embeddings, closures, clipping, groups, fp16, bpps 2
@@ -13,7 +14,8 @@ TIMEOUT = 300
 
 
 def _job(mpi_job, np_):
-    return mpi_job(np_, [WORKER, ",".join(map(str, SEEDS))], timeout=TIMEOUT, env=C.STALL_ENV)
+    return mpi_job(np_, [WORKER, ",".join(map(str, SEEDS))], timeout=TIMEOUT,
+                   env=STALL_SAFETY_NET_ENV)
 
 
 @pytest.mark.parametrize("np_", C.NP_VALUES)

@@ -10,6 +10,7 @@ what the worker must report.
 """
 import pytest
 
+from tests.mpi_harness import STALL_SAFETY_NET_ENV
 from tests.workers import torch_cases as C
 
 WORKER = "torch_sparse_worker.py"
@@ -40,7 +41,7 @@ SPARSE_CASES = (
 
 
 def _job(mpi_job, np):
-    return mpi_job(np, [WORKER], timeout=TIMEOUT, env=C.STALL_ENV)
+    return mpi_job(np, [WORKER], timeout=TIMEOUT, env=STALL_SAFETY_NET_ENV)
 
 
 NPS = (*C.NP_VALUES, 4)   # the collective issue asks for 2, 3 and 4 ranks

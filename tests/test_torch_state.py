@@ -7,6 +7,7 @@ as the reference) and keep training identically (see tests/workers/torch_state_w
 """
 import pytest
 
+from tests.mpi_harness import STALL_SAFETY_NET_ENV
 from tests.workers import torch_cases as C
 
 WORKER = "torch_state_worker.py"
@@ -14,7 +15,7 @@ TIMEOUT = 240
 
 
 def _job(mpi_job, np):
-    return mpi_job(np, [WORKER], timeout=TIMEOUT, env=C.STALL_ENV)
+    return mpi_job(np, [WORKER], timeout=TIMEOUT, env=STALL_SAFETY_NET_ENV)
 
 
 @pytest.mark.parametrize("np", C.NP_VALUES)

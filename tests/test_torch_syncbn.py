@@ -6,6 +6,7 @@ running statistics with one ``nn.BatchNorm*d`` applied to the concatenation of a
 """
 import pytest
 
+from tests.mpi_harness import STALL_SAFETY_NET_ENV
 from tests.workers import torch_cases as C
 
 WORKER = "torch_syncbn_worker.py"
@@ -35,7 +36,7 @@ SYNCBN_CASES = [
 
 
 def _job(mpi_job, np):
-    return mpi_job(np, [WORKER], timeout=TIMEOUT, env=C.STALL_ENV)
+    return mpi_job(np, [WORKER], timeout=TIMEOUT, env=STALL_SAFETY_NET_ENV)
 
 
 # one rank too: SyncBatchNorm then takes nn.BatchNorm's own path

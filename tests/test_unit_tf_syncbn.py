@@ -13,8 +13,8 @@ import tempfile
 
 import pytest
 
-from tests.mpi_harness import WORKERS, base_env
-from tests.workers.tf_syncbn_cases import STALL_ENV, cases_for
+from tests.mpi_harness import STALL_SAFETY_NET_ENV, WORKERS, base_env
+from tests.workers.tf_syncbn_cases import cases_for
 
 pytest.importorskip("tensorflow")
 
@@ -26,7 +26,7 @@ def _single_rank_report() -> dict:
         out = tempfile.mkdtemp(prefix="hvdlite-test-")
         try:
             proc = subprocess.run([sys.executable, str(WORKERS / "tf_syncbn_worker.py")],
-                                  env=base_env({"HVDLITE_TEST_OUT": out, **STALL_ENV}),
+                                  env=base_env({"HVDLITE_TEST_OUT": out, **STALL_SAFETY_NET_ENV}),
                                   capture_output=True, text=True, timeout=300)
             path = os.path.join(out, "rank0.json")
             report = json.load(open(path)) if os.path.exists(path) else None

@@ -5,11 +5,6 @@ from __future__ import annotations
 
 NP_VALUES = (2, 3)
 
-# A stalled collective (a case that broke the lock-step of the ranks) fails after 20 s instead of
-# hanging the job until its timeout.
-STALL_ENV = {"HVDLITE_STALL_CHECK_TIME_SECONDS": "10",
-             "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "20"}
-
 COMMON_CASES = [
     "forward.eager.equal",
     "forward.graph.equal",

@@ -310,7 +310,7 @@ def inference_no_collective():
     for got, what in [(out, "eager"), (default, "default"), (traced, "graph"),
                       (frozen_out, "trainable=False")]:
         np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=what)
-    if RANK == 0:   # a collective here would stall (and fail after STALL_ENV's 20 s)
+    if RANK == 0:   # a collective here would stall (and fail after STALL_SAFETY_NET_ENV's 60 s)
         np.testing.assert_array_equal(sync(x, training=False).numpy(), want.numpy())
 
 

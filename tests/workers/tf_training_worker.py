@@ -8,8 +8,8 @@ hvdlite's reduction inside the skipped update, leave them waiting).
 Gradients that are None (or tf.IndexedSlices) on some ranks only: eagerly the ranks reconcile
 them; inside tf.function a disagreement is a clear error on every rank.
 
-Launched with a short HVDLITE_STALL_SHUTDOWN_TIME_SECONDS so that a wait for a rank that
-skipped a collective fails the case instead of the job.
+Launched with a stall shutdown time (tests.mpi_harness.STALL_SAFETY_NET_ENV) so that a wait
+for a rank that skipped a collective fails the case instead of the job.
 """
 import os
 

@@ -287,10 +287,9 @@ FLOAT_TOL = {  # (rtol, atol) for results that involve rounding
 # --- keeping the ranks in step -----------------------------------------------------------------
 # A case that fails on some ranks only (say, an assertion before the case's next collective) would
 # leave the other ranks waiting in that collective forever.  Workers therefore line the ranks up
-# after every case (SyncedReporter), and jobs run with a stall timeout, so a rank left waiting
-# gets a StallError, its case fails, and the job goes on to the next case.
-STALL_ENV = {"HVDLITE_STALL_CHECK_TIME_SECONDS": "10",
-             "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "20"}
+# after every case (SyncedReporter), and jobs run with a stall timeout
+# (tests.mpi_harness.STALL_SAFETY_NET_ENV), so a rank left waiting gets a StallError, its case
+# fails, and the job goes on to the next case.
 
 
 def synced_reporter(rank: int, comm):
