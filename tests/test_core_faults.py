@@ -16,6 +16,7 @@ STALL_WARN_ENV = {"HVDLITE_STALL_CHECK_TIME_SECONDS": "1"}
 STALL_SHUTDOWN_ENV = {"HVDLITE_STALL_CHECK_TIME_SECONDS": "1",
                       "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "2"}
 ENVS = {"stall_warn": STALL_WARN_ENV, "stall_shutdown": STALL_SHUTDOWN_ENV,
+        "stall_late": STALL_SHUTDOWN_ENV,
         "data_stall_warn": STALL_WARN_ENV, "data_stall_shutdown": STALL_SHUTDOWN_ENV}
 
 
@@ -123,6 +124,18 @@ def test_stall_shutdown_errors_then_job_continues(np_, odd):
     assert "Stall detected" in job.stderr, job.output
     caught = re.findall(r"\[fault-worker rank (\d+)\] caught StallError", job.stderr)
     assert sorted(int(c) for c in caught) == [k for k in range(np_) if k != odd], job.output
+
+
+@pytest.mark.parametrize("np_,odd", LAYOUTS)
+def test_stall_shutdown_explains_a_late_rank(np_, odd):
+    """A rank that submits a tensor only after the others' stall shutdown failed it: its own
+    StallError says that the others already gave up (ranks running far apart), instead of
+    suggesting that they skipped the tensor; the others' error keeps the usual advice."""
+    job, _ = launch("stall_late", np_, odd)
+    assert_every_rank_passed(job, np_, ("warmup", "late_submission_explained",
+                                        "job_keeps_working"))
+    assert re.search(rf"\[fault-worker rank {odd}\] caught StallError \(late\)", job.stderr), \
+        job.output
 
 
 # The data path of a single 2 MiB allreduce: direct copies between the ranks, or the window.

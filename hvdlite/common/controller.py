@@ -53,6 +53,9 @@ F_IDLE = 1 << 3        # some rank has nothing pending (so waiting on it is not 
 F_JOINED = 1 << 4      # some rank has called join()
 _ALL_ONES = 0xFFFFFFFFFFFFFFFF
 _NEVER = float("inf")
+# The coordinator remembers this many tensors that ranks gave up on (stall shutdown), so that a
+# rank submitting one of them late is told why it waits alone.
+_GAVE_UP_MEMORY = 256
 
 
 # Up to this many slots, Python's int operations beat numpy's per-call overhead; a round that
@@ -137,6 +140,8 @@ class Controller:
         self._join_unsent = False
         self._someone_joined = False                       # as of the last round
         self._joined_ranks: set[int] = set()               # coordinator: who has joined
+        # coordinator: tensors failed by the stall shutdown -> (the ranks that gave up, when)
+        self._gave_up: dict[str, tuple[list[int], float]] = {}
         self._stall_scan_at = _NEVER   # no pending tensor is due for a stall report before
 
     @property
@@ -426,6 +431,8 @@ class Controller:
         for name in [n for n, reqs in self._table.items()
                      if len(reqs) == self.size or (joined and joined | reqs.keys() >= everyone)]:
             requests = self._table.pop(name)
+            if self._gave_up:
+                self._gave_up.pop(name, None)   # the name is in use again, by every rank
             response = build_response(requests, joined)
             group = requests[min(requests)].group
             if group:
@@ -462,24 +469,42 @@ class Controller:
                 by_name.setdefault(name, {})[rank] = age
         errors = []
         lines = []
+        now = time.monotonic()
         for name, ages in sorted(by_name.items()):
             missing = [r for r in self.global_ranks if r not in ages]
             age = max(ages.values())
             if not missing or age < cfg.stall_check_seconds:
                 continue
+            late = self._late_note(name, missing, sorted(ages), now)
             lines.append(f"  {name!r}: submitted on ranks {sorted(ages)} {age:.0f} s ago, "
-                         f"missing on ranks {missing}")
+                         f"missing on ranks {missing}{late}")
             if cfg.stall_shutdown_seconds > 0 and age >= cfg.stall_shutdown_seconds:
                 self._table.pop(name, None)
+                self._gave_up[name] = (sorted(ages), now)
+                while len(self._gave_up) > _GAVE_UP_MEMORY:
+                    del self._gave_up[next(iter(self._gave_up))]
+                advice = late or (" Every rank must submit the same tensors; check for "
+                                  "rank-dependent control flow.")
                 errors.append(Response(
                     name, "error", error_kind=ERROR_STALL,
                     error=(f"Tensor {name!r} stalled: submitted on ranks {sorted(ages)} but "
                            f"missing on ranks {missing} for {age:.0f} s (HVDLITE_STALL_SHUTDOWN_"
-                           f"TIME_SECONDS={cfg.stall_shutdown_seconds:g}). Every rank must submit "
-                           f"the same tensors; check for rank-dependent control flow.")))
+                           f"TIME_SECONDS={cfg.stall_shutdown_seconds:g}).{advice}")))
         if lines:
             log.warning("Stall detected: one or more tensors were submitted on some ranks but "
                         "not on others (the other ranks may be waiting on these forever):\n%s"
                         "\nCheck for rank-dependent code paths, or ranks that ran out of data.",
                         "\n".join(lines))
         return errors
+
+    def _late_note(self, name: str, missing: list[int], waiting: list[int], now: float) -> str:
+        """If the ranks missing ``name`` are ones that already gave up on it, say so: then these
+        ranks did not skip it, they reached it after the others' stall shutdown."""
+        record = self._gave_up.get(name)
+        if record is None or not set(missing) <= set(record[0]):
+            return ""
+        return (f" Ranks {missing} already gave up on this tensor {now - record[1]:.0f} s ago "
+                f"(their stall shutdown), before ranks {waiting} submitted it: these ranks run "
+                f"far behind the others (for example after a slow import, data loading or "
+                f"checkpoint reading on these ranks only). Set HVDLITE_STALL_SHUTDOWN_TIME_"
+                f"SECONDS well above that gap.")

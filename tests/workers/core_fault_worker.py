@@ -9,6 +9,9 @@ that misbehaves:
                 an exited process) while the launcher keeps everything running
   stall_warn    the last rank submits 3 s late (run with HVDLITE_STALL_CHECK_TIME_SECONDS=1)
   stall_shutdown  the last rank never submits one tensor (stall check 1 s, shutdown 2 s)
+  stall_late    the last rank submits one tensor only after the others gave up on it (same
+                settings): its own StallError says that the others gave up, not that they
+                skipped it
   data_stall_warn      the last rank's background thread stops for 3 s inside the data
                        exchange of an agreed 2 MiB allreduce (the shared window's first
                        barrier; stall check 1 s): the others warn, then all finish correctly
@@ -156,6 +159,50 @@ elif SCENARIO == "stall_shutdown":
 
     r.case("stalled_tensor_errors", stalled)
     r.case("job_keeps_working", after_stall)
+    r.write()
+    hvd.shutdown()
+
+elif SCENARIO == "stall_late":
+    def wait_for(sources, tag):
+        for source in sources:
+            while not world.iprobe(source=source, tag=tag):
+                time.sleep(0.01)
+            world.recv(source=source, tag=tag)
+
+    def submitted_too_late():
+        gave_up_tag, late_done_tag = 78, 79
+        others = [k for k in range(SIZE) if k != ODD]
+        caught = None
+        if RANK != ODD:
+            try:
+                hvd.allreduce(np.ones(3), name="late_tensor")
+            except Exception as exc:  # noqa: BLE001
+                caught = exc
+            say(f"caught {type(caught).__name__} (on time): {caught}")
+            world.send(True, dest=ODD, tag=gave_up_tag)
+            wait_for([ODD], late_done_tag)   # stay in the job until the late rank has its error
+            assert isinstance(caught, hvd.StallError), f"got {caught!r}"
+            assert "rank-dependent control flow" in str(caught), str(caught)
+        else:
+            wait_for(others, gave_up_tag)
+            start = time.monotonic()
+            try:
+                hvd.allreduce(np.ones(3), name="late_tensor")
+            except Exception as exc:  # noqa: BLE001
+                caught = exc
+            elapsed = time.monotonic() - start
+            say(f"caught {type(caught).__name__} (late) after {elapsed:.2f} s: {caught}")
+            for k in others:
+                world.send(True, dest=k, tag=late_done_tag)
+            assert isinstance(caught, hvd.StallError), f"got {caught!r}"
+            text = str(caught)
+            assert f"submitted on ranks {[ODD]} but missing on ranks {others}" in text, text
+            assert f"Ranks {others} already gave up on this tensor" in text, text
+            assert "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS well above" in text, text
+            assert "rank-dependent control flow" not in text, text
+
+    r.case("late_submission_explained", submitted_too_late)
+    r.case("job_keeps_working", warm_up)
     r.write()
     hvd.shutdown()
 elif SCENARIO in ("data_stall_warn", "data_stall_shutdown"):
