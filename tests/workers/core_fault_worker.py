@@ -169,15 +169,21 @@ elif SCENARIO == "stall_late":
                 time.sleep(0.01)
             world.recv(source=source, tag=tag)
 
+    def late_tensor():
+        hvd.allreduce(np.ones(3), name="late_tensor")
+
+    def error_of(fn):
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - the test inspects whatever was raised
+            return exc
+        return None
+
     def submitted_too_late():
         gave_up_tag, late_done_tag = 78, 79
         others = [k for k in range(SIZE) if k != ODD]
-        caught = None
         if RANK != ODD:
-            try:
-                hvd.allreduce(np.ones(3), name="late_tensor")
-            except Exception as exc:  # noqa: BLE001
-                caught = exc
+            caught = error_of(late_tensor)
             say(f"caught {type(caught).__name__} (on time): {caught}")
             world.send(True, dest=ODD, tag=gave_up_tag)
             wait_for([ODD], late_done_tag)   # stay in the job until the late rank has its error
@@ -186,10 +192,7 @@ elif SCENARIO == "stall_late":
         else:
             wait_for(others, gave_up_tag)
             start = time.monotonic()
-            try:
-                hvd.allreduce(np.ones(3), name="late_tensor")
-            except Exception as exc:  # noqa: BLE001
-                caught = exc
+            caught = error_of(late_tensor)
             elapsed = time.monotonic() - start
             say(f"caught {type(caught).__name__} (late) after {elapsed:.2f} s: {caught}")
             for k in others:
@@ -205,6 +208,7 @@ elif SCENARIO == "stall_late":
     r.case("job_keeps_working", warm_up)
     r.write()
     hvd.shutdown()
+
 elif SCENARIO in ("data_stall_warn", "data_stall_shutdown"):
     from hvdlite.common.direct_allreduce import DirectAllreduce
     from hvdlite.common.shm_fusion import SharedFusion
