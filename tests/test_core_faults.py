@@ -16,7 +16,7 @@ STALL_WARN_ENV = {"HVDLITE_STALL_CHECK_TIME_SECONDS": "1"}
 STALL_SHUTDOWN_ENV = {"HVDLITE_STALL_CHECK_TIME_SECONDS": "1",
                       "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "2"}
 ENVS = {"stall_warn": STALL_WARN_ENV, "stall_shutdown": STALL_SHUTDOWN_ENV,
-        "stall_late": STALL_SHUTDOWN_ENV,
+        "stall_late": STALL_SHUTDOWN_ENV, "stall_mismatch": STALL_SHUTDOWN_ENV,
         "data_stall_warn": STALL_WARN_ENV, "data_stall_shutdown": STALL_SHUTDOWN_ENV}
 
 
@@ -111,7 +111,7 @@ def test_stall_warning_then_correct_result(np_, odd):
     assert "Stall detected" in job.stderr, job.output
     submitted = str([k for k in range(np_) if k != odd])
     pattern = (rf"'late': submitted on ranks {re.escape(submitted)}.*missing on ranks "
-               rf"{re.escape(str([odd]))}")
+               rf"{re.escape(str([odd]))} \(rank {odd} has no operation pending\)")
     assert re.search(pattern, job.stderr), job.output
     # only rank 0 logs the stall report
     assert not re.search(r"\[hvdlite rank [1-9]\d*\] WARNING: Stall detected", job.stderr)
@@ -136,6 +136,16 @@ def test_stall_shutdown_explains_a_late_rank(np_, odd):
                                         "job_keeps_working"))
     assert re.search(rf"\[fault-worker rank {odd}\] caught StallError \(late\)", job.stderr), \
         job.output
+
+
+@pytest.mark.parametrize("np_,odd", LAYOUTS)
+def test_stall_report_says_what_missing_ranks_wait_on(np_, odd):
+    """Ranks that submitted differently named tensors (diverged code): each StallError names
+    the tensor the missing ranks wait on instead, which points at the divergence."""
+    job, _ = launch("stall_mismatch", np_, odd)
+    assert_every_rank_passed(job, np_, ("warmup", "missing_ranks_named_with_their_tensors",
+                                        "job_keeps_working"))
+    assert f"rank {odd} is waiting on 'step.odd'" in job.stderr, job.output
 
 
 # The data path of a single 2 MiB allreduce: direct copies between the ranks, or the window.

@@ -467,6 +467,7 @@ class Controller:
         for rank, payload in payloads.items():
             for name, age in (payload["pending"] or {}).items():
                 by_name.setdefault(name, {})[rank] = age
+        waiting_on = {rank: sorted(payload["pending"] or ()) for rank, payload in payloads.items()}
         errors = []
         lines = []
         now = time.monotonic()
@@ -476,8 +477,9 @@ class Controller:
             if not missing or age < cfg.stall_check_seconds:
                 continue
             late = self._late_note(name, missing, sorted(ages), now)
+            elsewhere = _missing_ranks_doing(missing, waiting_on)
             lines.append(f"  {name!r}: submitted on ranks {sorted(ages)} {age:.0f} s ago, "
-                         f"missing on ranks {missing}{late}")
+                         f"missing on ranks {missing} ({elsewhere}){late}")
             if cfg.stall_shutdown_seconds > 0 and age >= cfg.stall_shutdown_seconds:
                 self._table.pop(name, None)
                 self._gave_up[name] = (sorted(ages), now)
@@ -489,7 +491,7 @@ class Controller:
                     name, "error", error_kind=ERROR_STALL,
                     error=(f"Tensor {name!r} stalled: submitted on ranks {sorted(ages)} but "
                            f"missing on ranks {missing} for {age:.0f} s (HVDLITE_STALL_SHUTDOWN_"
-                           f"TIME_SECONDS={cfg.stall_shutdown_seconds:g}).{advice}")))
+                           f"TIME_SECONDS={cfg.stall_shutdown_seconds:g}); {elsewhere}.{advice}")))
         if lines:
             log.warning("Stall detected: one or more tensors were submitted on some ranks but "
                         "not on others (the other ranks may be waiting on these forever):\n%s"
@@ -508,3 +510,23 @@ class Controller:
                 f"far behind the others (for example after a slow import, data loading or "
                 f"checkpoint reading on these ranks only). Set HVDLITE_STALL_SHUTDOWN_TIME_"
                 f"SECONDS well above that gap.")
+
+
+_SHOWN_PER_RANK = 3   # names listed per rank in a stall report
+
+
+def _missing_ranks_doing(missing: list[int], waiting_on: dict[int, list[str]]) -> str:
+    """What the ranks missing a tensor wait for instead: the other tensors each has pending
+    (a different name or order points at the diverging code), or nothing (still computing,
+    or it never submits the tensor)."""
+    parts = []
+    for rank in missing:
+        names = waiting_on.get(rank, [])
+        if not names:
+            parts.append(f"rank {rank} has no operation pending")
+            continue
+        shown = ", ".join(repr(n) for n in names[:_SHOWN_PER_RANK])
+        more = len(names) - _SHOWN_PER_RANK
+        parts.append(f"rank {rank} is waiting on {shown}" + (f" and {more} more" if more > 0
+                                                               else ""))
+    return "; ".join(parts)

@@ -12,6 +12,8 @@ that misbehaves:
   stall_late    the last rank submits one tensor only after the others gave up on it (same
                 settings): its own StallError says that the others gave up, not that they
                 skipped it
+  stall_mismatch  the last rank submits a tensor under another name than the others (same
+                settings): every rank's StallError says what the missing ranks wait on instead
   data_stall_warn      the last rank's background thread stops for 3 s inside the data
                        exchange of an agreed 2 MiB allreduce (the shared window's first
                        barrier; stall check 1 s): the others warn, then all finish correctly
@@ -43,6 +45,23 @@ r = Reporter(RANK)
 
 def say(msg):
     print(f"[fault-worker rank {RANK}] {msg}", file=sys.stderr, flush=True)
+
+
+def wait_for(sources, tag):
+    """Receive one message with ``tag`` from each of ``sources`` without spinning."""
+    for source in sources:
+        while not world.iprobe(source=source, tag=tag):
+            time.sleep(0.01)
+        world.recv(source=source, tag=tag)
+
+
+def error_of(fn):
+    """What ``fn()`` raised, or None."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test inspects whatever was raised
+        return exc
+    return None
 
 
 def warm_up():
@@ -142,6 +161,7 @@ elif SCENARIO == "stall_shutdown":
             assert isinstance(caught, hvd.HvdliteError)
             assert "stalled" in str(caught), str(caught)
             assert str([ODD]) in str(caught), f"missing ranks not named: {caught}"
+            assert f"rank {ODD} has no operation pending" in str(caught), str(caught)
             assert 1.5 <= elapsed < 15.0, f"StallError after {elapsed:.1f} s"
         else:
             # never submit 'stalled'; wait (without spinning) until the others gave up on it
@@ -163,21 +183,8 @@ elif SCENARIO == "stall_shutdown":
     hvd.shutdown()
 
 elif SCENARIO == "stall_late":
-    def wait_for(sources, tag):
-        for source in sources:
-            while not world.iprobe(source=source, tag=tag):
-                time.sleep(0.01)
-            world.recv(source=source, tag=tag)
-
     def late_tensor():
         hvd.allreduce(np.ones(3), name="late_tensor")
-
-    def error_of(fn):
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - the test inspects whatever was raised
-            return exc
-        return None
 
     def submitted_too_late():
         gave_up_tag, late_done_tag = 78, 79
@@ -205,6 +212,37 @@ elif SCENARIO == "stall_late":
             assert "rank-dependent control flow" not in text, text
 
     r.case("late_submission_explained", submitted_too_late)
+    r.case("job_keeps_working", warm_up)
+    r.write()
+    hvd.shutdown()
+
+elif SCENARIO == "stall_mismatch":
+    def diverged():
+        """The others submit 'step.even' first; the odd rank submits 'step.odd' once they have,
+        so 'step.even' stalls first, while the odd rank waits on 'step.odd'.  The others then
+        submit nothing until the odd rank has its own error."""
+        submitted_tag, done_tag = 80, 81
+        others = [k for k in range(SIZE) if k != ODD]
+        if RANK != ODD:
+            handle = hvd.allreduce_async(np.ones(3), name="step.even")
+            world.send(True, dest=ODD, tag=submitted_tag)
+            caught = error_of(handle.wait)
+            say(f"caught {type(caught).__name__}: {caught}")
+            wait_for([ODD], done_tag)
+            assert isinstance(caught, hvd.StallError), f"got {caught!r}"
+            assert f"rank {ODD} is waiting on 'step.odd'" in str(caught), str(caught)
+        else:
+            wait_for(others, submitted_tag)
+            caught = error_of(lambda: hvd.allreduce(np.ones(3), name="step.odd"))
+            say(f"caught {type(caught).__name__}: {caught}")
+            for k in others:
+                world.send(True, dest=k, tag=done_tag)
+            assert isinstance(caught, hvd.StallError), f"got {caught!r}"
+            for k in others:   # they still wait on theirs, or already failed it (a later report)
+                assert (f"rank {k} is waiting on 'step.even'" in str(caught)
+                        or f"rank {k} has no operation pending" in str(caught)), str(caught)
+
+    r.case("missing_ranks_named_with_their_tensors", diverged)
     r.case("job_keeps_working", warm_up)
     r.write()
     hvd.shutdown()
