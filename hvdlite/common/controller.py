@@ -1,4 +1,4 @@
-"""Negotiation over MPI: deciding, identically on every rank, which operations run and in what order.
+"""Negotiation over MPI: deciding, identically on every rank, which operations run and when.
 
 One *round* is what every rank's background thread does together:
 
@@ -467,7 +467,7 @@ class Controller:
         for rank, payload in payloads.items():
             for name, age in (payload["pending"] or {}).items():
                 by_name.setdefault(name, {})[rank] = age
-        waiting_on = {rank: sorted(payload["pending"] or ()) for rank, payload in payloads.items()}
+        waiting_on = {rank: _oldest_first(payload["pending"]) for rank, payload in payloads.items()}
         errors = []
         lines = []
         now = time.monotonic()
@@ -515,10 +515,16 @@ class Controller:
 _SHOWN_PER_RANK = 3   # names listed per rank in a stall report
 
 
+def _oldest_first(pending: dict[str, float] | None) -> list[str]:
+    """The names of a rank's pending tensors (name -> age in seconds), the oldest first: the
+    oldest is where a diverging rank went its own way."""
+    return sorted(pending or (), key=lambda name: (-pending[name], name))
+
+
 def _missing_ranks_doing(missing: list[int], waiting_on: dict[int, list[str]]) -> str:
-    """What the ranks missing a tensor wait for instead: the other tensors each has pending
-    (a different name or order points at the diverging code), or nothing (still computing,
-    or it never submits the tensor)."""
+    """What the ranks missing a tensor wait for instead: the other tensors each has pending,
+    oldest first (a different name or order points at the diverging code), or nothing (still
+    computing, or it never submits the tensor)."""
     parts = []
     for rank in missing:
         names = waiting_on.get(rank, [])
