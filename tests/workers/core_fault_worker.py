@@ -78,20 +78,10 @@ def survivor_waits():
     pending = [hvd.allreduce_async(np.ones(3), name="pending.a"),
                hvd.allgather_async(np.ones((2, 2)), name="pending.b"),
                hvd.broadcast_async_(np.ones(5), 0, name="pending.c")]
-    caught = None
-    try:
-        hvd.allreduce(np.ones(4), name="wait_on_exited_rank")
-    except Exception as exc:  # noqa: BLE001
-        caught = exc
+    caught = error_of(lambda: hvd.allreduce(np.ones(4), name="wait_on_exited_rank"))
     elapsed = time.monotonic() - start
     say(f"caught {type(caught).__name__} after {elapsed:.2f} s: {caught}")
-    others = []
-    for h in pending:
-        try:
-            h.wait(timeout=10)
-            others.append(None)
-        except Exception as exc:  # noqa: BLE001
-            others.append(exc)
+    others = [error_of(lambda h=h: h.wait(timeout=10)) for h in pending]
 
     def check():
         assert isinstance(caught, hvd.RankExitedError), f"got {caught!r}"
@@ -149,11 +139,7 @@ elif SCENARIO == "stall_shutdown":
         done_tag = 77
         if RANK != ODD:
             start = time.monotonic()
-            caught = None
-            try:
-                hvd.allreduce_async(np.ones(3), name="stalled").wait()
-            except Exception as exc:  # noqa: BLE001
-                caught = exc
+            caught = error_of(lambda: hvd.allreduce_async(np.ones(3), name="stalled").wait())
             elapsed = time.monotonic() - start
             say(f"caught {type(caught).__name__} after {elapsed:.2f} s: {caught}")
             world.send(True, dest=ODD, tag=done_tag)
@@ -165,10 +151,7 @@ elif SCENARIO == "stall_shutdown":
             assert 1.5 <= elapsed < 15.0, f"StallError after {elapsed:.1f} s"
         else:
             # never submit 'stalled'; wait (without spinning) until the others gave up on it
-            for source in [k for k in range(SIZE) if k != ODD]:
-                while not world.iprobe(source=source, tag=done_tag):
-                    time.sleep(0.01)
-                world.recv(source=source, tag=done_tag)
+            wait_for([k for k in range(SIZE) if k != ODD], done_tag)
 
     def after_stall():
         xs = [np.arange(4, dtype=np.float64) + k for k in range(SIZE)]
@@ -271,11 +254,7 @@ elif SCENARIO in ("data_stall_warn", "data_stall_shutdown"):
 
     def stalled_data():
         start = time.monotonic()
-        caught = None
-        try:
-            hvd.allreduce(xs[RANK], op=hvd.Sum, name="slow_data")
-        except Exception as exc:  # noqa: BLE001
-            caught = exc
+        caught = error_of(lambda: hvd.allreduce(xs[RANK], op=hvd.Sum, name="slow_data"))
         say(f"caught {type(caught).__name__} after {time.monotonic() - start:.2f} s: {caught}")
         if RANK == ODD and type(caught).__name__ == "DirectCopyError":
             # The stopped rank, late, found its peers' memory gone (they gave up and ended).
