@@ -18,7 +18,7 @@ from hvdlite.common.process_sets import ProcessSet, global_process_set
 from hvdlite.common.reduce_ops import ReduceOp, resolve_op
 
 from .compression import Compression
-from .tensor_bridge import as_core_array, check_tensor, empty_core_backed
+from .tensor_bridge import NUMPY_DTYPES, as_core_array, check_tensor, empty_core_backed
 
 
 def _submit(kind: str, tensor: torch.Tensor, output: torch.Tensor | None, what: str,
@@ -44,11 +44,6 @@ def _submit(kind: str, tensor: torch.Tensor, output: torch.Tensor | None, what: 
 
 
 # --- allreduce -------------------------------------------------------------------------------
-# Dtypes whose numpy view the core takes as it is (bfloat16 travels as an int16 view instead).
-_NUMPY_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.int64, torch.int32,
-                           torch.int16, torch.int8, torch.uint8, torch.bool})
-
-
 def _fast_allreduce(tensor, in_place: bool, name, reduce_op: ReduceOp, prescale_factor,
                     postscale_factor, process_set) -> Handle | None:
     """The per-gradient hot path: a plain, contiguous CPU tensor that needs no autograd goes
@@ -58,7 +53,7 @@ def _fast_allreduce(tensor, in_place: bool, name, reduce_op: ReduceOp, prescale_
     returned wraps it without a copy."""
     if (type(tensor) is not torch.Tensor
             or (process_set is not global_process_set and process_set is not None)
-            or tensor.requires_grad or not tensor.is_cpu or tensor.dtype not in _NUMPY_DTYPES
+            or tensor.requires_grad or not tensor.is_cpu or tensor.dtype not in NUMPY_DTYPES
             or tensor.is_sparse or not tensor.is_contiguous()):
         return None
     array = tensor.numpy()

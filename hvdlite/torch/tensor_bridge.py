@@ -13,8 +13,9 @@ from hvdlite.common.errors import UnsupportedDtypeError
 
 # torch dtypes numpy cannot represent travel as same-width integer views.
 _VIEW_AS = {torch.bfloat16: (torch.int16, "bfloat16")}
-# The element type of a CUDA tensor's device view (bfloat16 is viewed as int16 before).
-_NUMPY_DTYPES = {torch.bool: np.dtype(np.bool_), torch.uint8: np.dtype(np.uint8),
+# torch dtypes whose core view keeps them as they are (bfloat16 is viewed as int16 first), and
+# the element type of that view (CUDA tensors' device views need it spelled out).
+NUMPY_DTYPES = {torch.bool: np.dtype(np.bool_), torch.uint8: np.dtype(np.uint8),
                  torch.int8: np.dtype(np.int8), torch.int16: np.dtype(np.int16),
                  torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64),
                  torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np.float32),
@@ -60,7 +61,7 @@ def as_core_array(tensor: torch.Tensor) -> tuple[np.ndarray, str | None]:
         device, what = t.device.index, f"tensor on {t.device}"
         rt = cuda.runtime()
         rt.wait_for_producer(_current_stream(device), device, what)
-        array = rt.wrap_device_memory(t.data_ptr(), tuple(t.shape), _NUMPY_DTYPES[t.dtype],
+        array = rt.wrap_device_memory(t.data_ptr(), tuple(t.shape), NUMPY_DTYPES[t.dtype],
                                       device, t, what)
     else:
         array = t.numpy()
