@@ -45,7 +45,8 @@ def _check_args(buf: np.ndarray, segments: Sequence[int]) -> np.ndarray:
     if not isinstance(buf, np.ndarray):
         raise TypeError(f"Adasum needs a numpy array buffer; got {type(buf).__name__}")
     if buf.dtype.name not in _FLOAT_DTYPES:
-        raise TypeError(f"Adasum supports floating-point tensors only ({', '.join(_FLOAT_DTYPES)}); "
+        raise TypeError(f"Adasum supports floating-point tensors only "
+                        f"({', '.join(_FLOAT_DTYPES)}); "
                         f"got {buf.dtype.name}. Use op=Average or op=Sum for this tensor.")
     if buf.ndim != 1 or not buf.flags.c_contiguous or not buf.flags.writeable:
         raise ValueError("Adasum needs a writeable 1-D contiguous buffer; "
