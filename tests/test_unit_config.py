@@ -1,7 +1,8 @@
 """config.Config.from_env: defaults, HVDLITE_ over HOROVOD_ aliases, bad values (pure logic)."""
 import pytest
 
-from hvdlite.common.config import Config, env_value
+from hvdlite.common.basics import _settings_error
+from hvdlite.common.config import Config, env_flag, env_value
 
 
 def test_defaults_from_empty_environment():
@@ -119,3 +120,57 @@ def test_bad_cma_mode_raises(raw):
     with pytest.raises(ValueError, match="HVDLITE_CMA") as info:
         Config.from_env({"HVDLITE_CMA": raw})
     assert "auto" in str(info.value)
+
+
+# --- on/off knobs: a typo is an error, not a silent choice ------------------------------------
+SWITCHES = [("STALL_CHECK_DISABLE", "stall_check_enabled", False),   # (knob, field, field if on)
+            ("DYNAMIC_PROCESS_SETS", "dynamic_process_sets", True),
+            ("ENABLE_ASYNC_COMPLETION", "gpu_async_completion", True)]
+
+
+@pytest.mark.parametrize("knob,field,when_on", SWITCHES)
+@pytest.mark.parametrize("raw,on", [("1", True), ("TRUE", True), ("yes", True), ("On", True),
+                                    ("0", False), ("false", False), ("NO", False), ("off", False)])
+@pytest.mark.parametrize("prefix", ["HVDLITE_", "HOROVOD_"])
+def test_switches_read_on_off_words(knob, field, when_on, raw, on, prefix):
+    assert getattr(Config.from_env({prefix + knob: raw}), field) is (when_on if on else
+                                                                      not when_on)
+
+
+@pytest.mark.parametrize("knob", [k for k, _, _ in SWITCHES] + ["CMA"])
+@pytest.mark.parametrize("raw", ["2", "maybe", "enable", "-1"])
+@pytest.mark.parametrize("prefix", ["HVDLITE_", "HOROVOD_"])
+def test_switches_refuse_other_words_naming_the_variable_set(knob, raw, prefix):
+    with pytest.raises(ValueError) as info:
+        Config.from_env({prefix + knob: raw})
+    assert f"{prefix}{knob}={raw!r} is not understood" in str(info.value)
+    assert "1 or 0" in str(info.value)
+
+
+@pytest.mark.parametrize("raw,on", [(None, False), ("1", True), ("off", False)])
+def test_env_flag(raw, on):
+    env = {} if raw is None else {"HOROVOD_TIMELINE_MARK_CYCLES": raw}
+    assert env_flag("TIMELINE_MARK_CYCLES", env) is on
+
+
+def test_env_flag_refuses_other_words():
+    with pytest.raises(ValueError, match="HVDLITE_TIMELINE_MARK_CYCLES='sure'"):
+        env_flag("TIMELINE_MARK_CYCLES", {"HVDLITE_TIMELINE_MARK_CYCLES": "sure"})
+
+
+def test_number_errors_name_the_horovod_variable_when_that_is_the_one_set():
+    with pytest.raises(ValueError, match="HOROVOD_FUSION_THRESHOLD='64MB' is not a number"):
+        Config.from_env({"HOROVOD_FUSION_THRESHOLD": "64MB"})
+    with pytest.raises(ValueError, match="HOROVOD_GPU_OPERATIONS='gloo' is not one of"):
+        Config.from_env({"HOROVOD_GPU_OPERATIONS": "gloo"})
+
+
+def test_settings_error_names_the_problem_and_the_ranks():
+    problems = (None, "HVDLITE_CMA='x' is not understood.", None, "HVDLITE_CMA='x' is not "
+                "understood.")
+    own = _settings_error(problems, 1)
+    assert own.startswith("hvd.init(): HVDLITE_CMA='x' is not understood (rank 1). ")
+    assert "Invalid settings on ranks [1, 3]" in own
+    other = _settings_error(problems, 0)
+    assert "rank 1's settings are invalid: HVDLITE_CMA='x' is not understood." in other
+    assert "Invalid settings on ranks [1, 3]" in other and "start the job again" in other

@@ -66,16 +66,17 @@ def test_gpu_operations_default_matches_dataclass():
     assert Config().gpu_operations == "nccl" == Config.from_env({}).gpu_operations
 
 
-@pytest.mark.parametrize("env", [
-    {"HVDLITE_GPU_OPERATIONS": "gloo"},
-    {"HOROVOD_GPU_OPERATIONS": "gloo"},
-    {"HVDLITE_GPU_OPERATIONS": "gloo", "HOROVOD_GPU_OPERATIONS": "mpi"},   # ours wins, bad
+@pytest.mark.parametrize("env,variable", [
+    ({"HVDLITE_GPU_OPERATIONS": "gloo"}, "HVDLITE_GPU_OPERATIONS"),
+    ({"HOROVOD_GPU_OPERATIONS": "gloo"}, "HOROVOD_GPU_OPERATIONS"),   # the one the user set
+    ({"HVDLITE_GPU_OPERATIONS": "gloo", "HOROVOD_GPU_OPERATIONS": "mpi"},   # ours wins, bad
+     "HVDLITE_GPU_OPERATIONS"),
 ])
-def test_gpu_operations_invalid_value(env):
+def test_gpu_operations_invalid_value(env, variable):
     with pytest.raises(ValueError) as err:
         Config.from_env(env)
     msg = str(err.value)
-    for part in ("HVDLITE_GPU_OPERATIONS", "'gloo'", "nccl", "mpi", "host memory"):
+    for part in (f"{variable}='gloo'", "nccl", "mpi", "host memory"):
         assert part in msg, msg
 
 

@@ -71,6 +71,17 @@ def _configure_logging(level: str, rank: int) -> None:
     log.propagate = False
 
 
+def _settings_error(problems: tuple[str | None, ...], rank: int) -> str:
+    """``init()``'s error when some ranks' ``HVDLITE_*``/``HOROVOD_*`` settings are invalid."""
+    bad = [r for r, problem in enumerate(problems) if problem]
+    mine = problems[rank] and problems[rank].rstrip(".")
+    what = (f"{mine} (rank {rank})" if mine else
+            f"rank {bad[0]}'s settings are invalid: {problems[bad[0]].rstrip('.')}")
+    return (f"hvd.init(): {what}. Invalid settings on ranks {bad}, so every rank stops here; "
+            f"correct the environment variable (every rank's, e.g. hvdlite run -x or mpiexec "
+            f"-genv) and start the job again.")
+
+
 def init(comm=None, process_sets=None) -> None:
     """Initialize hvdlite: set up the topology and start the background thread.
 
@@ -112,12 +123,21 @@ def init(comm=None, process_sets=None) -> None:
         liveness.record(local.allgather((rank, *liveness.own_identity())), rank)
         cross = world.Split(color=local_rank, key=rank)
         cross_rank, cross_size = cross.Get_rank(), cross.Get_size()
-        local_sizes = world.allgather(local_size)
-        config = world.bcast(Config.from_env() if rank == 0 else None, root=0)
+        # Every rank reads its settings before any rank relies on them: a bad value raises on
+        # every rank (none is left waiting in a collective for one that gave up).
+        try:
+            own, mark_cycles, problem = Config.from_env(), env_flag("TIMELINE_MARK_CYCLES"), None
+        except ValueError as exc:
+            own, mark_cycles, problem = None, False, str(exc)
+        local_sizes, problems = zip(*world.allgather((local_size, problem)))
+        if any(problems):
+            for c in (local, cross, world):
+                c.Free()
+            raise ValueError(_settings_error(problems, rank))
+        config = world.bcast(own if rank == 0 else None, root=0)
         if dynamic and not config.dynamic_process_sets:
             import dataclasses
             config = dataclasses.replace(config, dynamic_process_sets=True)
-        own = Config.from_env()
         result_pool().max_idle_bytes = own.result_pool_bytes   # this rank's memory: its own say
         local.Free()
         cross.Free()
@@ -135,7 +155,7 @@ def init(comm=None, process_sets=None) -> None:
         child_process.mark_rank_process(rank)
         path = env_value("TIMELINE")
         if path and rank == 0:
-            timeline.start(path, mark_cycles=env_flag("TIMELINE_MARK_CYCLES"))
+            timeline.start(path, mark_cycles=mark_cycles)
         if not _atexit_registered:
             atexit.register(_at_exit)
             _atexit_registered = True

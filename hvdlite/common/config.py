@@ -23,26 +23,34 @@ DEFAULT_SHM_FUSION_MB = 64.0
 MAX_WAIT_SLEEP_SECONDS = 1e-3
 
 
-def env_value(name: str, environ: Mapping[str, str] | None = None) -> str | None:
-    """Value of ``HVDLITE_<name>``, else ``HOROVOD_<name>``, else None."""
+def _setting(name: str, environ: Mapping[str, str] | None) -> tuple[str, str] | None:
+    """``(variable, value)`` of ``HVDLITE_<name>``, else ``HOROVOD_<name>``, else None: errors
+    name the variable the user actually set."""
     environ = os.environ if environ is None else environ
     for prefix in ("HVDLITE_", "HOROVOD_"):
         value = environ.get(prefix + name)
         if value is not None and value.strip() != "":
-            return value.strip()
+            return prefix + name, value.strip()
     return None
 
 
+def env_value(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """Value of ``HVDLITE_<name>``, else ``HOROVOD_<name>``, else None."""
+    found = _setting(name, environ)
+    return None if found is None else found[1]
+
+
 def _number(name: str, default: float, environ: Mapping[str, str] | None, cast=float):
-    raw = env_value(name, environ)
-    if raw is None:
+    found = _setting(name, environ)
+    if found is None:
         return default
+    variable, raw = found
     try:
         value = cast(float(raw)) if cast is int else cast(raw)
     except ValueError:
-        raise ValueError(f"HVDLITE_{name}={raw!r} is not a number.") from None
+        raise ValueError(f"{variable}={raw!r} is not a number.") from None
     if value < 0:
-        raise ValueError(f"HVDLITE_{name}={raw!r} must not be negative.")
+        raise ValueError(f"{variable}={raw!r} must not be negative.")
     return value
 
 
@@ -50,51 +58,60 @@ GPU_OPERATIONS = ("nccl", "mpi")
 
 
 def _gpu_operations(environ: Mapping[str, str] | None) -> str:
-    raw = env_value("GPU_OPERATIONS", environ)
-    if raw is None:
+    found = _setting("GPU_OPERATIONS", environ)
+    if found is None:
         return "nccl"
+    variable, raw = found
     value = raw.lower()
     if value not in GPU_OPERATIONS:
-        raise ValueError(f"HVDLITE_GPU_OPERATIONS={raw!r} is not one of "
+        raise ValueError(f"{variable}={raw!r} is not one of "
                          f"{', '.join(GPU_OPERATIONS)} (nccl: reduce GPU tensors with NCCL on "
                          f"the device; mpi: stage them through host memory and use MPI).")
     return value
 
 
-_OFF_WORDS = ("0", "false", "no", "off")
 _ON_WORDS = ("1", "true", "yes", "on")
+_OFF_WORDS = ("0", "false", "no", "off")
 
 
-def _cma_mode(environ: Mapping[str, str] | None) -> str:
-    raw = (env_value("CMA", environ) or "auto").lower()
-    if raw in ("auto", ""):
-        return "auto"
-    if raw in _OFF_WORDS:
-        return "off"
-    if raw in _ON_WORDS:
-        return "on"
-    raise ValueError(f"HVDLITE_CMA={raw!r} is not understood; use auto (the default: direct "
-                     f"copies between ranks where the kernel allows them), 1 or 0.")
-
-
-def _async_completion(environ: Mapping[str, str] | None) -> bool:
-    raw = env_value("ENABLE_ASYNC_COMPLETION", environ)
-    if raw is None or raw.lower() in _ON_WORDS:
+def _switch(name: str, environ: Mapping[str, str] | None, default: bool | str, meaning: str,
+            extra: Mapping[str, str] | None = None) -> bool | str:
+    """An on/off knob: 1/true/yes/on or 0/false/no/off (any case), ``default`` when unset.
+    ``extra`` maps further accepted words to what they return (``auto``).  Anything else is an
+    error naming the variable: a typo must not silently pick a behaviour."""
+    found = _setting(name, environ)
+    if found is None:
+        return default
+    variable, raw = found
+    word = raw.lower()
+    if extra and word in extra:
+        return extra[word]
+    if word in _ON_WORDS:
         return True
-    if raw.lower() in _OFF_WORDS:
+    if word in _OFF_WORDS:
         return False
-    raise ValueError(f"HVDLITE_ENABLE_ASYNC_COMPLETION={raw!r} is not understood; use 1 (the "
-                     f"default: a GPU handle completes once its work is queued, and wait() "
-                     f"makes the framework's stream wait for it) or 0 (wait() returns after the "
-                     f"GPU work has finished).")
+    accepted = ", ".join([*(extra or {}), "1"]) + " or 0"
+    raise ValueError(f"{variable}={raw!r} is not understood; use {accepted} ({meaning}).")
 
 
 def env_flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
-    """Whether ``HVDLITE_<name>`` (or ``HOROVOD_<name>``) is set to something other than
-    0/false/no/off."""
-    raw = env_value(name, environ)
-    return raw is not None and raw.lower() not in _OFF_WORDS
+    """Whether the on/off knob ``HVDLITE_<name>`` (or ``HOROVOD_<name>``) is on; unset is off,
+    and a value that is not an on/off word raises ``ValueError``."""
+    return bool(_switch(name, environ, False, "1 turns it on, 0 or unset leaves it off"))
 
+
+def _cma_mode(environ: Mapping[str, str] | None) -> str:
+    mode = _switch("CMA", environ, "auto", "auto, the default: direct copies between ranks "
+                   "where the kernel allows them; 1: the same, warning where it cannot; 0: never",
+                   extra={"auto": "auto"})
+    return mode if mode == "auto" else ("on" if mode else "off")
+
+
+def _async_completion(environ: Mapping[str, str] | None) -> bool:
+    return bool(_switch("ENABLE_ASYNC_COMPLETION", environ, True,
+                        "1, the default: a GPU handle completes once its work is queued, and "
+                        "wait() makes the framework's stream wait for it; 0: wait() returns after "
+                        "the GPU work has finished"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,12 +154,15 @@ class Config:
             fusion_threshold=_number("FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD, environ, int),
             cycle_time_ms=_number("CYCLE_TIME", DEFAULT_CYCLE_TIME_MS, environ),
             cache_capacity=_number("CACHE_CAPACITY", DEFAULT_CACHE_CAPACITY, environ, int),
-            stall_check_enabled=not env_flag("STALL_CHECK_DISABLE", environ),
+            stall_check_enabled=not _switch("STALL_CHECK_DISABLE", environ, False,
+                                            "1 turns the stall inspector off"),
             stall_check_seconds=_number(
                 "STALL_CHECK_TIME_SECONDS", DEFAULT_STALL_CHECK_SECONDS, environ),
             stall_shutdown_seconds=_number("STALL_SHUTDOWN_TIME_SECONDS", 0.0, environ),
             log_level=(env_value("LOG_LEVEL", environ) or "WARNING").upper(),
-            dynamic_process_sets=env_flag("DYNAMIC_PROCESS_SETS", environ),
+            dynamic_process_sets=bool(_switch(
+                "DYNAMIC_PROCESS_SETS", environ, False,
+                "1 allows add_process_set/remove_process_set after init()")),
             gpu_operations=_gpu_operations(environ),
             gpu_async_completion=_async_completion(environ),
             result_pool_bytes=int(_number("RESULT_POOL_MB", DEFAULT_RESULT_POOL_MB, environ)
