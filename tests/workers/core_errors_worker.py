@@ -362,6 +362,34 @@ def synchronize_non_handle():
         raise AssertionError(repr(err))
 
 
+# --- objects that cannot be pickled ------------------------------------------------------------
+def unpicklable(label, fn, bad_ranks):
+    """``fn()`` raises HvdliteError on every rank, naming ``bad_ranks`` and pickle's error
+    (chained on the ranks whose object it was); the next operations work."""
+    err = attempt(lambda: expect_raises(hvd.HvdliteError, fn, label, str(sorted(bad_ranks)),
+                                        "could not be pickled", "_thread.lock"))
+    follow_up(label)
+    if not isinstance(err, hvd.HvdliteError):
+        raise AssertionError(repr(err))
+    cause = err.__cause__
+    assert (type(cause) is TypeError) == (RANK in bad_ranks), f"cause {cause!r}"
+
+
+def objects_unpicklable_root():
+    import threading
+    unpicklable("bo", lambda: hvd.broadcast_object(threading.Lock() if RANK == LAST else RANK,
+                                                   root_rank=LAST, name="bo"), [LAST])
+    assert hvd.broadcast_object({"r": RANK}, root_rank=LAST, name="bo") == {"r": LAST}
+
+
+def objects_unpicklable_some_ranks():
+    import threading
+    bad = sorted({0, LAST})   # at 2 ranks every rank's object, at 3 some
+    unpicklable("ago", lambda: hvd.allgather_object(threading.Lock() if RANK in bad else RANK,
+                                                    name="ago"), bad)
+    assert hvd.allgather_object((RANK, "x"), name="ago") == [(k, "x") for k in range(SIZE)]
+
+
 def after_shutdown_ops_raise():
     hvd.shutdown()
     assert not hvd.is_initialized()
@@ -419,6 +447,8 @@ CASES = {
     "args.unknown_op": args_unknown_op,
     "args.readonly_inplace": args_readonly_inplace,
     "synchronize_non_handle": synchronize_non_handle,
+    "objects.unpicklable_root": objects_unpicklable_root,
+    "objects.unpicklable_some_ranks": objects_unpicklable_some_ranks,
     "after_shutdown.ops_raise": after_shutdown_ops_raise,
     "after_shutdown.reinit_works": after_shutdown_reinit_works,
 }
