@@ -800,11 +800,13 @@ class _FakeRuntimeCalls:
 
     def __init__(self):
         self.calls = []
+        self.events_made = 0
         fake = self
 
         class Event:
             def __init__(self, block=False, disable_timing=False):
-                self.ptr = 4242
+                fake.events_made += 1
+                self.ptr = 4241 + fake.events_made
 
         class Device:
             def __init__(self, device_id=None):
@@ -861,6 +863,24 @@ def test_wait_for_producer_orders_our_stream_after_theirs():
     rt._cp.calls.clear()
     rt.wait_for_producer(55, 0)   # produced on hvdlite's own stream: already in order
     assert rt._cp.calls == []
+
+
+def test_wait_for_producer_reuses_one_event_per_thread():
+    """Re-recording an event is safe (a stream wait applies to the record before it), so each
+    thread records the same event every time; another thread gets its own."""
+    rt = _runtime_over_fake()
+    for producer in (0, 7, 0):
+        rt.wait_for_producer(producer, 0)
+    assert rt._cp.events_made == 1
+    assert rt._cp.calls == [("record", 4242, 0), ("wait", 55, 4242, 0),
+                            ("record", 4242, 7), ("wait", 55, 4242, 0),
+                            ("record", 4242, 0), ("wait", 55, 4242, 0)]
+    rt._cp.calls.clear()
+    other = threading.Thread(target=rt.wait_for_producer, args=(0, 0))
+    other.start()
+    other.join()
+    assert rt._cp.events_made == 2
+    assert rt._cp.calls == [("record", 4243, 0), ("wait", 55, 4243, 0)]
 
 
 def test_wait_for_producer_without_cupy_names_the_tensor(monkeypatch):
