@@ -1,6 +1,6 @@
-"""An invalid HVDLITE_*/HOROVOD_* setting makes hvd.init() raise on every rank, under real MPI
-launches at 2 and 3 ranks, instead of leaving the ranks with valid settings waiting in init's
-collectives for ever (tests/workers/core_init_settings_worker.py)."""
+"""An invalid HVDLITE_*/HOROVOD_* setting (or a timeline file rank 0 cannot write) makes
+hvd.init() raise on every rank, under real MPI launches at 2 and 3 ranks, instead of leaving
+the ranks with valid settings waiting for ever (tests/workers/core_init_settings_worker.py)."""
 import pytest
 
 from tests.mpi_harness import run_job
@@ -13,6 +13,9 @@ CASES = [   # variable, invalid value, which ranks have it ("all", or one rank; 
     pytest.param("HOROVOD_STALL_CHECK_DISABLE", "maybe", "0", id="switch-rank0"),
     pytest.param("HVDLITE_CMA", "sometimes", "-1", id="cma-last"),
     pytest.param("HVDLITE_TIMELINE_MARK_CYCLES", "yes please", "all", id="flag-all"),
+    # only rank 0 records a timeline, so only its path can be wrong
+    pytest.param("HOROVOD_TIMELINE", "/nonexistent/dir/timeline.json", "0",
+                 id="timeline-unwritable-rank0"),
 ]
 
 

@@ -125,12 +125,18 @@ def init(comm=None, process_sets=None) -> None:
         cross_rank, cross_size = cross.Get_rank(), cross.Get_size()
         # Every rank reads its settings before any rank relies on them: a bad value raises on
         # every rank (none is left waiting in a collective for one that gave up).
+        # The timeline file is opened here too, on rank 0 (the one that records), so that a path
+        # it cannot write fails init() on every rank instead of rank 0 alone.
         try:
-            own, mark_cycles, problem = Config.from_env(), env_flag("TIMELINE_MARK_CYCLES"), None
+            own, problem = Config.from_env(), None
+            path, mark_cycles = env_value("TIMELINE"), env_flag("TIMELINE_MARK_CYCLES")
+            if path and rank == 0:
+                timeline.start(path, mark_cycles=mark_cycles)
         except ValueError as exc:
-            own, mark_cycles, problem = None, False, str(exc)
+            own, problem = None, str(exc)
         local_sizes, problems = zip(*world.allgather((local_size, problem)))
         if any(problems):
+            timeline.stop()
             for c in (local, cross, world):
                 c.Free()
             raise ValueError(_settings_error(problems, rank))
@@ -150,15 +156,12 @@ def init(comm=None, process_sets=None) -> None:
         _state = _State(world, engine, config, local_rank, local_size, cross_rank, cross_size,
                         len(set(local_sizes)) == 1,
                         MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+        if not _atexit_registered:   # before anything else can raise: exit must shut down
+            atexit.register(_at_exit)
+            _atexit_registered = True
         for ps in static:
             _register(_state, ps)
         child_process.mark_rank_process(rank)
-        path = env_value("TIMELINE")
-        if path and rank == 0:
-            timeline.start(path, mark_cycles=mark_cycles)
-        if not _atexit_registered:
-            atexit.register(_at_exit)
-            _atexit_registered = True
 
 
 # Before aborting a job whose peer vanished, the other survivors get this long to notice it
