@@ -26,13 +26,13 @@ def broadcast_parameters(params, root_rank: int = 0) -> None:
                              "pairs, e.g. model.state_dict() or model.named_parameters().")
     else:
         raise ValueError(f"invalid params of type {type(params).__name__}")
-    handles = []
-    for name, p in items:
-        if p is None:
-            continue
+    items = [(name, p) for name, p in items if p is not None]
+    for name, p in items:   # all checked before any is sent: an error leaves nothing in flight
         if not isinstance(p, torch.Tensor):
             raise ValueError(f"broadcast_parameters: {name!r} is a {type(p).__name__}, not a "
                              f"tensor; broadcast it with broadcast_object.")
+    handles = []
+    for name, p in items:
         with torch.no_grad():
             handles.append(broadcast_async_(p, root_rank, name=f"broadcast.param.{name}"))
     for handle in handles:
