@@ -115,7 +115,7 @@ def test_cycle_time_and_wait_sleep_cap(cycle_ms, cycle_seconds, sleep_cap):
     assert cfg.wait_sleep_cap == pytest.approx(sleep_cap)
 
 
-@pytest.mark.parametrize("raw", ["2", "maybe", "cma"])
+@pytest.mark.parametrize("raw", ["2.5", "maybe", "cma"])
 def test_bad_cma_mode_raises(raw):
     with pytest.raises(ValueError, match="HVDLITE_CMA") as info:
         Config.from_env({"HVDLITE_CMA": raw})
@@ -130,7 +130,8 @@ SWITCHES = [("STALL_CHECK_DISABLE", "stall_check_enabled", False),   # (knob, fi
 
 @pytest.mark.parametrize("knob,field,when_on", SWITCHES)
 @pytest.mark.parametrize("raw,on", [("1", True), ("TRUE", True), ("yes", True), ("On", True),
-                                    ("0", False), ("false", False), ("NO", False), ("off", False)])
+                                    ("0", False), ("false", False), ("NO", False), ("off", False),
+                                    ("2", True), ("-1", False)])   # integers as Horovod reads them
 @pytest.mark.parametrize("prefix", ["HVDLITE_", "HOROVOD_"])
 def test_switches_read_on_off_words(knob, field, when_on, raw, on, prefix):
     assert getattr(Config.from_env({prefix + knob: raw}), field) is (when_on if on else
@@ -138,7 +139,7 @@ def test_switches_read_on_off_words(knob, field, when_on, raw, on, prefix):
 
 
 @pytest.mark.parametrize("knob", [k for k, _, _ in SWITCHES] + ["CMA"])
-@pytest.mark.parametrize("raw", ["2", "maybe", "enable", "-1"])
+@pytest.mark.parametrize("raw", ["maybe", "enable", "1.5", "0x1"])
 @pytest.mark.parametrize("prefix", ["HVDLITE_", "HOROVOD_"])
 def test_switches_refuse_other_words_naming_the_variable_set(knob, raw, prefix):
     with pytest.raises(ValueError) as info:

@@ -77,8 +77,9 @@ _OFF_WORDS = ("0", "false", "no", "off")
 def _switch(name: str, environ: Mapping[str, str] | None, default: bool | str, meaning: str,
             extra: Mapping[str, str] | None = None) -> bool | str:
     """An on/off knob: 1/true/yes/on or 0/false/no/off (any case), ``default`` when unset.
-    ``extra`` maps further accepted words to what they return (``auto``).  Anything else is an
-    error naming the variable: a typo must not silently pick a behaviour."""
+    Other integers read as Horovod reads them (on if positive).  ``extra`` maps further
+    accepted words to what they return (``auto``).  Anything else is an error naming the
+    variable: a typo must not silently pick a behaviour."""
     found = _setting(name, environ)
     if found is None:
         return default
@@ -90,6 +91,10 @@ def _switch(name: str, environ: Mapping[str, str] | None, default: bool | str, m
         return True
     if word in _OFF_WORDS:
         return False
+    try:
+        return int(word) > 0
+    except ValueError:
+        pass
     accepted = ", ".join([*(extra or {}), "1"]) + " or 0"
     raise ValueError(f"{variable}={raw!r} is not understood; use {accepted} ({meaning}).")
 
