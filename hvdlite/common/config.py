@@ -101,7 +101,7 @@ def _switch(name: str, environ: Mapping[str, str] | None, default: bool | str, m
 
 def env_flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
     """Whether the on/off knob ``HVDLITE_<name>`` (or ``HOROVOD_<name>``) is on; unset is off,
-    and a value that is not an on/off word raises ``ValueError``."""
+    and a value that is neither an on/off word nor an integer raises ``ValueError``."""
     return bool(_switch(name, environ, False, "1 turns it on, 0 or unset leaves it off"))
 
 
