@@ -186,9 +186,8 @@ class GpuRuntime:
         if event is None:
             with cp.cuda.Device(device_id):
                 event = events[device_id] = cp.cuda.Event(block=False, disable_timing=True)
-        runtime = cp.cuda.runtime
-        runtime.eventRecord(event.ptr, producer_stream)
-        runtime.streamWaitEvent(ours.ptr, event.ptr, 0)
+        cp.cuda.runtime.eventRecord(event.ptr, producer_stream)
+        self.stream_wait(event, ours.ptr)
 
     def device_of(self, array: Any) -> int:
         return int(array.device.id)

@@ -16,10 +16,10 @@ _VIEW_AS = {torch.bfloat16: (torch.int16, "bfloat16")}
 # torch dtypes whose core view keeps them as they are (bfloat16 is viewed as int16 first), and
 # the element type of that view (CUDA tensors' device views need it spelled out).
 NUMPY_DTYPES = {torch.bool: np.dtype(np.bool_), torch.uint8: np.dtype(np.uint8),
-                 torch.int8: np.dtype(np.int8), torch.int16: np.dtype(np.int16),
-                 torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64),
-                 torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np.float32),
-                 torch.float64: np.dtype(np.float64)}
+                torch.int8: np.dtype(np.int8), torch.int16: np.dtype(np.int16),
+                torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64),
+                torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np.float32),
+                torch.float64: np.dtype(np.float64)}
 _UNSUPPORTED_DTYPES = frozenset({torch.complex32, torch.complex64, torch.complex128, torch.uint16,
                                  torch.uint32, torch.uint64})
 _UNSUPPORTED_HINT = ("cast it to a supported dtype (bool, uint8, int8, int16, int32, int64, "
