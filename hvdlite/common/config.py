@@ -74,19 +74,15 @@ _ON_WORDS = ("1", "true", "yes", "on")
 _OFF_WORDS = ("0", "false", "no", "off")
 
 
-def _switch(name: str, environ: Mapping[str, str] | None, default: bool | str, meaning: str,
-            extra: Mapping[str, str] | None = None) -> bool | str:
+def _switch(name: str, environ: Mapping[str, str] | None, default: bool, meaning: str) -> bool:
     """An on/off knob: 1/true/yes/on or 0/false/no/off (any case), ``default`` when unset.
-    Other integers read as Horovod reads them (on if positive).  ``extra`` maps further
-    accepted words to what they return (``auto``).  Anything else is an error naming the
-    variable: a typo must not silently pick a behaviour."""
+    Other integers read as Horovod reads them (on if positive).  Anything else is an error
+    naming the variable: a typo must not silently pick a behaviour."""
     found = _setting(name, environ)
     if found is None:
         return default
     variable, raw = found
     word = raw.lower()
-    if extra and word in extra:
-        return extra[word]
     if word in _ON_WORDS:
         return True
     if word in _OFF_WORDS:
@@ -94,29 +90,29 @@ def _switch(name: str, environ: Mapping[str, str] | None, default: bool | str, m
     try:
         return int(word) > 0
     except ValueError:
-        pass
-    accepted = ", ".join([*(extra or {}), "1"]) + " or 0"
-    raise ValueError(f"{variable}={raw!r} is not understood; use {accepted} ({meaning}).")
+        raise ValueError(f"{variable}={raw!r} is not understood; use 1 or 0 "
+                         f"({meaning}).") from None
 
 
 def env_flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
     """Whether the on/off knob ``HVDLITE_<name>`` (or ``HOROVOD_<name>``) is on; unset is off,
     and a value that is neither an on/off word nor an integer raises ``ValueError``."""
-    return bool(_switch(name, environ, False, "1 turns it on, 0 or unset leaves it off"))
+    return _switch(name, environ, False, "1 turns it on, 0 or unset leaves it off")
 
 
 def _cma_mode(environ: Mapping[str, str] | None) -> str:
-    mode = _switch("CMA", environ, "auto", "auto, the default: direct copies between ranks "
-                   "where the kernel allows them; 1: the same, warning where it cannot; 0: never",
-                   extra={"auto": "auto"})
-    return mode if mode == "auto" else ("on" if mode else "off")
+    if (env_value("CMA", environ) or "auto").lower() == "auto":
+        return "auto"
+    return "on" if _switch("CMA", environ, False, "or auto, the default: direct copies between "
+                           "ranks where the kernel allows them; 1: the same, warning where it "
+                           "cannot; 0: never") else "off"
 
 
 def _async_completion(environ: Mapping[str, str] | None) -> bool:
-    return bool(_switch("ENABLE_ASYNC_COMPLETION", environ, True,
-                        "1, the default: a GPU handle completes once its work is queued, and "
-                        "wait() makes the framework's stream wait for it; 0: wait() returns after "
-                        "the GPU work has finished"))
+    return _switch("ENABLE_ASYNC_COMPLETION", environ, True,
+                   "1, the default: a GPU handle completes once its work is queued, and wait() "
+                   "makes the framework's stream wait for it; 0: wait() returns after the GPU "
+                   "work has finished")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,9 +161,9 @@ class Config:
                 "STALL_CHECK_TIME_SECONDS", DEFAULT_STALL_CHECK_SECONDS, environ),
             stall_shutdown_seconds=_number("STALL_SHUTDOWN_TIME_SECONDS", 0.0, environ),
             log_level=(env_value("LOG_LEVEL", environ) or "WARNING").upper(),
-            dynamic_process_sets=bool(_switch(
+            dynamic_process_sets=_switch(
                 "DYNAMIC_PROCESS_SETS", environ, False,
-                "1 allows add_process_set/remove_process_set after init()")),
+                "1 allows add_process_set/remove_process_set after init()"),
             gpu_operations=_gpu_operations(environ),
             gpu_async_completion=_async_completion(environ),
             result_pool_bytes=int(_number("RESULT_POOL_MB", DEFAULT_RESULT_POOL_MB, environ)
