@@ -32,7 +32,7 @@ import numpy as np
 from mpi4py import MPI
 
 import hvdlite as hvd
-from core_refs import check_exact
+from core_refs import attempt, check_exact
 from _report import Reporter
 
 SCENARIO = sys.argv[1]
@@ -55,15 +55,6 @@ def wait_for(sources, tag):
         world.recv(source=source, tag=tag)
 
 
-def error_of(fn):
-    """What ``fn()`` raised, or None."""
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test inspects whatever was raised
-        return exc
-    return None
-
-
 def warm_up():
     got = hvd.allreduce(np.full(3, RANK + 1.0), op=hvd.Sum, name="warmup")
     check_exact("warmup", got, np.full(3, float(sum(range(1, SIZE + 1)))))
@@ -78,10 +69,10 @@ def survivor_waits():
     pending = [hvd.allreduce_async(np.ones(3), name="pending.a"),
                hvd.allgather_async(np.ones((2, 2)), name="pending.b"),
                hvd.broadcast_async_(np.ones(5), 0, name="pending.c")]
-    caught = error_of(lambda: hvd.allreduce(np.ones(4), name="wait_on_exited_rank"))
+    caught = attempt(lambda: hvd.allreduce(np.ones(4), name="wait_on_exited_rank"))
     elapsed = time.monotonic() - start
     say(f"caught {type(caught).__name__} after {elapsed:.2f} s: {caught}")
-    others = [error_of(lambda h=h: h.wait(timeout=10)) for h in pending]
+    others = [attempt(lambda h=h: h.wait(timeout=10)) for h in pending]
 
     def check():
         assert isinstance(caught, hvd.RankExitedError), f"got {caught!r}"
@@ -139,7 +130,7 @@ elif SCENARIO == "stall_shutdown":
         done_tag = 77
         if RANK != ODD:
             start = time.monotonic()
-            caught = error_of(lambda: hvd.allreduce_async(np.ones(3), name="stalled").wait())
+            caught = attempt(lambda: hvd.allreduce_async(np.ones(3), name="stalled").wait())
             elapsed = time.monotonic() - start
             say(f"caught {type(caught).__name__} after {elapsed:.2f} s: {caught}")
             world.send(True, dest=ODD, tag=done_tag)
@@ -173,7 +164,7 @@ elif SCENARIO == "stall_late":
         gave_up_tag, late_done_tag = 78, 79
         others = [k for k in range(SIZE) if k != ODD]
         if RANK != ODD:
-            caught = error_of(late_tensor)
+            caught = attempt(late_tensor)
             say(f"caught {type(caught).__name__} (on time): {caught}")
             world.send(True, dest=ODD, tag=gave_up_tag)
             wait_for([ODD], late_done_tag)   # stay in the job until the late rank has its error
@@ -182,7 +173,7 @@ elif SCENARIO == "stall_late":
         else:
             wait_for(others, gave_up_tag)
             start = time.monotonic()
-            caught = error_of(late_tensor)
+            caught = attempt(late_tensor)
             elapsed = time.monotonic() - start
             say(f"caught {type(caught).__name__} (late) after {elapsed:.2f} s: {caught}")
             for k in others:
@@ -209,14 +200,14 @@ elif SCENARIO == "stall_mismatch":
         if RANK != ODD:
             handle = hvd.allreduce_async(np.ones(3), name="step.even")
             world.send(True, dest=ODD, tag=submitted_tag)
-            caught = error_of(handle.wait)
+            caught = attempt(handle.wait)
             say(f"caught {type(caught).__name__}: {caught}")
             wait_for([ODD], done_tag)
             assert isinstance(caught, hvd.StallError), f"got {caught!r}"
             assert f"rank {ODD} is waiting on 'step.odd'" in str(caught), str(caught)
         else:
             wait_for(others, submitted_tag)
-            caught = error_of(lambda: hvd.allreduce(np.ones(3), name="step.odd"))
+            caught = attempt(lambda: hvd.allreduce(np.ones(3), name="step.odd"))
             say(f"caught {type(caught).__name__}: {caught}")
             for k in others:
                 world.send(True, dest=k, tag=done_tag)
@@ -254,7 +245,7 @@ elif SCENARIO in ("data_stall_warn", "data_stall_shutdown"):
 
     def stalled_data():
         start = time.monotonic()
-        caught = error_of(lambda: hvd.allreduce(xs[RANK], op=hvd.Sum, name="slow_data"))
+        caught = attempt(lambda: hvd.allreduce(xs[RANK], op=hvd.Sum, name="slow_data"))
         say(f"caught {type(caught).__name__} after {time.monotonic() - start:.2f} s: {caught}")
         if RANK == ODD and type(caught).__name__ == "DirectCopyError":
             # The stopped rank, late, found its peers' memory gone (they gave up and ended).
