@@ -13,18 +13,25 @@ WORKER = "torch_optimizer_worker.py"
 TIMEOUT = 240
 
 
-def _job(mpi_job, np):
-    return mpi_job(np, [WORKER], timeout=TIMEOUT, env=STALL_SAFETY_NET_ENV)
+# Every case runs with gradient buckets (the default: after the first step the small gradients
+# of these models share one bucket) and without them (each gradient reduced on its own).
+BUCKETS = {"buckets": {}, "per_gradient": {"HVDLITE_GRADIENT_BUCKET_MB": "0"}}
 
 
+def _job(mpi_job, np, buckets="buckets"):
+    return mpi_job(np, [WORKER], timeout=TIMEOUT, env={**STALL_SAFETY_NET_ENV, **BUCKETS[buckets]})
+
+
+@pytest.mark.parametrize("buckets", list(BUCKETS))
 @pytest.mark.parametrize("np", C.NP_VALUES)
-def test_worker_reports_every_case(mpi_job, np):
-    C.check_reported_cases(_job(mpi_job, np), np, C.OPTIMIZER_CASES)
+def test_worker_reports_every_case(mpi_job, np, buckets):
+    C.check_reported_cases(_job(mpi_job, np, buckets), np, C.OPTIMIZER_CASES)
 
 
+@pytest.mark.parametrize("buckets", list(BUCKETS))
 @pytest.mark.parametrize("np, case", C.pytest_params(C.OPTIMIZER_CASES))
-def test_distributed_optimizer(mpi_job, np, case):
-    C.check_case(_job(mpi_job, np), np, case)
+def test_distributed_optimizer(mpi_job, np, case, buckets):
+    C.check_case(_job(mpi_job, np, buckets), np, case)
 
 
 @pytest.mark.parametrize("np", [1, 2, 3])

@@ -17,6 +17,7 @@ def test_defaults_from_empty_environment():
     assert cfg.result_pool_bytes == 512 * 2**20
     assert cfg.shm_fusion_bytes == 64 * 2**20
     assert cfg.cma == "auto"
+    assert cfg.gradient_bucket_bytes == 2**20
     assert cfg == Config()
 
 
@@ -38,6 +39,9 @@ def test_defaults_from_empty_environment():
     ("CMA", "cma", "1", "on"),
     ("CMA", "cma", "TRUE", "on"),
     ("CMA", "cma", "auto", "auto"),
+    ("GRADIENT_BUCKET_MB", "gradient_bucket_bytes", "4", 4 * 2**20),
+    ("GRADIENT_BUCKET_MB", "gradient_bucket_bytes", "0.5", 2**19),
+    ("GRADIENT_BUCKET_MB", "gradient_bucket_bytes", "0", 0),
 ])
 @pytest.mark.parametrize("prefix", ["HVDLITE_", "HOROVOD_"])
 def test_each_knob_under_both_prefixes(knob, field, raw, value, prefix):
@@ -83,7 +87,7 @@ def test_stall_check_disable_flag(raw, enabled):
 
 @pytest.mark.parametrize("knob", ["FUSION_THRESHOLD", "CACHE_CAPACITY", "CYCLE_TIME",
                                   "STALL_CHECK_TIME_SECONDS", "STALL_SHUTDOWN_TIME_SECONDS",
-                                  "RESULT_POOL_MB"])
+                                  "RESULT_POOL_MB", "GRADIENT_BUCKET_MB"])
 @pytest.mark.parametrize("raw", ["abc", "12MB", "-1", "1..2"])
 @pytest.mark.parametrize("prefix", ["HVDLITE_", "HOROVOD_"])
 def test_bad_values_raise(knob, raw, prefix):

@@ -17,6 +17,7 @@ DEFAULT_CACHE_CAPACITY = 1024
 DEFAULT_STALL_CHECK_SECONDS = 60.0
 DEFAULT_RESULT_POOL_MB = 512.0
 DEFAULT_SHM_FUSION_MB = 64.0
+DEFAULT_GRADIENT_BUCKET_MB = 1.0
 # Longest sleep between two checks while waiting on peers, whatever the cycle time: each sleep's
 # overshoot is paid by the wait it ends, and a long cycle is asked for to gather more per round,
 # not to notice ready peers late.
@@ -136,6 +137,10 @@ class Config:
     # Single large allreduces by direct copies between ranks (direct_allreduce): "auto" (where
     # the kernel allows it), "on" (the same, but warn where it does not) or "off".
     cma: str = "auto"
+    # DistributedOptimizer packs gradients smaller than this into flat buckets reduced as one
+    # tensor each (0: every gradient on its own, as Horovod does).  Must agree on every rank
+    # (the buckets' names and sizes are collectives'), hence rank 0's value.
+    gradient_bucket_bytes: int = int(DEFAULT_GRADIENT_BUCKET_MB * 2**20)
 
     @property
     def cycle_seconds(self) -> float:
@@ -171,4 +176,6 @@ class Config:
             shm_fusion_bytes=int(_number("SHM_FUSION_MB", DEFAULT_SHM_FUSION_MB, environ)
                                  * 2**20),
             cma=_cma_mode(environ),
+            gradient_bucket_bytes=int(_number("GRADIENT_BUCKET_MB", DEFAULT_GRADIENT_BUCKET_MB,
+                                              environ) * 2**20),
         )

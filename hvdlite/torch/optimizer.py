@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import weakref
+import zlib
 
 import torch
 from torch.autograd import Variable
@@ -22,6 +23,7 @@ from hvdlite.common.errors import HvdliteError
 from hvdlite.common.reduce_ops import ReduceOp
 
 from . import param_owners
+from .buckets import GradientBucket, bucketable_compression, plan, wire_dtype
 from .compression import Compression
 from .mpi_ops import allreduce, allreduce_async, allreduce_async_
 from .sparse import check_sparse_op, sparse_allreduce_async
@@ -99,6 +101,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hook(self._names)
         self._fired = 0              # hooks fired in this backward pass
         self._stream_engine = None   # the engine told that this backward's gradients stream in
+        # Small gradients travel in flat buckets (see buckets.py), planned at the end of a
+        # successful reduction once the ranks agreed that the gradients are dense.
+        self._buckets: list[GradientBucket] = []
+        self._bucket_of: dict = {}    # param -> its bucket
+        # Parameters the plan leaves to go on their own for reasons that stay true (too large,
+        # in a user group, ...); reducing any other one on its own asks for a new plan.
+        self._settled: set = set()
+        self._replan = True
 
     # --- set-up ------------------------------------------------------------------------------
     def _parameter_names(self, named_parameters) -> dict:
@@ -149,6 +159,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         handle = self._hook_handles.pop(p, None)
         if handle is not None:
             handle.remove()
+            self._replan = True   # its bucket would no longer fill up in the hooks
 
     def add_param_group(self, param_group: dict) -> None:
         """``torch.optim.Optimizer.add_param_group``, with the new parameters' gradients
@@ -222,6 +233,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._handles[p] = (None, None, None)
             return
         self._finish_at_end_of_backward()
+        bucket = self._bucket_of.get(p)
+        if bucket is not None:
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params):
+                self._submit_bucket(bucket)
+            return
         gid = self._group_of.get(p)
         if gid is None:
             self._handles[p] = self._allreduce_grad_async(p)
@@ -255,7 +272,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         still to come are then reduced as zeros, and again at the outer pass's end once they
         arrive on top of those zeros, which gives the same result.)"""
         self._finish_task = None
-        if any(h[0] is not None for h in self._handles.values()):
+        if any(h[0] is not None for h in self._handles.values()) or self._buckets_busy():
             self._reduce_gradients()
 
     def _allreduce_grad_async(self, p: torch.Tensor):
@@ -267,6 +284,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return self._reduce_grad_async(p, name)
 
     def _reduce_grad_async(self, p: torch.Tensor, name: str):
+        if p not in self._settled:
+            self._replan = True   # (first reductions, and members of a bucket that could not go)
         if p.grad is None:
             # No gradient on this rank (parameter unused in this step): still take part with
             # zeros, because other ranks may have one and would otherwise wait forever.
@@ -276,10 +295,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 return self._sparse_allreduce_grad_async(p, name)
             # Horovod's sparse_as_dense: the optimizer sees (and the wire carries) a dense grad.
             p.grad = p.grad.to_dense()
-        if self._op == ReduceOp.Average:
-            prescale, postscale = 1.0 / self._predivide, self._predivide
-        else:
-            prescale = postscale = 1.0
+        prescale, postscale = self._scale_factors()
         wire, ctx = self._compression.compress(p.grad)
         if not wire.is_contiguous():
             wire = wire.contiguous()
@@ -337,12 +353,104 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         check_sparse_op(self._op, f"sparse gradient of parameter {name!r}")
         self._layouts[p] = p.grad.sparse_dim()
         # Same factors as the dense path, so a sparse and a dense gradient are scaled alike.
-        prescale, postscale = ((1.0 / self._predivide, self._predivide)
-                               if self._op == ReduceOp.Average else (1.0, 1.0))
+        prescale, postscale = self._scale_factors()
         handle = sparse_allreduce_async(p.grad, name, self._op, self._process_set,
                                         prescale_factor=prescale,
                                         postscale_factor=postscale)
         return handle, _SPARSE, None
+
+    def _scale_factors(self) -> tuple[float, float]:
+        """(prescale, postscale) of a gradient's reduction: gradient_predivide_factor."""
+        if self._op == ReduceOp.Average:
+            return 1.0 / self._predivide, self._predivide
+        return 1.0, 1.0
+
+    # --- buckets -----------------------------------------------------------------------------
+    def _submit_bucket(self, bucket: GradientBucket) -> None:
+        if not bucket.pack():
+            bucket.alone = True
+            for p in bucket.params:
+                self._handles[p] = self._reduce_grad_async(p, self._names[p])
+            return
+        prescale, postscale = self._scale_factors()
+        bucket.handle = allreduce_async_(bucket.flat, name=bucket.name, op=self._op,
+                                         prescale_factor=prescale, postscale_factor=postscale,
+                                         process_set=self._process_set)
+
+    def _flush_bucket(self, bucket: GradientBucket) -> None:
+        """Reduce a bucket whose gradients did not all arrive through the hooks (unused
+        parameters get zeros, as on their own).  If some member must not be reduced now
+        (already reduced and unchanged since, or no longer requiring a gradient), the others go
+        on their own, exactly as without buckets, and the next plan reconsiders the bucket."""
+        needed = [p for p in bucket.params if p.requires_grad and p not in self._reduced]
+        if len(needed) == len(bucket.params):
+            self._submit_bucket(bucket)
+            return
+        for p in needed:
+            self._handles[p] = self._reduce_grad_async(p, self._names[p])
+
+    def _buckets_busy(self) -> bool:
+        """Some bucket is in flight or has gradients waiting for the rest of it."""
+        return any(b.ready or b.handle is not None for b in self._buckets)
+
+    def _bucket_cap(self) -> int:
+        """Largest bucket in bytes; 0: no buckets (Adasum combines each gradient as a whole,
+        and a custom compressor sees each gradient by itself)."""
+        if self._op == ReduceOp.Adasum or not bucketable_compression(self._compression):
+            return 0
+        engine = process_set_engine(self._process_set, "DistributedOptimizer")[0]
+        return engine.config.gradient_bucket_bytes
+
+    def _plan_buckets(self) -> None:
+        """(Re)build the buckets from what every rank agrees on (see buckets.py); called with
+        nothing in flight.  Gradients are expected last layer first, so parameters are taken
+        in reverse order.  Buckets whose members did not change are kept."""
+        self._replan = False
+        cap = self._bucket_cap()
+        settled, candidates = set(), []
+        for p in reversed(list(self._names)):
+            if cap == 0 or p in self._group_of or not p.dtype.is_floating_point:
+                settled.add(p)
+            elif (p in self._hook_handles and p.requires_grad
+                  and (self._sparse_as_dense or self._layouts.get(p) == 0)):
+                candidates.append(p)
+        groups = self._group_into_buckets(candidates, cap)
+        if cap and self._names and not self._same_plan_everywhere(groups):
+            # The parameters were registered in another order on some rank (a model built by
+            # iterating over a set, say): names are what the ranks share, so order by them.
+            candidates.sort(key=self._names.__getitem__)
+            groups = self._group_into_buckets(candidates, cap)
+        kept = {b.layout: b for b in self._buckets}
+        stem = len(self._prefix or "allreduce.")
+        buckets = []
+        for members in groups:
+            bucket = kept.get(GradientBucket.signature(members))
+            if bucket is None:
+                bucket = GradientBucket(
+                    f"{self._names[members[0]]}+{len(members) - 1}", members,
+                    [self._names[p][stem:] for p in members],
+                    wire_dtype(self._compression, members[0].dtype))
+            buckets.append(bucket)
+        self._buckets = buckets
+        self._bucket_of = {p: b for b in buckets for p in b.params}
+        self._settled = settled | {p for p in candidates if p not in self._bucket_of}
+
+    def _group_into_buckets(self, candidates: list, cap: int) -> list[list[torch.Tensor]]:
+        items = []
+        for p in candidates:
+            wire = wire_dtype(self._compression, p.dtype)
+            items.append(((p.device, p.dtype, wire), p.numel() * wire.itemsize))
+        return [[candidates[i] for i in indices] for indices in plan(items, cap)]
+
+    def _same_plan_everywhere(self, groups: list) -> bool:
+        """One tiny allreduce: did every rank plan the same buckets?"""
+        text = "\n".join(",".join(f"{self._names[p]}:{tuple(p.shape)}:{p.dtype}" for p in g)
+                         for g in groups)
+        digest = zlib.crc32(text.encode())
+        extremes = allreduce(torch.tensor([digest, -digest], dtype=torch.int64),
+                             name=f"{min(self._names.values())}.bucket_plan",
+                             op=ReduceOp.Max, process_set=self._process_set)
+        return int(extremes[0]) == -int(extremes[1])
 
     def _open_stream(self) -> None:
         """Tell the engine that more gradients follow this one (see Engine.stream_open)."""
@@ -391,11 +499,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Reduce every gradient not yet in flight, wait for all, write them into ``.grad``."""
         self._close_stream()   # parameters without a gradient never fire their hooks
         self._finish_task = None   # (a backward that raised never ran its final callback)
+        bucket_of = self._bucket_of
         for p in self._names:
-            if (p.requires_grad and self._handles.get(p, (None,))[0] is None
+            if p in bucket_of:
+                self._handles.pop(p, None)   # (a pass short of backward_passes_per_step)
+            elif (p.requires_grad and self._handles.get(p, (None,))[0] is None
                     and p not in self._reduced):
                 self._handles[p] = self._allreduce_grad_async(p)
+        for bucket in self._buckets:
+            if bucket.handle is None and not bucket.alone:
+                self._flush_bucket(bucket)
         first_error = None
+        reduced_in_buckets = []
         try:
             first_error = self._resolve_layouts()
             for p, (handle, ctx, wire) in self._handles.items():
@@ -413,15 +528,36 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 result = self._compression.decompress(wire, ctx)
                 if result is not p.grad:
                     p.grad.copy_(result)
+            for bucket in self._buckets:
+                if bucket.handle is None:
+                    continue
+                try:
+                    bucket.handle.wait()
+                except Exception as exc:  # noqa: BLE001 - raised below
+                    if first_error is None:
+                        first_error = _in_bucket(exc, bucket)
+                    continue
+                bucket.unpack()
+                reduced_in_buckets.extend(bucket.params)
             if first_error is None:
                 self._reduced.update(self._handles)
+                self._reduced.update(reduced_in_buckets)
         finally:
             self._handles.clear()
             self._group_ready.clear()
+            self._reset_buckets()
         if first_error is not None:
             self._restart_counts()   # nothing is in flight; the next backward starts afresh
             raise first_error
         self._fresh = True
+        if self._replan:
+            self._plan_buckets()
+
+    def _reset_buckets(self) -> None:
+        for bucket in self._buckets:
+            bucket.ready = 0
+            bucket.handle = None
+            bucket.alone = False
 
     def _restart_counts(self) -> None:
         self._reduced.clear()
@@ -443,7 +579,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         first unless the backward pass or ``synchronize()`` already did, or inside
         ``skip_synchronize()``).  Gradients already reduced are never reduced twice."""
         if closure is not None and self._should_synchronize:
-            if self._handles:   # a backward before step(closure): finish its reductions
+            if self._handles or self._buckets_busy():   # a backward before step(closure):
+                # finish its reductions
                 self.synchronize()
             self._fresh = False
             result = super().step(self._averaging(closure))
@@ -496,10 +633,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._close_stream()
         self._handles.clear()
         self._group_ready.clear()
+        self._reset_buckets()
         self._restart_counts()
 
     def _refuse_in_flight(self, what: str) -> None:
         flying = [self._names[p] for p, h in self._handles.items() if h[0] is not None]
+        flying += [self._names[p] for b in self._buckets if b.ready or b.handle is not None
+                   for p in b.params]
         if flying:
             shown = ", ".join(repr(n) for n in flying[:3]) + (", ..." if len(flying) > 3 else "")
             raise HvdliteError(
@@ -521,6 +661,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._fresh = False
             self._restart_counts()
         return super().zero_grad(set_to_none=set_to_none)
+
+
+def _in_bucket(exc: BaseException, bucket: GradientBucket) -> BaseException:
+    """``exc`` (of the same type where it can be) with the bucket's parameters named."""
+    text = (f"{bucket.describe()}: {exc} (the buckets are planned from the parameters' order, "
+            f"shapes and dtypes: every rank must wrap the same model)")
+    try:
+        wrapped = type(exc)(text)
+    except Exception:  # noqa: BLE001 - an exception type with another constructor
+        exc.add_note(text)
+        return exc
+    wrapped.__cause__ = exc
+    return wrapped
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,

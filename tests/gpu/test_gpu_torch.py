@@ -19,7 +19,8 @@ One launch per job runs every case of tests/gpu/workers/gpu_torch_worker.py:
                     asynchronous completion, the default)
   train-*           DistributedOptimizer on small CUDA models (NCCL at 1 rank, staged at 2):
                     parameters bitwise identical on every rank and close to a single-process
-                    run on the concatenated batch
+                    run on the concatenated batch; with gradient buckets as by default, off
+                    (-per-gradient) and small enough for several (-small-buckets)
   nccl-np2, train-nccl-np2   only where there are 2+ GPUs
 
 Results are compared with torch references computed on the CPU (exact for integers and data
@@ -54,8 +55,14 @@ JOBS = {"nccl-np1": ("collectives", "nccl", 1),
         "staged-np2": ("collectives", "staged", 2),
         "staged-np2-sync": ("collectives", "staged", 2),
         "train-nccl-np1": ("train", "nccl", 1),
-        "train-staged-np2": ("train", "staged", 2)}
+        "train-nccl-np1-per-gradient": ("train", "nccl", 1),
+        "train-staged-np2": ("train", "staged", 2),
+        "train-staged-np2-small-buckets": ("train", "staged", 2)}
 SYNC_JOBS = {"nccl-np1-sync", "staged-np2-sync"}
+# DistributedOptimizer's gradient buckets: default (1 MiB: these models' small gradients share
+# one bucket after the first step), off, or 2 KiB (several buckets, large gradients alone).
+BUCKET_ENV = {"train-nccl-np1-per-gradient": {"HVDLITE_GRADIENT_BUCKET_MB": "0"},
+              "train-staged-np2-small-buckets": {"HVDLITE_GRADIENT_BUCKET_MB": "0.002"}}
 if gpu_probe().devices >= 2:   # NCCL between ranks needs one GPU per rank
     JOBS.update({"nccl-np2": ("collectives", "nccl", 2),
                  "train-nccl-np2": ("train", "nccl", 2)})
@@ -77,7 +84,8 @@ def _marks(job: str, case: str | None = None):
 def _job(mpi_job, job: str):
     mode, backend, np_ = JOBS[job]
     env = {"HVDLITE_GPU_OPERATIONS": W.GPU_OPERATIONS[backend], **GPU_STALL_ENV,
-           "HVDLITE_ENABLE_ASYNC_COMPLETION": "0" if job in SYNC_JOBS else "1"}
+           "HVDLITE_ENABLE_ASYNC_COMPLETION": "0" if job in SYNC_JOBS else "1",
+           **BUCKET_ENV.get(job, {})}
     return mpi_job(np_, [sys.executable, WORKER, mode, backend], timeout=TIMEOUTS[mode], env=env)
 
 

@@ -125,6 +125,21 @@ def ops_cases(size: int) -> list[str]:
             + MISC_OPS_CASES + grad_cases(size))
 
 
+BUCKET_CASES = [
+    "small_gradients_share_buckets",
+    "plans_agree",
+    "mixed_dtypes",
+    "unused_on_some_ranks",
+    "frozen_after_planning",
+    "compression.fp16",
+    "compression.bf16",
+    "custom_compressor_goes_alone",
+    "registration_order_differs",
+    "reshaped_parameter",
+    "sparse_stays_out",
+    "bpps_with_unused",
+]
+
 OPTIMIZER_CASES = [
     "isinstance_and_api",
     "sgd_momentum.basic",

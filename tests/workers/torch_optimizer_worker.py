@@ -87,15 +87,18 @@ def moved(model, init, names=None):
 
 
 def started_by_hooks(opt):
-    """A list that records each parameter whose reduction its gradient hook starts (the end
-    of the backward pass then waits for them all, so ``opt._handles`` is empty again when
-    ``backward()`` returns)."""
+    """A list that records each parameter whose reduction its gradient hook starts, on its own
+    or as part of its gradient bucket (whose last member's hook submits it); the end of the
+    backward pass then waits for them all, so nothing is in flight when ``backward()``
+    returns."""
     started = []
     on_grad_ready = opt._on_grad_ready
 
     def spy(p):
         on_grad_ready(p)
-        if opt._handles.get(p, (None,))[0] is not None:
+        bucket = opt._bucket_of.get(p)
+        if (opt._handles.get(p, (None,))[0] is not None
+                or (bucket is not None and (bucket.ready or bucket.handle is not None))):
             started.append(p)
 
     opt._on_grad_ready = spy
@@ -725,6 +728,7 @@ def grads_reduced_when_backward_returns(case):
                                            atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
             assert len(started) == (4 if done else 0), len(started)
             in_flight = [p for p, h in opt._handles.items() if h[0] is not None]
+            in_flight += [b for b in opt._buckets if b.ready or b.handle is not None]
             assert not in_flight, f"{len(in_flight)} reductions still in flight"
         opt.step()
         same_on_all_ranks(model)

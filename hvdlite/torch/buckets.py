@@ -1,0 +1,117 @@
+"""Gradient buckets: many small gradients reduced as one flat tensor.
+
+Handing a gradient to the engine costs the same few tens of microseconds of Python whatever its
+size (a handle, a queue entry, negotiation, a slot in a fused batch, the wait and the copy back),
+so a model of many small tensors spends most of its step there.  Like torch's DDP,
+DistributedOptimizer therefore packs gradients smaller than ``HVDLITE_GRADIENT_BUCKET_MB`` into
+buckets: the last gradient of a bucket to be accumulated copies all of them into one flat tensor
+(``torch._foreach_copy_``: one call) and starts one in-place allreduce of it; the reduced values
+are copied back into each ``.grad`` the same way.  Gradients at least that large go on their
+own, reduced in place without a copy.
+
+The plan (which gradients share a bucket, in which order) depends only on what every rank
+agrees on: the parameters' order, shapes and dtypes, and the layout (dense) agreed the first
+time each gradient was reduced, so every rank builds the same buckets under the same names.
+"""
+from __future__ import annotations
+
+from typing import Hashable, Sequence
+
+import torch
+
+from .compression import BF16Compressor, FP16Compressor, NoneCompressor
+
+# Compressions a bucket can apply on its own (a cast of floating-point gradients to this wire
+# dtype, None: none); any other compressor sees each gradient by itself.
+_WIRE_DTYPES = {NoneCompressor: None, FP16Compressor: torch.float16,
+                BF16Compressor: torch.bfloat16}
+
+
+def bucketable_compression(compression) -> bool:
+    return compression in _WIRE_DTYPES
+
+
+def wire_dtype(compression, dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``compression`` sends a gradient of ``dtype`` as (one of _WIRE_DTYPES)."""
+    target = _WIRE_DTYPES[compression]
+    return target if target is not None and dtype.is_floating_point else dtype
+
+
+def plan(items: Sequence[tuple[Hashable, int]], cap_bytes: int) -> list[list[int]]:
+    """Group items (``(key, nbytes)`` each, in the order their gradients are expected) into
+    buckets of one key and at most ``cap_bytes`` each, filled greedily in order.  Items of
+    ``cap_bytes`` or more, and buckets that would hold a single item, are left out: those
+    gradients are reduced on their own.  Returns the buckets' item indices, ordered by their
+    first item."""
+    buckets: list[list[int]] = []
+    open_bucket: dict[Hashable, tuple[list[int], int]] = {}
+    for index, (key, nbytes) in enumerate(items):
+        if nbytes >= cap_bytes:
+            continue
+        members, filled = open_bucket.get(key, ([], 0))
+        if members and filled + nbytes > cap_bytes:
+            buckets.append(members)
+            members, filled = [], 0
+        members.append(index)
+        open_bucket[key] = (members, filled + nbytes)
+    buckets.extend(members for members, _ in open_bucket.values())
+    return sorted((b for b in buckets if len(b) > 1), key=lambda b: b[0])
+
+
+class GradientBucket:
+    """Parameters whose gradients travel together in ``flat`` (one view per parameter)."""
+
+    __slots__ = ("name", "params", "names", "layout", "flat", "views", "ready", "handle",
+                 "alone")
+
+    def __init__(self, name: str, params: list[torch.Tensor], names: list[str],
+                 dtype: torch.dtype) -> None:
+        self.name = name
+        self.params = params
+        self.names = names   # the parameters' own names, for errors
+        self.layout = self.signature(params)   # as planned (a parameter may change later)
+        numels = [p.numel() for p in params]
+        self.flat = torch.empty(sum(numels), dtype=dtype, device=params[0].device)
+        self.views = [v.view(p.shape) for v, p in zip(self.flat.split(numels), params)]
+        self.ready = 0       # members whose gradient is complete for the coming reduction
+        self.handle = None   # the flat tensor's reduction while it is in flight
+        self.alone = False   # this time the members went on their own (see pack)
+
+    @staticmethod
+    def signature(params: list[torch.Tensor]) -> tuple:
+        """What a bucket's layout depends on: a new plan reuses a bucket whose ``layout`` is
+        its members' signature."""
+        return tuple((id(p), p.shape, p.dtype, p.device) for p in params)
+
+    def pack(self) -> bool:
+        """Copy the members' gradients into ``flat``.  A member without a gradient (unused on
+        this rank) gets zeros, as every gradient reduced on its own would; a sparse gradient
+        is made dense (the bucket was planned for dense gradients).  False if a gradient no
+        longer fits its view (its parameter changed shape since the plan; copying would
+        broadcast it): the caller then reduces the members on their own, and plans again."""
+        grads = [p.grad for p in self.params]
+        for grad, view in zip(grads, self.views):
+            if grad is None or grad.is_sparse or grad.shape != view.shape:
+                return self._pack_unusual()
+        torch._foreach_copy_(self.views, grads)
+        return True
+
+    def _pack_unusual(self) -> bool:
+        for p, view in zip(self.params, self.views):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            elif p.grad.is_sparse:
+                p.grad = p.grad.to_dense()
+            if p.grad.shape != view.shape:
+                return False
+        torch._foreach_copy_(self.views, [p.grad for p in self.params])
+        return True
+
+    def unpack(self) -> None:
+        """Copy the reduced values back into the members' ``.grad``."""
+        torch._foreach_copy_([p.grad for p in self.params], self.views)
+
+    def describe(self) -> str:
+        shown = ", ".join(repr(n) for n in self.names[:4])
+        more = f" and {len(self.names) - 4} more" if len(self.names) > 4 else ""
+        return f"gradient bucket {self.name!r} (the gradients of {shown}{more})"
