@@ -9,6 +9,8 @@ medians:
               -> overhead = 1 - hvd-1 / bare-1, per batch size (target: <= 2 %)
   hvd-sync-1  the same with HVDLITE_ENABLE_ASYNC_COMPLETION=0 (handles complete after the host
               saw the GPU finish), for information: what asynchronous completion saves
+  hvd-per-gradient-1  the same with HVDLITE_GRADIENT_BUCKET_MB=0 (every gradient reduced on its
+              own), for information: what gradient buckets save (``--model deep``: 130 tensors)
   staged-2    2 ranks sharing the GPU with HVDLITE_GPU_OPERATIONS=mpi (host staging), for
               information only: two ranks on one GPU split its compute, so this shows what host
               staging costs, not multi-GPU scaling (NCCL refuses two ranks on one GPU)
@@ -101,7 +103,7 @@ def run_once(launcher: str, ranks: int, extra: list[str], env_extra: dict, bench
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--model", default="mlp", choices=["mlp", "convnet"])
+    p.add_argument("--model", default="mlp", choices=["mlp", "convnet", "deep"])
     p.add_argument("--batch-size", default="1024,16384",
                    help="per-rank batch size(s), comma-separated (default: 1024,16384)")
     p.add_argument("--num-warmup-batches", type=int, default=10)
@@ -143,6 +145,8 @@ def main(argv=None) -> int:
         configs[f"hvd-1@{b}"] = (1, [], hvd_env, b)
         configs[f"hvd-sync-1@{b}"] = (1, [], {**hvd_env, "HVDLITE_ENABLE_ASYNC_COMPLETION": "0"},
                                       b)
+        configs[f"hvd-per-gradient-1@{b}"] = (1, [], {**hvd_env,
+                                                      "HVDLITE_GRADIENT_BUCKET_MB": "0"}, b)
     if args.staged_ranks > 1:
         b = max(batches)
         configs[f"staged-{args.staged_ranks}@{b}"] = (
@@ -202,6 +206,12 @@ def main(argv=None) -> int:
             print(f"  with HVDLITE_ENABLE_ASYNC_COMPLETION=0 (information): "
                   f"{100.0 * (1.0 - sync / bare):.2f}% ({1000.0 * (b / sync - b / bare):+.3f} ms "
                   f"per step)")
+        alone = med.get(f"hvd-per-gradient-1@{b}")
+        if alone:
+            summary["overhead"][str(b)]["per_gradient_percent"] = 100.0 * (1.0 - alone / bare)
+            print(f"  with HVDLITE_GRADIENT_BUCKET_MB=0 (no buckets; information): "
+                  f"{100.0 * (1.0 - alone / bare):.2f}% ({1000.0 * (b / alone - b / bare):+.3f} "
+                  f"ms per step)")
     staged = [n for n in configs if n.startswith("staged-")]
     for name in staged:
         b = configs[name][3]

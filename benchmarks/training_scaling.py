@@ -48,10 +48,10 @@ def mpiexec() -> str:
 
 
 def run_once(example: Path, ranks: int, extra: list[str], bench_args: list[str],
-             timeout: float) -> float:
-    """Total samples/sec of one benchmark run."""
+             timeout: float, env_extra: dict | None = None) -> float:
+    """Total samples/sec of one benchmark run (``env_extra``: more environment variables)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **(env_extra or {}))
         env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
         cmd = [mpiexec(), "-n", str(ranks), sys.executable, str(example), "--json", out.name,
                *bench_args, *extra]

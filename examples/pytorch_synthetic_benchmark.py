@@ -3,8 +3,10 @@
     hvdlite run -np 2 python examples/pytorch_synthetic_benchmark.py --model mlp --batch-size 64
     hvdlite run -np 1 python examples/pytorch_synthetic_benchmark.py --cuda --batch-size 4096
 
-Models need no download: ``mlp`` (~5.3M parameters, matmul-bound) and ``convnet`` (a small
-CNN on 32x32 images, ~1.2M parameters).  ``--no-distributed-optimizer`` runs the bare
+Models need no download: ``mlp`` (~5.3M parameters in 6 tensors, matmul-bound), ``convnet`` (a
+small CNN on 32x32 images, ~1.2M parameters) and ``deep`` (32 residual blocks of Linear(256, 256)
+and LayerNorm, ~2.1M parameters in 130 small tensors: what DistributedOptimizer's gradient
+buckets are for, see HVDLITE_GRADIENT_BUCKET_MB).  ``--no-distributed-optimizer`` runs the bare
 optimizer (for measuring hvdlite's overhead at one rank); adding ``--lockstep`` keeps the ranks
 in step with one scalar allreduce per step but exchanges no gradients (the cost of synchronous
 steps alone, see benchmarks/training_scaling.py).  ``--cuda`` trains on
@@ -49,12 +51,23 @@ def build_model(name: str) -> tuple[nn.Module, tuple[int, ...], int]:
                 x = F.max_pool2d(F.relu(self.c3(x)), 2)
                 return self.out(F.relu(self.fc(x.flatten(1))))
         return ConvNet(), (3, 32, 32), 10
-    raise ValueError(f"unknown model {name!r}; choose mlp or convnet")
+    if name == "deep":
+        class Block(nn.Module):
+            def __init__(self, width: int) -> None:
+                super().__init__()
+                self.fc = nn.Linear(width, width)
+                self.norm = nn.LayerNorm(width)
+
+            def forward(self, x):
+                return x + F.relu(self.norm(self.fc(x)))
+
+        return nn.Sequential(*[Block(256) for _ in range(32)], nn.Linear(256, 10)), (256,), 10
+    raise ValueError(f"unknown model {name!r}; choose mlp, convnet or deep")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="mlp", choices=["mlp", "convnet"])
+    p.add_argument("--model", default="mlp", choices=["mlp", "convnet", "deep"])
     p.add_argument("--batch-size", type=int, default=64, help="per-rank batch size")
     p.add_argument("--num-warmup-batches", type=int, default=5)
     p.add_argument("--num-batches-per-iter", type=int, default=10)

@@ -1,6 +1,9 @@
 """The allreduce benchmark runs end to end on a short schedule (2 and 3 ranks) and checks its own
 results against numpy: a benchmark that nobody runs rots.  Its timings are never asserted."""
 import json
+import os
+import signal
+import subprocess
 import sys
 
 import pytest
@@ -28,3 +31,24 @@ def test_allreduce_benchmark_short_run(tmp_path, np_):
     assert "one-float allreduce after 2-2.4 ms" in job.stdout
     if np_ == 2:
         assert "targets:" in job.stdout
+
+
+def test_gradient_buckets_benchmark_short_run():
+    """benchmarks/gradient_buckets.py runs its five configurations (bare, per gradient and
+    bucketed, at 1 and 2 ranks) on the 130-tensor model and prints its table."""
+    cmd = [sys.executable, str(REPO / "benchmarks" / "gradient_buckets.py"), "--rounds", "1",
+           "--batch-size", "4", "--num-iters", "1", "--num-batches-per-iter", "2",
+           "--timeout", "120"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)   # the benchmark, its mpiexec and the ranks
+        output, _ = proc.communicate()
+        pytest.fail(f"gradient_buckets.py hung\n{output}")
+    assert proc.returncode == 0, output
+    for row in ("| bare-1 |", "| per-gradient-1 |", "| buckets-1@1 |", "| per-gradient-2 |",
+                "| buckets-2@1 |"):
+        assert row in output, output
+    assert "efficiency" in output and "overhead" in output

@@ -13,7 +13,7 @@ WORKER = "torch_optimizer_worker.py"
 TIMEOUT = 240
 
 
-# Every case runs with gradient buckets (the default: after the first step the small gradients
+# Every case runs with gradient buckets (the default 25 MiB: after the first step the gradients
 # of these models share one bucket) and without them (each gradient reduced on its own).
 BUCKETS = {"buckets": {}, "per_gradient": {"HVDLITE_GRADIENT_BUCKET_MB": "0"}}
 

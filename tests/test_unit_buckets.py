@@ -138,3 +138,14 @@ def test_errors_without_a_message_constructor_get_a_note():
     cause = Odd(1, 2)
     exc = _in_bucket(cause, bucket)
     assert exc is cause and any("'w', 'b'" in note for note in exc.__notes__)
+
+
+def test_large_host_gradients_stay_alone_and_gpu_ones_join_up_to_the_cap():
+    """On the host a gradient the engine reduces in place (FUSE_BELOW_BYTES or more) would only
+    gain two copies in a bucket; on a GPU every gradient under the cap joins one."""
+    from hvdlite.common.engine import FUSE_BELOW_BYTES
+    from hvdlite.torch.buckets import alone_from
+    cap = 25 * 2**20
+    assert alone_from(torch.device("cpu"), cap) == FUSE_BELOW_BYTES
+    assert alone_from(torch.device("cpu"), 1000) == 1000
+    assert alone_from(torch.device("cuda", 1), cap) == cap

@@ -17,7 +17,7 @@ def test_defaults_from_empty_environment():
     assert cfg.result_pool_bytes == 512 * 2**20
     assert cfg.shm_fusion_bytes == 64 * 2**20
     assert cfg.cma == "auto"
-    assert cfg.gradient_bucket_bytes == 2**20
+    assert cfg.gradient_bucket_bytes == 25 * 2**20
     assert cfg == Config()
 
 

@@ -17,7 +17,7 @@ DEFAULT_CACHE_CAPACITY = 1024
 DEFAULT_STALL_CHECK_SECONDS = 60.0
 DEFAULT_RESULT_POOL_MB = 512.0
 DEFAULT_SHM_FUSION_MB = 64.0
-DEFAULT_GRADIENT_BUCKET_MB = 1.0
+DEFAULT_GRADIENT_BUCKET_MB = 25.0   # as torch DDP's bucket_cap_mb
 # Longest sleep between two checks while waiting on peers, whatever the cycle time: each sleep's
 # overshoot is paid by the wait it ends, and a long cycle is asked for to gather more per round,
 # not to notice ready peers late.
@@ -137,9 +137,9 @@ class Config:
     # Single large allreduces by direct copies between ranks (direct_allreduce): "auto" (where
     # the kernel allows it), "on" (the same, but warn where it does not) or "off".
     cma: str = "auto"
-    # DistributedOptimizer packs gradients smaller than this into flat buckets reduced as one
-    # tensor each (0: every gradient on its own, as Horovod does).  Must agree on every rank
-    # (the buckets' names and sizes are collectives'), hence rank 0's value.
+    # DistributedOptimizer packs small gradients into flat buckets of up to this many bytes,
+    # reduced as one tensor each (0: every gradient on its own, as Horovod does).  Must agree
+    # on every rank (the buckets' names and sizes are collectives'), hence rank 0's value.
     gradient_bucket_bytes: int = int(DEFAULT_GRADIENT_BUCKET_MB * 2**20)
 
     @property

@@ -19,6 +19,8 @@ from typing import Hashable, Sequence
 
 import torch
 
+from hvdlite.common.engine import FUSE_BELOW_BYTES
+
 from .compression import BF16Compressor, FP16Compressor, NoneCompressor
 
 # Compressions a bucket can apply on its own (a cast of floating-point gradients to this wire
@@ -35,6 +37,16 @@ def wire_dtype(compression, dtype: torch.dtype) -> torch.dtype:
     """The dtype ``compression`` sends a gradient of ``dtype`` as (one of _WIRE_DTYPES)."""
     target = _WIRE_DTYPES[compression]
     return target if target is not None and dtype.is_floating_point else dtype
+
+
+def alone_from(device: torch.device, cap_bytes: int) -> int:
+    """Gradients of this many bytes or more are reduced on their own.  In host memory the
+    engine reduces a tensor of FUSE_BELOW_BYTES or more in place, and fuses smaller ones
+    through a buffer (two copies): so small gradients cost no more copies in a bucket that
+    large (packing and unpacking replace the fusion's copies), while copying a large gradient
+    into a bucket would only add two.  On a GPU copies are cheap next to a hand-off's host
+    time, so every gradient under the cap joins a bucket."""
+    return cap_bytes if device.type == "cuda" else min(cap_bytes, FUSE_BELOW_BYTES)
 
 
 def plan(items: Sequence[tuple[Hashable, int]], cap_bytes: int) -> list[list[int]]:

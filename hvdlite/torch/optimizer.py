@@ -23,7 +23,7 @@ from hvdlite.common.errors import HvdliteError
 from hvdlite.common.reduce_ops import ReduceOp
 
 from . import param_owners
-from .buckets import GradientBucket, bucketable_compression, plan, wire_dtype
+from .buckets import GradientBucket, alone_from, bucketable_compression, plan, wire_dtype
 from .compression import Compression
 from .mpi_ops import allreduce, allreduce_async, allreduce_async_
 from .sparse import check_sparse_op, sparse_allreduce_async
@@ -409,7 +409,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         cap = self._bucket_cap()
         settled, candidates = set(), []
         for p in reversed(list(self._names)):
-            if cap == 0 or p in self._group_of or not p.dtype.is_floating_point:
+            if (cap == 0 or p in self._group_of or not p.dtype.is_floating_point
+                    or self._wire_bytes(p) >= alone_from(p.device, cap)):
                 settled.add(p)
             elif (p in self._hook_handles and p.requires_grad
                   and (self._sparse_as_dense or self._layouts.get(p) == 0)):
@@ -435,11 +436,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._bucket_of = {p: b for b in buckets for p in b.params}
         self._settled = settled | {p for p in candidates if p not in self._bucket_of}
 
+    def _wire_bytes(self, p: torch.Tensor) -> int:
+        return p.numel() * wire_dtype(self._compression, p.dtype).itemsize
+
     def _group_into_buckets(self, candidates: list, cap: int) -> list[list[torch.Tensor]]:
-        items = []
-        for p in candidates:
-            wire = wire_dtype(self._compression, p.dtype)
-            items.append(((p.device, p.dtype, wire), p.numel() * wire.itemsize))
+        items = [((p.device, p.dtype, wire_dtype(self._compression, p.dtype)), self._wire_bytes(p))
+                 for p in candidates]
         return [[candidates[i] for i in indices] for indices in plan(items, cap)]
 
     def _same_plan_everywhere(self, groups: list) -> bool:

@@ -59,7 +59,7 @@ JOBS = {"nccl-np1": ("collectives", "nccl", 1),
         "train-staged-np2": ("train", "staged", 2),
         "train-staged-np2-small-buckets": ("train", "staged", 2)}
 SYNC_JOBS = {"nccl-np1-sync", "staged-np2-sync"}
-# DistributedOptimizer's gradient buckets: default (1 MiB: these models' small gradients share
+# DistributedOptimizer's gradient buckets: default (25 MiB: these models' gradients share
 # one bucket after the first step), off, or 2 KiB (several buckets, large gradients alone).
 BUCKET_ENV = {"train-nccl-np1-per-gradient": {"HVDLITE_GRADIENT_BUCKET_MB": "0"},
               "train-staged-np2-small-buckets": {"HVDLITE_GRADIENT_BUCKET_MB": "0.002"}}
