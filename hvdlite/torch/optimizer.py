@@ -504,7 +504,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         bucket_of = self._bucket_of
         for p in self._names:
             if p in bucket_of:
-                self._handles.pop(p, None)   # (a pass short of backward_passes_per_step)
+                entry = self._handles.get(p)
+                if entry is not None and entry[0] is None:   # a pass short of the count
+                    del self._handles[p]   # (a member gone alone has its own handle: kept)
             elif (p.requires_grad and self._handles.get(p, (None,))[0] is None
                     and p not in self._reduced):
                 self._handles[p] = self._allreduce_grad_async(p)
@@ -581,8 +583,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         first unless the backward pass or ``synchronize()`` already did, or inside
         ``skip_synchronize()``).  Gradients already reduced are never reduced twice."""
         if closure is not None and self._should_synchronize:
-            if self._handles or self._buckets_busy():   # a backward before step(closure):
-                # finish its reductions
+            # A backward before step(closure): finish its reductions.
+            if self._handles or self._buckets_busy():
                 self.synchronize()
             self._fresh = False
             result = super().step(self._averaging(closure))
