@@ -64,25 +64,11 @@ def shard(t, k=None):
     return t[k * B:(k + 1) * B]
 
 
-def bits(t):
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+bits, close_to, moved = C.bits, C.close_to, C.moved
 
 
 def same_on_all_ranks(model):
-    for name, p in model.named_parameters():
-        gathered = COMM.allgather(bits(p))
-        assert all(g == gathered[0] for g in gathered), f"parameter {name!r} differs between ranks"
-
-
-def close_to(model, ref, tol):
-    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        torch.testing.assert_close(p.detach().double(), q.detach().double(), rtol=0, atol=tol,
-                                   msg=lambda m, name=name: f"parameter {name!r}: {m}")
-
-
-def moved(model, init):
-    for (name, p), (_, q) in zip(model.named_parameters(), init.named_parameters()):
-        assert not torch.equal(p, q), f"{name!r} never changed"
+    C.same_on_all_ranks(model, COMM)
 
 
 def sgd(model):
@@ -239,17 +225,24 @@ def unused_on_some_ranks(case):
     close_to(model, ref, 1e-5)
 
 
-def frozen_after_planning(case):
-    """Freezing a layer whose gradients are in a bucket: it gets no gradient (not even zeros,
-    which weight decay or momentum would turn into updates) and stays as it was; the others
-    go on training, and the next plan leaves it out."""
+def planned(case, steps=2):
+    """A Deep model and its one-process reference after ``steps`` steps (the buckets are
+    planned after the first): (model, ref, opt, ref_opt)."""
     torch.manual_seed(0)
     model = Deep()
     ref = copy.deepcopy(model)
     opt, ref_opt = wrap(model), sgd(ref)
-    for step in range(2):
+    for step in range(steps):
         dist_step(case, step, model, opt)
         ref_step(case, step, ref, ref_opt)
+    return model, ref, opt, ref_opt
+
+
+def frozen_after_planning(case):
+    """Freezing a layer whose gradients are in a bucket: it gets no gradient (not even zeros,
+    which weight decay or momentum would turn into updates) and stays as it was; the others
+    go on training, and the next plan leaves it out."""
+    model, ref, opt, ref_opt = planned(case)
     frozen = model.layers[3]
     assert frozen.weight in opt._bucket_of, "test set-up: the layer is not in a bucket"
     for m in (model, ref):
@@ -347,13 +340,7 @@ def registration_order_differs(case):
 def reshaped_parameter(case):
     """A parameter in a bucket that changes shape on every rank (model surgery) is reduced on
     its own that step, and the buckets are planned again for its new shape."""
-    torch.manual_seed(0)
-    model = Deep()
-    ref = copy.deepcopy(model)
-    opt, ref_opt = wrap(model), sgd(ref)
-    for step in range(2):
-        dist_step(case, step, model, opt)
-        ref_step(case, step, ref, ref_opt)
+    model, ref, opt, ref_opt = planned(case)
     assert model.scale in opt._bucket_of, "test set-up: scale is not in a bucket"
     for m, o in ((model, opt), (ref, ref_opt)):
         with torch.no_grad():

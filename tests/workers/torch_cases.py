@@ -353,6 +353,38 @@ def check_reported_cases(job, np_, expected):
         assert not missing and not extra, f"rank {rank}: missing {missing[:10]}, extra {extra[:10]}"
 
 
+# --- checking trained models in workers -------------------------------------------------------
+def bits(t) -> bytes:
+    """The raw bytes of a tensor: equality of these is bitwise equality."""
+    import torch
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def same_on_all_ranks(model, comm) -> None:
+    """Every parameter bitwise identical on every rank (compared through mpi4py's ``comm``,
+    independently of hvdlite)."""
+    for name, p in model.named_parameters():
+        gathered = comm.allgather(bits(p))
+        assert all(g == gathered[0] for g in gathered), f"parameter {name!r} differs between ranks"
+
+
+def close_to(model, ref, tol, what="parameter") -> None:
+    """``model``'s parameters within ``tol`` of ``ref``'s, pairwise in order."""
+    import torch
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.detach().double(), q.detach().double(), rtol=0, atol=tol,
+                                   msg=lambda m, name=name: f"{what} {name!r}: {m}")
+
+
+def moved(model, init, names=None) -> None:
+    """Guard against vacuous comparisons: training must actually have changed the params."""
+    import torch
+    init_params = dict(init.named_parameters())
+    for name, p in model.named_parameters():
+        if names is None or name in names:
+            assert not torch.equal(p, init_params[name]), f"{name!r} never changed"
+
+
 # --- checking collectives in workers -------------------------------------------------------
 def attempt(fn, *args, **kwargs):
     """(result, None) or (None, exception): run a collective, check afterwards."""

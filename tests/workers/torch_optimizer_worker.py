@@ -62,28 +62,11 @@ def shard(t, k=None):
     return t[k * B:(k + 1) * B]
 
 
-def bits(t):
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+bits, close_to, moved = C.bits, C.close_to, C.moved
 
 
 def same_on_all_ranks(model):
-    for name, p in model.named_parameters():
-        gathered = COMM.allgather(bits(p))
-        assert all(g == gathered[0] for g in gathered), f"parameter {name!r} differs between ranks"
-
-
-def close_to(model, ref, tol, what="parameter"):
-    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        torch.testing.assert_close(p.detach().double(), q.detach().double(), rtol=0, atol=tol,
-                                   msg=lambda m, name=name: f"{what} {name!r}: {m}")
-
-
-def moved(model, init, names=None):
-    """Guard against vacuous comparisons: training must actually have changed the params."""
-    init_params = dict(init.named_parameters())
-    for name, p in model.named_parameters():
-        if names is None or name in names:
-            assert not torch.equal(p, init_params[name]), f"{name!r} never changed"
+    C.same_on_all_ranks(model, COMM)
 
 
 def started_by_hooks(opt):
