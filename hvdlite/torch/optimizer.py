@@ -445,14 +445,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return [[candidates[i] for i in indices] for indices in plan(items, cap)]
 
     def _same_plan_everywhere(self, groups: list) -> bool:
-        """One tiny allreduce: did every rank plan the same buckets?"""
+        """One tiny allreduce: did every rank plan the same buckets?  (The maxima of the digest
+        d and of 2**32 - d sum to 2**32 exactly when every rank has the same d; a rank that
+        has joined contributes zeros, which change neither maximum.)"""
         text = "\n".join(",".join(f"{self._names[p]}:{tuple(p.shape)}:{p.dtype}" for p in g)
                          for g in groups)
         digest = zlib.crc32(text.encode())
-        extremes = allreduce(torch.tensor([digest, -digest], dtype=torch.int64),
-                             name=f"{min(self._names.values())}.bucket_plan",
-                             op=ReduceOp.Max, process_set=self._process_set)
-        return int(extremes[0]) == -int(extremes[1])
+        maxima = allreduce(torch.tensor([digest, 2**32 - digest], dtype=torch.int64),
+                           name=f"{min(self._names.values())}.bucket_plan",
+                           op=ReduceOp.Max, process_set=self._process_set)
+        return int(maxima[0]) + int(maxima[1]) == 2**32
 
     def _open_stream(self) -> None:
         """Tell the engine that more gradients follow this one (see Engine.stream_open)."""

@@ -427,6 +427,22 @@ def bpps_with_unused(case):
     close_to(model, ref, 1e-5)
 
 
+def replan_while_a_rank_has_joined(case):
+    """The last rank joins once the buckets are planned; the others freeze a layer, which
+    re-plans their buckets while the joined rank answers their plan check with zeros.  That
+    must not read as plans that differ (they would then be made in name order)."""
+    model, _, opt, _ = planned(case)
+    if RANK != SIZE - 1:
+        for m in model.layers[3], model.layers[4]:
+            m.requires_grad_(False)
+        for step in range(2, 4):
+            dist_step(case, step, model, opt)
+        assert model.layers[3].weight not in opt._bucket_of, "test set-up: no new plan"
+        order = [opt._names[p] for p in reversed(list(opt._names)) if p in opt._bucket_of]
+        assert [n for names in plan_names(opt) for n in names] == order, plan_names(opt)
+    hvd.join()
+
+
 CASES = {
     "small_gradients_share_buckets": small_gradients_share_buckets,
     "plans_agree": plans_agree,
@@ -440,6 +456,7 @@ CASES = {
     "reshaped_parameter": reshaped_parameter,
     "sparse_stays_out": sparse_stays_out,
     "bpps_with_unused": bpps_with_unused,
+    "replan_while_a_rank_has_joined": replan_while_a_rank_has_joined,
 }
 assert list(CASES) == C.BUCKET_CASES
 for case, fn in CASES.items():

@@ -138,6 +138,7 @@ BUCKET_CASES = [
     "reshaped_parameter",
     "sparse_stays_out",
     "bpps_with_unused",
+    "replan_while_a_rank_has_joined",
 ]
 
 OPTIMIZER_CASES = [
