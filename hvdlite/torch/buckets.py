@@ -3,15 +3,16 @@
 Handing a gradient to the engine costs the same few tens of microseconds of Python whatever its
 size (a handle, a queue entry, negotiation, a slot in a fused batch, the wait and the copy back),
 so a model of many small tensors spends most of its step there.  Like torch's DDP,
-DistributedOptimizer therefore packs gradients smaller than ``HVDLITE_GRADIENT_BUCKET_MB`` into
-buckets: the last gradient of a bucket to be accumulated copies all of them into one flat tensor
-(``torch._foreach_copy_``: one call) and starts one in-place allreduce of it; the reduced values
-are copied back into each ``.grad`` the same way.  Gradients at least that large go on their
-own, reduced in place without a copy.
+DistributedOptimizer therefore packs small gradients into buckets of up to
+``HVDLITE_GRADIENT_BUCKET_MB``: the last gradient of a bucket to be accumulated copies all of
+them into one flat tensor (``torch._foreach_copy_``: one call) and starts one in-place allreduce
+of it; the reduced values are copied back into each ``.grad`` the same way.  Larger gradients
+(see :func:`alone_from`) go on their own, reduced in place without a copy.
 
 The plan (which gradients share a bucket, in which order) depends only on what every rank
 agrees on: the parameters' order, shapes and dtypes, and the layout (dense) agreed the first
-time each gradient was reduced, so every rank builds the same buckets under the same names.
+time each gradient was reduced, so every rank builds the same buckets under the same names
+(the optimizer checks that with one tiny allreduce).
 """
 from __future__ import annotations
 
