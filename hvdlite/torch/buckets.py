@@ -96,6 +96,11 @@ class GradientBucket:
         its members' signature."""
         return tuple((id(p), p.shape, p.dtype, p.device) for p in params)
 
+    @property
+    def busy(self) -> bool:
+        """In flight, or holding gradients that wait for the rest of the bucket."""
+        return bool(self.ready) or self.handle is not None
+
     def pack(self) -> bool:
         """Copy the members' gradients into ``flat``.  A member without a gradient (unused on
         this rank) gets zeros, as every gradient reduced on its own would; a sparse gradient

@@ -369,8 +369,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _submit_bucket(self, bucket: GradientBucket) -> None:
         if not bucket.pack():
             bucket.alone = True
-            for p in bucket.params:
-                self._handles[p] = self._reduce_grad_async(p, self._names[p])
+            self._reduce_alone(bucket.params)
             return
         prescale, postscale = self._scale_factors()
         bucket.handle = allreduce_async_(bucket.flat, name=bucket.name, op=self._op,
@@ -385,13 +384,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         needed = [p for p in bucket.params if p.requires_grad and p not in self._reduced]
         if len(needed) == len(bucket.params):
             self._submit_bucket(bucket)
-            return
-        for p in needed:
+        else:
+            self._reduce_alone(needed)
+
+    def _reduce_alone(self, params: list) -> None:
+        """Members of a bucket reduced each on its own (their layout is known to be dense)."""
+        for p in params:
             self._handles[p] = self._reduce_grad_async(p, self._names[p])
 
     def _buckets_busy(self) -> bool:
         """Some bucket is in flight or has gradients waiting for the rest of it."""
-        return any(b.ready or b.handle is not None for b in self._buckets)
+        return any(b.busy for b in self._buckets)
 
     def _bucket_cap(self) -> int:
         """Largest bucket in bytes; 0: no buckets (Adasum combines each gradient as a whole,
@@ -644,8 +647,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _refuse_in_flight(self, what: str) -> None:
         flying = [self._names[p] for p, h in self._handles.items() if h[0] is not None]
-        flying += [self._names[p] for b in self._buckets if b.ready or b.handle is not None
-                   for p in b.params]
+        flying += [self._names[p] for b in self._buckets if b.busy for p in b.params]
         if flying:
             shown = ", ".join(repr(n) for n in flying[:3]) + (", ..." if len(flying) > 3 else "")
             raise HvdliteError(

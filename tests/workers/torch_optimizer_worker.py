@@ -81,7 +81,7 @@ def started_by_hooks(opt):
         on_grad_ready(p)
         bucket = opt._bucket_of.get(p)
         if (opt._handles.get(p, (None,))[0] is not None
-                or (bucket is not None and (bucket.ready or bucket.handle is not None))):
+                or (bucket is not None and bucket.busy)):
             started.append(p)
 
     opt._on_grad_ready = spy
@@ -711,7 +711,7 @@ def grads_reduced_when_backward_returns(case):
                                            atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
             assert len(started) == (4 if done else 0), len(started)
             in_flight = [p for p, h in opt._handles.items() if h[0] is not None]
-            in_flight += [b for b in opt._buckets if b.ready or b.handle is not None]
+            in_flight += [b for b in opt._buckets if b.busy]
             assert not in_flight, f"{len(in_flight)} reductions still in flight"
         opt.step()
         same_on_all_ranks(model)
