@@ -417,6 +417,18 @@ def barrier(process_set: ProcessSet | None = None) -> None:
     submit(BARRIER, None, name="barrier", process_set=process_set).wait()
 
 
+# Called with the process set (None: global) each time join() has returned on this rank.
+_join_listeners: list[Callable[[ProcessSet | None], None]] = []
+
+
+def on_join(listener: Callable[[ProcessSet | None], None]) -> None:
+    """Have ``listener(process_set)`` called after every successful :func:`join` on this rank
+    (for adapters whose objects keep state agreed while a rank was joined).  It runs at the same
+    point of the program on every rank of the set, so it must not start collectives of its own
+    unless every rank's listeners start the same ones."""
+    _join_listeners.append(listener)
+
+
 def join(process_set: ProcessSet | None = None) -> int:
     """Declare that this rank has run out of data; block until every rank has joined.
 
@@ -424,9 +436,13 @@ def join(process_set: ProcessSet | None = None) -> int:
     identity (zeros for Sum and Average, so Average still divides by the full number of
     ranks, as in Horovod).  Other operations (allgather, broadcast, alltoall, reducescatter,
     Adasum) cannot run while a rank is joined and fail with an error saying so.  Returns the
-    global rank of the last rank to join.
+    global rank of the last rank to join.  A rank that joined early missed the other ranks'
+    later updates: broadcast the model from the returned rank before training on.
     """
-    return submit(JOIN, None, name="join", process_set=process_set).wait()
+    last = submit(JOIN, None, name="join", process_set=process_set).wait()
+    for listener in list(_join_listeners):
+        listener(process_set)
+    return last
 
 
 def poll(handle: Handle) -> bool:

@@ -500,8 +500,12 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
 def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
     """This rank has run out of data: keep serving the other ranks' allreduces (contributing
     zeros, so averages still divide by the full size) until every rank has joined.  Returns
-    the rank that joined last.  ``device`` (as in Horovod) names the GPU this rank serves the
-    others' CUDA allreduces from; by default the current CUDA device, if CUDA is in use."""
+    the rank that joined last: ranks that joined earlier missed the later steps, so broadcast
+    the model and optimizer state from it before training on.  DistributedOptimizers of this
+    process set then agree on their first-step state again in their next step, so a rank may
+    join before its first step and train later.  ``device`` (as in Horovod) names the GPU this
+    rank serves the others' CUDA allreduces from; by default the current CUDA device, if CUDA
+    is in use."""
     if device < 0 and torch.cuda.is_available() and torch.cuda.is_initialized():
         device = torch.cuda.current_device()
     if device >= 0:

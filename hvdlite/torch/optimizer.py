@@ -18,6 +18,7 @@ import torch
 from torch.autograd import Variable
 
 from hvdlite.common.adasum import check_adasum_size
+from hvdlite.common import ops as core_ops
 from hvdlite.common.basics import process_set_engine, size
 from hvdlite.common.errors import HvdliteError
 from hvdlite.common.reduce_ops import ReduceOp
@@ -34,6 +35,23 @@ _TOO_MANY_PASSES = ("Gradients of {name!r} were computed more than backward_pass
                     "locally.")
 
 _created = itertools.count(1)   # DistributedOptimizers made in this process, in order
+_live: "weakref.WeakSet" = weakref.WeakSet()   # every DistributedOptimizer not yet collected
+
+
+def _after_join(process_set) -> None:
+    """hvd.join() on ``process_set`` returned, on every rank of it alike: the optimizers that
+    reduce over that set forget their first-step agreements (see ``_forget_first_step``)."""
+    joined = process_set_engine(process_set, "join")[0]
+    for optimizer in list(_live):
+        try:
+            engine = process_set_engine(optimizer._process_set, "join")[0]
+        except ValueError:   # its process set was removed since: it cannot reduce anyway
+            continue
+        if engine is joined:
+            optimizer._forget_first_step()
+
+
+core_ops.on_join(_after_join)
 
 
 def _weak_hook(optimizer):
@@ -109,6 +127,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # in a user group, ...); reducing any other one on its own asks for a new plan.
         self._settled: set = set()
         self._replan = True
+        self._forget_after_reduction = False   # (hvd.join() while reductions were in flight)
+        _live.add(self)
 
     # --- set-up ------------------------------------------------------------------------------
     def _parameter_names(self, named_parameters) -> dict:
@@ -561,6 +581,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._fresh = True
         if self._replan:
             self._plan_buckets()
+        if self._forget_after_reduction:
+            self._forget_first_step()
+
+    def _forget_first_step(self) -> None:
+        """Called when hvd.join() has returned on every rank of this optimizer's set.  A rank
+        that joined before this optimizer's first step never made the first-step agreements
+        (each gradient's layout, then the bucket plan) that the other ranks made with its
+        zeros, so every rank forgets them and the next step makes them again, on every rank
+        together: one step per gradient, as the first, then buckets again."""
+        self._forget_after_reduction = (any(h[0] is not None for h in self._handles.values())
+                                        or self._buckets_busy())
+        if self._forget_after_reduction:   # joined between a backward and its step()
+            return
+        self._layouts.clear()
+        self._settled = set()
+        self._buckets, self._bucket_of = [], {}
+        self._replan = True
 
     def _reset_buckets(self) -> None:
         for bucket in self._buckets:

@@ -443,6 +443,55 @@ def replan_while_a_rank_has_joined(case):
     hvd.join()
 
 
+def failing_backward(model, x, y):
+    """A backward pass of ``Deep`` that raises once layers 9..5 have their gradients."""
+    def fail(grad):
+        raise RuntimeError("boom in backward")
+
+    h = x * model.scale
+    for i, layer in enumerate(model.layers):
+        h = torch.tanh(layer(h))
+        if i == 4:
+            h.register_hook(fail)
+    try:
+        F.mse_loss(model.head(torch.tanh(model.wide(h))), y).backward()
+    except RuntimeError as exc:
+        assert "boom in backward" in str(exc), str(exc)
+    else:
+        raise AssertionError("the failing backward did not fail")
+
+
+def join_with_reductions_in_flight(case):
+    """hvd.join() makes every optimizer forget its first-step agreements (layouts, buckets),
+    but not while buckets are in flight (a backward pass that failed half-way): those are
+    finished by synchronize() first, and only then forgotten.  The next step agrees afresh,
+    gradient by gradient, and plans the buckets again; training matches one process."""
+    model, ref, opt, ref_opt = planned(case)
+    x, y = batch(case, 2)
+    opt.zero_grad()
+    failing_backward(model, shard(x), shard(y))
+    busy = [b for b in opt._buckets if b.busy]
+    assert busy, "test set-up: no bucket in flight"
+    hvd.join()
+    assert all(b in opt._buckets for b in busy), "join() dropped buckets in flight"
+    opt.synchronize()
+    assert all(b.handle is None for b in busy), "buckets in flight were not waited for"
+    assert not opt._buckets and not opt._layouts, "first-step agreements not forgotten"
+    opt.zero_grad()   # (the failed step is not applied; the reference skips it)
+    calls, restore = count_submissions()
+    try:
+        dist_step(case, 3, model, opt)
+    finally:
+        restore()
+    ref_step(case, 3, ref, ref_opt)
+    assert len(calls) == len(opt._names), f"first step after join() submitted {calls}"
+    assert opt._buckets, "no buckets planned after the first step after join()"
+    dist_step(case, 4, model, opt)
+    ref_step(case, 4, ref, ref_opt)
+    same_on_all_ranks(model)
+    close_to(model, ref, 1e-5)
+
+
 CASES = {
     "small_gradients_share_buckets": small_gradients_share_buckets,
     "plans_agree": plans_agree,
@@ -457,6 +506,7 @@ CASES = {
     "sparse_stays_out": sparse_stays_out,
     "bpps_with_unused": bpps_with_unused,
     "replan_while_a_rank_has_joined": replan_while_a_rank_has_joined,
+    "join_with_reductions_in_flight": join_with_reductions_in_flight,
 }
 assert list(CASES) == C.BUCKET_CASES
 for case, fn in CASES.items():

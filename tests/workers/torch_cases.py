@@ -139,6 +139,7 @@ BUCKET_CASES = [
     "sparse_stays_out",
     "bpps_with_unused",
     "replan_while_a_rank_has_joined",
+    "join_with_reductions_in_flight",
 ]
 
 OPTIMIZER_CASES = [

@@ -98,6 +98,7 @@ GROUPED_EXTRA = ["grouped_allreduce.unnamed.Sum", "grouped_allreduce.scaled.Sum"
                  "grouped_mismatch.then_same_name_ok"]
 
 JOIN_CASES = ["join.optimizer_uneven_steps", "join.optimizer_reverse_steps",
+              "join.optimizer_idle_first_epoch",
               "join.allreduce_while_joined", "join.cached_ops_while_joined",
               "join.unsupported_while_joined", "join.immediately_everywhere"]
 
@@ -1397,10 +1398,23 @@ def join_loss(model, x, y):
 def join_optimizer(case):
     """Rank k trains steps_of(k) steps with DistributedOptimizer, then joins; the average in a
     step where some ranks have joined is sum(active ranks' gradients) / size."""
-    reverse = case.endswith("reverse_steps")
+    if case.endswith("reverse_steps"):
+        epochs = [lambda k: SIZE - k]
+    elif case.endswith("idle_first_epoch"):
+        # The last rank has no data in the first epoch: it joins before its optimizer's first
+        # step, which the others make with its zeros; in the second epoch it trains too.
+        epochs = [lambda k: 0 if k == SIZE - 1 else k + 1, lambda k: SIZE - k]
+    else:
+        epochs = [lambda k: k + 1]
+    train_epochs(case, epochs)
 
-    def steps_of(k):
-        return SIZE - k if reverse else k + 1
+
+def train_epochs(case, epochs):
+    """Each epoch, rank k trains ``steps_of(k)`` steps, then joins; the rank with the most
+    steps (one per epoch) joins last.  A joined rank misses the others' later steps, so every
+    epoch after the first starts from the last joiner's model and optimizer state, broadcast
+    (Horovod's idiom: join() returns that rank).  Each rank's parameters are checked against a
+    local replay after its own number of steps in the last epoch."""
     lr, momentum = 0.1, 0.9
 
     def run():
@@ -1408,39 +1422,46 @@ def join_optimizer(case):
         opt = hvd.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum),
             named_parameters=[(f"{case}.{n}", p) for n, p in model.named_parameters()])
-        for s in range(steps_of(RANK)):
-            opt.zero_grad()
-            join_loss(model, *join_data(case, RANK, s)).backward()
-            opt.step()
-        last = hvd.join(device=-1)
-        return model, last
+        lasts = []
+        for e, steps_of in enumerate(epochs):
+            if lasts:
+                hvd.broadcast_parameters(model.state_dict(), root_rank=lasts[-1])
+                hvd.broadcast_optimizer_state(opt, root_rank=lasts[-1])
+            for s in range(steps_of(RANK)):
+                opt.zero_grad()
+                join_loss(model, *join_data(case, RANK, 100 * e + s)).backward()
+                opt.step()
+            lasts.append(hvd.join(device=-1))
+        return model, lasts
     res, exc = attempt(run)
     after_exc = attempt(follow_up, case)[1]
-    lasts = COMM.allgather(None if exc else res[1])
+    everywhere = COMM.allgather(None if exc else res[1])
     if exc is not None:
         raise exc
-    model, last = res
+    model, lasts = res
     # reference: replay every rank's steps locally
     ref = join_model()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=momentum)
-    snapshots = {}
-    for s in range(max(steps_of(k) for k in range(SIZE))):
-        active = [k for k in range(SIZE) if steps_of(k) > s]
-        total = [torch.zeros_like(p) for p in ref.parameters()]
-        for k in active:
-            ref.zero_grad()
-            join_loss(ref, *join_data(case, k, s)).backward()
+    snapshots = {}   # the last epoch's steps
+    for e, steps_of in enumerate(epochs):
+        for s in range(max(steps_of(k) for k in range(SIZE))):
+            active = [k for k in range(SIZE) if steps_of(k) > s]
+            total = [torch.zeros_like(p) for p in ref.parameters()]
+            for k in active:
+                ref.zero_grad()
+                join_loss(ref, *join_data(case, k, 100 * e + s)).backward()
+                for t, p in zip(total, ref.parameters()):
+                    t += p.grad
             for t, p in zip(total, ref.parameters()):
-                t += p.grad
-        for t, p in zip(total, ref.parameters()):
-            p.grad = t / SIZE
-        ref_opt.step()
-        snapshots[s + 1] = [p.detach().clone() for p in ref.parameters()]
-    expected_last = 0 if reverse else SIZE - 1
-    assert last == expected_last, f"join() returned {last}, expected {expected_last}"
-    assert lasts == [expected_last] * SIZE, f"join() returned {lasts} on the ranks"
-    for (name, p), want in zip(model.named_parameters(), snapshots[steps_of(RANK)]):
-        close(p, want, f"parameter {name} after {steps_of(RANK)} steps", 1e-10)
+                p.grad = t / SIZE
+            ref_opt.step()
+            snapshots[s + 1] = [p.detach().clone() for p in ref.parameters()]
+    expected = [max(range(SIZE), key=steps_of) for steps_of in epochs]
+    assert lasts == expected, f"join() returned {lasts} over the epochs, expected {expected}"
+    assert everywhere == [expected] * SIZE, f"join() returned {everywhere} on the ranks"
+    mine = epochs[-1](RANK)
+    for (name, p), want in zip(model.named_parameters(), snapshots[mine]):
+        close(p, want, f"parameter {name} after {mine} step(s) of epoch {len(epochs)}", 1e-10)
     if after_exc is not None:
         raise AssertionError(f"allreduce after join failed: {after_exc}")
 
@@ -1623,6 +1644,7 @@ def join_immediately(case):
 def run_join():
     funcs = {"join.optimizer_uneven_steps": join_optimizer,
              "join.optimizer_reverse_steps": join_optimizer,
+             "join.optimizer_idle_first_epoch": join_optimizer,
              "join.allreduce_while_joined": join_allreduce_while_joined,
              "join.cached_ops_while_joined": join_cached_ops_while_joined,
              "join.unsupported_while_joined": join_unsupported_while_joined,
