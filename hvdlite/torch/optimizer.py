@@ -17,8 +17,8 @@ import zlib
 import torch
 from torch.autograd import Variable
 
-from hvdlite.common.adasum import check_adasum_size
 from hvdlite.common import ops as core_ops
+from hvdlite.common.adasum import check_adasum_size
 from hvdlite.common.basics import process_set_engine, size
 from hvdlite.common.errors import HvdliteError
 from hvdlite.common.reduce_ops import ReduceOp
