@@ -127,7 +127,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # in a user group, ...); reducing any other one on its own asks for a new plan.
         self._settled: set = set()
         self._replan = True
-        self._forget_after_reduction = False   # (hvd.join() while reductions were in flight)
+        self._forget_after_reduction = False   # (hvd.join() with reductions in flight)
         _live.add(self)
 
     # --- set-up ------------------------------------------------------------------------------
@@ -292,8 +292,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         still to come are then reduced as zeros, and again at the outer pass's end once they
         arrive on top of those zeros, which gives the same result.)"""
         self._finish_task = None
-        if any(h[0] is not None for h in self._handles.values()) or self._buckets_busy():
+        if self._in_flight():
             self._reduce_gradients()
+
+    def _in_flight(self) -> bool:
+        """Some reduction was started (or a bucket holds gradients waiting for the rest)."""
+        return any(h[0] is not None for h in self._handles.values()) or self._buckets_busy()
 
     def _allreduce_grad_async(self, p: torch.Tensor):
         name = self._names[p]
@@ -590,9 +594,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         (each gradient's layout, then the bucket plan) that the other ranks made with its
         zeros, so every rank forgets them and the next step makes them again, on every rank
         together: one step per gradient, as the first, then buckets again."""
-        self._forget_after_reduction = (any(h[0] is not None for h in self._handles.values())
-                                        or self._buckets_busy())
-        if self._forget_after_reduction:   # joined between a backward and its step()
+        # A backward pass that raised half-way left reductions in flight: they are finished by
+        # the next synchronize(), and forgotten after it.
+        self._forget_after_reduction = self._in_flight()
+        if self._forget_after_reduction:
             return
         self._layouts.clear()
         self._settled = set()
