@@ -11,7 +11,7 @@ import sys
 import numpy as np
 
 import hvdlite as hvd
-from hvdlite.common import basics
+from hvdlite.common import basics, direct_allreduce
 from hvdlite.common.memory import result_pool
 import core_cases as cc
 from core_refs import allreduce_expected, attempt, check_array, check_exact, noncontiguous
@@ -335,6 +335,14 @@ def large_single():
         if RANK == SIZE - 1 and step % 2:
             time.sleep(0.005)   # the last rank arrives late: the others wait for it
         run_allreduces(specs, step, in_place=step % 2 == 1)
+        expected += len(specs)
+    # Shares of several copy chunks each, ending in a partial one (the sizes above give every
+    # rank about one chunk's worth).
+    for i, dtype in enumerate(("float32", "float64")):
+        count = 5 * SIZE * direct_allreduce._CHUNK_BYTES // (2 * np.dtype(dtype).itemsize) + 11
+        specs = [(f"shs.chunks.{dtype}.{op}", dtype, op, (count,), 1.0, 1.0)
+                 for op in ("Sum", "Average")]
+        run_allreduces(specs, 200 + i, in_place=i % 2 == 0)
         expected += len(specs)
     for i, dtype in enumerate(("float32", "int32", "float16", "float64")):
         count = (2 << 20) // np.dtype(cc.np_dtype(dtype)).itemsize + 3
