@@ -5,7 +5,7 @@ Where the kernel lets ranks of one node reach each other's memory (cross-memory 
 
 1. every rank posts the addresses of its input and output (and its prescale factor) in one tiny
    non-blocking allgather;
-2. rank ``p`` owns share ``p`` of the elements.  For each cache-sized chunk of it, it reads the
+2. rank ``p`` owns share ``p`` of the elements.  For each 1 MiB chunk of it, it reads the
    peers' inputs straight into a scratch buffer, combines them with its own input in its output
    (own value first, then the peers in rank order: the order the shared window uses too, so the
    result does not depend on the path), applies the postscale, and writes the finished chunk
