@@ -52,8 +52,9 @@ MIN_BYTES = 2 << 20
 # One step of the copies: each costs two system calls whose fixed cost (~6 us, plus pinning
 # every page) favours big chunks, while combining favours chunks that stay in cache.  At 2 ranks
 # in place, 16 MiB took 3.4-3.8 ms with 1 MiB chunks against 4.4-4.8 ms with 256 KiB on an AMD
-# EPYC (Zen 3, 512 KiB L2), and training steps were 1-3 ms shorter; an earlier Intel Xeon
-# measured 128-512 KiB alike and 1 MiB slower (see benchmarks/HISTORY.md).
+# EPYC (Zen 3, 512 KiB L2), and MLP training steps were 0.7-3.5 ms shorter in 5 of 6
+# interleaved jobs; an earlier Intel Xeon measured 128-512 KiB alike and 1 MiB slower (see
+# benchmarks/HISTORY.md).
 _CHUNK_BYTES = 1 << 20
 _MAGIC = 0x68766C6974650000  # "hvlite..": what the probe expects to find in a peer's memory
 

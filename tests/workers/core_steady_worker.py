@@ -337,9 +337,10 @@ def large_single():
         run_allreduces(specs, step, in_place=step % 2 == 1)
         expected += len(specs)
     # Shares of several copy chunks each, ending in a partial one (the sizes above give every
-    # rank about one chunk's worth).
+    # rank one chunk's worth or less).
     for i, dtype in enumerate(("float32", "float64")):
-        count = 5 * SIZE * direct_allreduce._CHUNK_BYTES // (2 * np.dtype(dtype).itemsize) + 11
+        itemsize = np.dtype(cc.np_dtype(dtype)).itemsize
+        count = 5 * SIZE * direct_allreduce._CHUNK_BYTES // (2 * itemsize) + 11   # 2.5 per share
         specs = [(f"shs.chunks.{dtype}.{op}", dtype, op, (count,), 1.0, 1.0)
                  for op in ("Sum", "Average")]
         run_allreduces(specs, 200 + i, in_place=i % 2 == 0)
