@@ -218,6 +218,7 @@ ERROR_CASES = [
     "mismatch.optimizer_param_shapes",
     "duplicate.allreduce_in_flight", "duplicate.across_kinds", "duplicate.after_completion_ok",
     "unsupported.complex64", "unsupported.complex128", "unsupported.complex_broadcast",
+    "mismatch.optimizer_error_frees_the_graph",
     "unsupported.complex_allgather", "unsupported.uint16", "unsupported.uint32",
     "unsupported.uint64", "unsupported.bool_average", "unsupported.non_cpu_device",
     "unsupported.sparse_inplace_and_allgather", "unsupported.sparse_out_of_place",

@@ -2,6 +2,7 @@
 see (as the documented exception type), then checks that a following collective still works."""
 import copy
 import gc
+import weakref
 
 import torch
 import torch.nn as nn
@@ -146,6 +147,27 @@ def m_optimizer(case):
     # nothing was applied, and the optimizer is usable again
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     opt.zero_grad()
+
+
+def m_error_frees_the_graph(case):
+    """Once the user drops a failed reduction's error, nothing keeps the backward pass that
+    raised it alive.  (The background thread used to hold its last round's entries until the
+    next round: the error, its traceback's frames and so the whole autograd graph stayed
+    alive, and a parameter whose shape the user then fixed still met its old gradient
+    accumulator.)  No collective runs between the error and the check."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, odd(4, 5)), nn.Tanh(), nn.Linear(odd(4, 5), 2))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    loss = model(torch.ones(2, 3)).sum()
+    graph = weakref.ref(loss)
+    exc = expect(hvd.TensorMismatchError, loss.backward)
+    assert "ismatch" in str(exc), str(exc)
+    del loss, exc
+    gc.collect()
+    assert graph() is None, "the failed backward pass's graph is still alive"
+    opt.zero_grad()
+    follow_up(case)
 
 
 # --- duplicate names in flight -----------------------------------------------------------------
@@ -492,6 +514,7 @@ CASES = {
     "mismatch.kind_allreduce_vs_broadcast": m_kind,
     "mismatch.then_same_name_ok": m_then_same_name_ok,
     "mismatch.optimizer_param_shapes": m_optimizer,
+    "mismatch.optimizer_error_frees_the_graph": m_error_frees_the_graph,
     "duplicate.allreduce_in_flight": dup_allreduce,
     "duplicate.across_kinds": dup_across_kinds,
     "duplicate.after_completion_ok": dup_after_completion,
