@@ -75,7 +75,7 @@ class GradientBucket:
     """Parameters whose gradients travel together in ``flat`` (one view per parameter)."""
 
     __slots__ = ("name", "params", "names", "layout", "flat", "views", "ready", "handle",
-                 "alone")
+                 "reshaped")
 
     def __init__(self, name: str, params: list[torch.Tensor], names: list[str],
                  dtype: torch.dtype) -> None:
@@ -88,7 +88,7 @@ class GradientBucket:
         self.views = [v.view(p.shape) for v, p in zip(self.flat.split(numels), params)]
         self.ready = 0       # members whose gradient is complete for the coming reduction
         self.handle = None   # the flat tensor's reduction while it is in flight
-        self.alone = False   # this time the members went on their own (see pack)
+        self.reshaped = None   # this time's gradients, when they no longer fit (see pack)
 
     @staticmethod
     def signature(params: list[torch.Tensor]) -> tuple:
@@ -101,35 +101,54 @@ class GradientBucket:
         """In flight, or holding gradients that wait for the rest of the bucket."""
         return bool(self.ready) or self.handle is not None
 
-    def pack(self) -> bool:
-        """Copy the members' gradients into ``flat``.  A member without a gradient (unused on
-        this rank) gets zeros, as every gradient reduced on its own would; a sparse gradient
-        is made dense (the bucket was planned for dense gradients).  False if a gradient no
-        longer fits its view (its parameter changed shape since the plan; copying would
-        broadcast it): the caller then reduces the members on their own, and plans again."""
-        grads = [p.grad for p in self.params]
-        for grad, view in zip(grads, self.views):
-            if grad is None or grad.is_sparse or grad.shape != view.shape:
-                return self._pack_unusual()
-        torch._foreach_copy_(self.views, grads)
-        return True
+    def pack(self) -> torch.Tensor:
+        """Copy the members' gradients into one flat tensor and return it.  A member without a
+        gradient (unused on this rank) gets zeros, as every gradient reduced on its own would;
+        a sparse gradient is made dense (the bucket was planned for dense gradients).
 
-    def _pack_unusual(self) -> bool:
-        for p, view in zip(self.params, self.views):
+        Normally that tensor is ``flat``.  If a gradient no longer fits its view (its parameter
+        changed shape since the plan; copying would broadcast it), it is a new tensor of shape
+        ``(1, n)`` (n: the members' elements now), kept in ``reshaped`` until the reduction is
+        over: when every rank changed the parameter alike, the ranks reduce it under the
+        bucket's name as usual (and the optimizer plans again), and when only some ranks did,
+        its two dimensions never match the others' one-dimensional ``flat``, so negotiation
+        fails the bucket on every rank with a shape mismatch instead of mixing up elements."""
+        grads = [p.grad for p in self.params]
+        if any(g is None or g.is_sparse or g.shape != v.shape
+               for g, v in zip(grads, self.views)):
+            grads = self._dense_grads()
+            if any(g.shape != v.shape for g, v in zip(grads, self.views)):
+                self.reshaped = torch.cat([g.reshape(-1).to(self.flat.dtype)
+                                           for g in grads]).view(1, -1)
+                return self.reshaped
+        torch._foreach_copy_(self.views, grads)
+        return self.flat
+
+    def _dense_grads(self) -> list[torch.Tensor]:
+        for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             elif p.grad.is_sparse:
                 p.grad = p.grad.to_dense()
-            if p.grad.shape != view.shape:
-                return False
-        torch._foreach_copy_(self.views, [p.grad for p in self.params])
-        return True
+        return [p.grad for p in self.params]
 
     def unpack(self) -> None:
         """Copy the reduced values back into the members' ``.grad``."""
-        torch._foreach_copy_([p.grad for p in self.params], self.views)
+        grads = [p.grad for p in self.params]
+        if self.reshaped is None:
+            torch._foreach_copy_(grads, self.views)
+            return
+        parts = self.reshaped.view(-1).split([g.numel() for g in grads])
+        torch._foreach_copy_(grads, [part.view(g.shape) for part, g in zip(parts, grads)])
 
     def describe(self) -> str:
         shown = ", ".join(repr(n) for n in self.names[:4])
         more = f" and {len(self.names) - 4} more" if len(self.names) > 4 else ""
         return f"gradient bucket {self.name!r} (the gradients of {shown}{more})"
+
+    def describe_reshaped(self) -> str:
+        """'; on this rank ...' naming the members whose shape changed since the plan, or ''."""
+        changed = [f"{name!r} is {tuple(p.shape)} instead of {tuple(v.shape)}"
+                   for name, p, v in zip(self.names, self.params, self.views)
+                   if p.shape != v.shape]
+        return f"; on this rank {', '.join(changed)}" if changed else ""

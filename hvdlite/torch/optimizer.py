@@ -391,12 +391,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # --- buckets -----------------------------------------------------------------------------
     def _submit_bucket(self, bucket: GradientBucket) -> None:
-        if not bucket.pack():
-            bucket.alone = True
-            self._reduce_alone(bucket.params)
-            return
         prescale, postscale = self._scale_factors()
-        bucket.handle = allreduce_async_(bucket.flat, name=bucket.name, op=self._op,
+        bucket.handle = allreduce_async_(bucket.pack(), name=bucket.name, op=self._op,
                                          prescale_factor=prescale, postscale_factor=postscale,
                                          process_set=self._process_set)
 
@@ -535,12 +531,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if p in bucket_of:
                 entry = self._handles.get(p)
                 if entry is not None and entry[0] is None:   # a pass short of the count
-                    del self._handles[p]   # (a member gone alone has its own handle: kept)
+                    del self._handles[p]
             elif (p.requires_grad and self._handles.get(p, (None,))[0] is None
                     and p not in self._reduced):
                 self._handles[p] = self._allreduce_grad_async(p)
         for bucket in self._buckets:
-            if bucket.handle is None and not bucket.alone:
+            if bucket.handle is None:
                 self._flush_bucket(bucket)
         first_error = None
         reduced_in_buckets = []
@@ -572,6 +568,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     continue
                 bucket.unpack()
                 reduced_in_buckets.extend(bucket.params)
+                if bucket.reshaped is not None:   # (on every rank alike: it was reduced)
+                    self._replan = True   # a member changed shape: plan for the new one
             if first_error is None:
                 self._reduced.update(self._handles)
                 self._reduced.update(reduced_in_buckets)
@@ -608,7 +606,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for bucket in self._buckets:
             bucket.ready = 0
             bucket.handle = None
-            bucket.alone = False
+            bucket.reshaped = None
 
     def _restart_counts(self) -> None:
         self._reduced.clear()
@@ -716,7 +714,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 def _in_bucket(exc: BaseException, bucket: GradientBucket) -> BaseException:
     """``exc`` (of the same type where it can be) with the bucket's parameters named."""
     text = (f"{bucket.describe()}: {exc} (the buckets are planned from the parameters' order, "
-            f"shapes and dtypes: every rank must wrap the same model)")
+            f"shapes and dtypes: every rank must wrap the same model; a shape mismatch here "
+            f"means that a member changed shape on some ranks only"
+            f"{bucket.describe_reshaped()})")
     try:
         wrapped = type(exc)(text)
     except Exception:  # noqa: BLE001 - an exception type with another constructor

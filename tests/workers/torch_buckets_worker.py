@@ -9,6 +9,7 @@ buckets, how many reductions a step submits, what happens to unused, frozen, spa
 reshaped parameters, and ranks whose models list the parameters in different orders.
 """
 import copy
+import gc
 
 import torch
 import torch.nn as nn
@@ -365,6 +366,45 @@ def reshaped_parameter(case):
     close_to(model, ref, 1e-5)
 
 
+def reshaped_on_one_rank(case, reshape):
+    """A bucket member that changed shape on the last rank only (a bug in the user's script):
+    every rank raises a shape mismatch naming the bucket and the rank (that rank names the
+    parameter too) at the end of backward, with nothing applied or left in flight; once the shape is restored, training
+    goes on in step.  ``reshape`` keeps the number of elements or not: either way the bucket's
+    flat tensor must not be combined with the other ranks'."""
+    model, ref, opt, ref_opt = planned(case)
+    bucket = opt._bucket_of.get(model.scale)
+    assert bucket is not None, "test set-up: scale is not in a bucket"
+    original = model.scale.data
+    if RANK == SIZE - 1:
+        model.scale.data = reshape(original.clone())
+    before = copy.deepcopy(model.state_dict())
+    x, y = batch(case, 2)
+    opt.zero_grad()
+    try:
+        rank_loss(model, x, y, RANK, lambda k: False).backward()
+    except hvd.TensorMismatchError as exc:
+        text = str(exc)
+    else:
+        raise AssertionError("no error for a parameter reshaped on one rank only")
+    expected = [bucket.name, "Mismatched shape", f"ranks [{SIZE - 1}]",
+                "changed shape on some ranks only"]
+    if RANK == SIZE - 1:   # (the others cannot tell which member it was)
+        expected.append(f"'scale' is {tuple(model.scale.shape)} instead of ({IN},)")
+    for part in expected:
+        assert part in text, f"{part!r} not in the error: {text}"
+    assert not opt._in_flight(), "reductions left in flight"
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), "applied"
+    gc.collect()   # (the traceback kept the graph, and scale's old accumulator, alive)
+    model.scale.data = original
+    for step in range(3, STEPS):   # the reference skips the failed step
+        dist_step(case, step, model, opt)
+        ref_step(case, step, ref, ref_opt)
+    assert opt._bucket_of.get(model.scale) is bucket, "the plan changed"
+    same_on_all_ranks(model)
+    close_to(model, ref, 1e-5)
+
+
 class WithEmbedding(nn.Module):
     def __init__(self):
         super().__init__()
@@ -503,6 +543,9 @@ CASES = {
     "custom_compressor_goes_alone": custom_compressor_goes_alone,
     "registration_order_differs": registration_order_differs,
     "reshaped_parameter": reshaped_parameter,
+    "reshaped_on_one_rank.fewer_elements": lambda c: reshaped_on_one_rank(c, lambda t: t[:1]),
+    "reshaped_on_one_rank.same_elements": lambda c: reshaped_on_one_rank(
+        c, lambda t: t.view(1, -1)),
     "sparse_stays_out": sparse_stays_out,
     "bpps_with_unused": bpps_with_unused,
     "replan_while_a_rank_has_joined": replan_while_a_rank_has_joined,
