@@ -52,3 +52,51 @@ def test_gradient_buckets_benchmark_short_run():
                 "| buckets-2@1 |"):
         assert row in output, output
     assert "efficiency" in output and "overhead" in output
+
+
+TINY = ["--batch-size", "8", "--num-warmup-batches", "1", "--num-batches-per-iter", "2",
+        "--num-iters", "2"]
+
+
+@pytest.mark.parametrize("framework,via", [("torch", "mpi"), ("torch", "ddp"), ("tf", "mpi")])
+def test_reference_training_reports_throughput(tmp_path, framework, via):
+    """benchmarks/reference_training.py (the data-parallel loops hvdlite is measured against)
+    trains at 2 ranks and writes the synthetic benchmarks' JSON result."""
+    out = tmp_path / "result.json"
+    job = run_job(2, [sys.executable, str(REPO / "benchmarks" / "reference_training.py"),
+                      "--framework", framework, "--via", via, *TINY, "--json", str(out)],
+                  timeout=240)
+    assert not job.timed_out, job.output
+    assert job.returncode == 0, job.output
+    result = json.loads(out.read_text())
+    assert (result["framework"], result["via"], result["ranks"]) == (framework, via, 2), result
+    assert result["params"] > 5_000_000 and result["total"] > 0, result
+
+
+def test_reference_training_refuses_ddp_for_tensorflow():
+    job = run_job(1, [sys.executable, str(REPO / "benchmarks" / "reference_training.py"),
+                      "--framework", "tf", "--via", "ddp"], timeout=120)
+    assert job.returncode == 2 and "--via ddp is PyTorch's" in job.output, job.output
+
+
+def test_training_scaling_prints_every_configuration():
+    """benchmarks/training_scaling.py runs its seven PyTorch configurations (one short round)
+    and prints the table and the ratios the README quotes."""
+    cmd = [sys.executable, str(REPO / "benchmarks" / "training_scaling.py"), "--rounds", "1",
+           "--batch-size", "8", "--num-iters", "1", "--num-batches-per-iter", "2",
+           "--timeout", "120"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)   # the benchmark, its mpiexec and the ranks
+        output, _ = proc.communicate()
+        pytest.fail(f"training_scaling.py hung\n{output}")
+    assert proc.returncode == 0, output
+    for row in ("| bare-1 |", "| hvd-1 |", "| hvd-2 |", "| bare-2 |", "| lockstep-2 |",
+                "| mpi-2 |", "| ddp-2 |"):
+        assert row in output, output
+    for line in ("scaling efficiency at 2 ranks", "lockstep ceiling", "share of the lockstep",
+                 "against a blocking mpi4py Allreduce loop", "against DDP over gloo"):
+        assert line in output, output
