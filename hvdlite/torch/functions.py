@@ -14,16 +14,20 @@ from .mpi_ops import broadcast_async_, synchronize
 def broadcast_parameters(params, root_rank: int = 0) -> None:
     """Overwrite every rank's tensors with ``root_rank``'s, in place.
 
-    ``params``: a ``state_dict()``, ``model.named_parameters()``, or a list of (name, tensor)
-    pairs.  Names must be the same on every rank.
+    ``params``: a ``state_dict()``, ``model.named_parameters()``, a list of (name, tensor)
+    pairs, or (as in Horovod) a list of tensors such as ``list(model.parameters())``, which are
+    named by their position.  Names (or, for bare tensors, the order) must be the same on every
+    rank.
     """
     if isinstance(params, collections.abc.Mapping):
         items = sorted(params.items())
     elif isinstance(params, collections.abc.Iterable):
-        items = list(params)
+        items = [x if isinstance(x, tuple) else (f"#{i}", x) if isinstance(x, torch.Tensor)
+                 else x for i, x in enumerate(params)]
         if any(not (isinstance(x, tuple) and len(x) == 2) for x in items):
-            raise ValueError("broadcast_parameters expects a dict or a list of (name, tensor) "
-                             "pairs, e.g. model.state_dict() or model.named_parameters().")
+            raise ValueError("broadcast_parameters expects a dict, a list of (name, tensor) "
+                             "pairs or a list of tensors, e.g. model.state_dict(), "
+                             "model.named_parameters() or list(model.parameters()).")
     else:
         raise ValueError(f"invalid params of type {type(params).__name__}")
     items = [(name, p) for name, p in items if p is not None]
@@ -108,7 +112,28 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
                                             name=f"broadcast.optimizer.{pid}.{key}"))
     for handle in handles:
         synchronize(handle)
-    optimizer.load_state_dict({"state": new_state, "param_groups": skeleton["param_groups"]})
+    load_state_keeping_groups(optimizer, {"state": new_state,
+                                          "param_groups": skeleton["param_groups"]})
+
+
+def load_state_keeping_groups(optimizer: torch.optim.Optimizer, state_dict: dict,
+                              load=None) -> None:
+    """``optimizer.load_state_dict(state_dict)`` (or ``load(state_dict)``), except that the
+    loaded hyper-parameters are written into the param-group dicts (and the list) that the
+    optimizer already has, where torch replaces them with new ones.  A learning-rate scheduler
+    made for the optimizer before it was wrapped or its state broadcast (Horovod's examples do
+    both) holds those dicts, directly or through the unwrapped optimizer, whose groups the
+    DistributedOptimizer shares: with new dicts it would go on scheduling a learning rate that
+    no optimizer steps with."""
+    groups = optimizer.param_groups
+    kept = list(groups)
+    (load or optimizer.load_state_dict)(state_dict)
+    for old, new in zip(kept, optimizer.param_groups):
+        if old is not new:
+            old.clear()
+            old.update(new)
+    groups[:] = kept
+    optimizer.param_groups = groups
 
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",

@@ -26,6 +26,7 @@ from hvdlite.common.reduce_ops import ReduceOp
 from . import param_owners
 from .buckets import GradientBucket, alone_from, bucketable_compression, plan, wire_dtype
 from .compression import Compression
+from .functions import load_state_keeping_groups
 from .mpi_ops import allreduce, allreduce_async, allreduce_async_
 from .sparse import check_sparse_op, sparse_allreduce_async
 
@@ -672,11 +673,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict) -> None:
         """Load the wrapped optimizer's state; backward passes accumulated so far towards the
         next reduction are forgotten (as in Horovod), so a restored checkpoint starts a fresh
-        accumulation."""
+        accumulation.  The loaded hyper-parameters go into the existing param-group dicts, so
+        a learning-rate scheduler made for the unwrapped optimizer keeps working."""
         self._refuse_in_flight("load_state_dict()")
         self._restart_accumulation()
         self._fresh = False
-        return super().load_state_dict(state_dict)
+        # (into the param-group dicts it shares with the optimizer it wraps, see there)
+        load_state_keeping_groups(self, state_dict, super().load_state_dict)
 
     def _restart_accumulation(self) -> None:
         self._close_stream()

@@ -202,7 +202,10 @@ def state_cases(size: int) -> list[str]:
              for cond in STATE_CONDITIONS for order in STATE_ORDERS for root in (0, 1)]
             + [f"params.state_dict_with_buffers.root{root}" for root in range(size)]
             + [f"params.named_parameters.root{root}" for root in range(size)]
-            + ["params.list_of_pairs", "params.noncontiguous_tensor", "params.bad_input"]
+            + ["scheduler.made_before.fresh", "scheduler.made_before.restored",
+               "scheduler.made_before.plain_broadcast"]
+            + ["params.list_of_pairs", "params.list_of_tensors", "params.noncontiguous_tensor",
+               "params.bad_input"]
             + [f"object.broadcast.root{root}" for root in range(size)]
             + ["object.broadcast_large", "object.broadcast_none", "object.broadcast_custom_class",
                "object.allgather_nested", "object.allgather_uneven_sizes",

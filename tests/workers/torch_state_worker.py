@@ -266,6 +266,47 @@ def params_list_of_pairs(case):
     assert_params_equal(model, make_model(300 + SIZE - 1))
 
 
+def params_list_of_tensors(case):
+    """Horovod also takes bare tensors (``list(model.parameters())``), named by position."""
+    model = make_model(310 + RANK)
+    hvd.broadcast_parameters(list(model.parameters()), root_rank=SIZE - 1)
+    assert_params_equal(model, make_model(310 + SIZE - 1))
+
+
+def scheduler_made_before(case):
+    """A learning-rate scheduler made for the plain optimizer before it was wrapped and its
+    state broadcast (the order of some of Horovod's examples) schedules the learning rate the
+    DistributedOptimizer steps with.  ``restored``: the plain optimizer already has state when
+    it is wrapped (a checkpoint loaded first); ``plain_broadcast``: the state is broadcast on
+    the plain optimizer, before wrapping."""
+    variant = case.split(".")[-1]
+    model = make_model(320)
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if variant == "restored":
+        model(local_data(RANK, 0)[0]).sum().backward()
+        base.step()
+        base.zero_grad()
+    scheduler = torch.optim.lr_scheduler.StepLR(base, step_size=1, gamma=0.5)
+    if variant == "plain_broadcast":
+        hvd.broadcast_optimizer_state(base, root_rank=0)
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    if variant != "plain_broadcast":
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    for step in range(3):
+        opt.zero_grad()
+        x, y = local_data(RANK, step + 1)
+        F.mse_loss(model(x), y).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        lr = opt.param_groups[0]["lr"]
+        assert lr == 0.1 * 0.5 ** step, f"step {step}: the optimizer steps with lr {lr}"
+        opt.step()
+        scheduler.step()
+        assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert base.param_groups[0] is opt.param_groups[0], "the groups are no longer shared"
+    assert not ranks_differing(dict(model.named_parameters())), "ranks differ"
+
+
 def params_noncontiguous(case):
     bases = [torch.arange(12, dtype=torch.float32).reshape(3, 4) * (k + 1) for k in range(SIZE)]
     base = bases[RANK].clone()
@@ -274,7 +315,7 @@ def params_noncontiguous(case):
 
 
 def params_bad_input(case):
-    for bad in (42, [torch.zeros(2)], {"a": 1}):
+    for bad in (42, [1.5], {"a": 1}, [("a", torch.zeros(1), 3)]):
         try:
             hvd.broadcast_parameters(bad, root_rank=0)
         except (ValueError, TypeError):
@@ -389,6 +430,10 @@ def object_allgather_custom(case):
 
 OTHER = {
     "params.list_of_pairs": params_list_of_pairs,
+    "params.list_of_tensors": params_list_of_tensors,
+    "scheduler.made_before.fresh": scheduler_made_before,
+    "scheduler.made_before.restored": scheduler_made_before,
+    "scheduler.made_before.plain_broadcast": scheduler_made_before,
     "params.noncontiguous_tensor": params_noncontiguous,
     "params.bad_input": params_bad_input,
     "object.broadcast_large": object_broadcast_large,
