@@ -475,3 +475,8 @@ def cuda_built() -> bool:
 
 def rocm_built() -> bool:
     return False
+
+
+def sycl_built() -> bool:
+    """False: hvdlite has no SYCL (Intel GPU) data path."""
+    return False

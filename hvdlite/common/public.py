@@ -7,7 +7,7 @@ helpers) with ``from hvdlite.common.public import *``.
 from .basics import (init, shutdown, is_initialized, size, rank, local_size, local_rank,
                      cross_size, cross_rank, is_homogeneous, mpi_threads_supported, mpi_built,
                      mpi_enabled, gloo_built, gloo_enabled, nccl_built, ddl_built, ccl_built,
-                     cuda_built, rocm_built, add_process_set, remove_process_set,
+                     cuda_built, rocm_built, sycl_built, add_process_set, remove_process_set,
                      get_process_set_ids_and_ranks, comm_process_set, start_timeline,
                      stop_timeline)
 from .process_sets import ProcessSet, global_process_set
@@ -22,7 +22,7 @@ __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
     "cross_size", "cross_rank", "is_homogeneous", "mpi_threads_supported", "mpi_built",
     "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built", "ccl_built",
-    "cuda_built", "rocm_built", "add_process_set", "remove_process_set",
+    "cuda_built", "rocm_built", "sycl_built", "add_process_set", "remove_process_set",
     "get_process_set_ids_and_ranks", "comm_process_set", "start_timeline", "stop_timeline",
     "ProcessSet", "global_process_set",
     "HvdliteError", "HorovodInternalError", "NotInitializedError", "ShutdownError",
