@@ -2,8 +2,8 @@
 
     hvdlite run -np 2 python examples/tensorflow2_synthetic_benchmark.py --model mlp
 
-Models need no download: ``mlp`` (~5.3M parameters, matmul-bound) and ``convnet`` (a small CNN
-on 32x32 images).  The step is a ``tf.function`` with ``hvd.DistributedGradientTape``, as in
+Models need no download: ``mlp`` (~5.3M parameters, matmul-bound), ``convnet`` (a small CNN
+on 32x32 images) and ``resnet10`` (the ResNet of the PyTorch benchmark, 4.9M parameters).  The step is a ``tf.function`` with ``hvd.DistributedGradientTape``, as in
 Horovod's ``tensorflow2_synthetic_benchmark.py``; ``--no-distributed-tape`` measures the bare
 step (hvdlite's overhead at one rank); with ``--lockstep`` too, one scalar allreduce per step
 keeps the ranks in step without exchanging gradients (see benchmarks/training_scaling.py).
@@ -39,12 +39,40 @@ def build_model(name: str):
                                  L.Conv2D(128, 3, padding="same", activation="relu"),
                                  L.MaxPooling2D(), L.Flatten(),
                                  L.Dense(512, activation="relu"), L.Dense(10)]), (32, 32, 3)
-    raise ValueError(f"unknown model {name!r}; choose mlp or convnet")
+    if name == "resnet10":
+        return resnet10(keras), (32, 32, 3)
+    raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+
+
+MODELS = ["mlp", "convnet", "resnet10"]
+
+
+def resnet10(keras):
+    """The ResNet of examples/pytorch_synthetic_benchmark.py (ResNet-18's widths, one basic
+    block per stage, 32x32 images; 4.9M trainable parameters), in Keras."""
+    L = keras.layers
+
+    def conv_bn(x, filters, kernel, stride):
+        x = L.Conv2D(filters, kernel, stride, padding="same", use_bias=False)(x)
+        return L.BatchNormalization(epsilon=1e-5, momentum=0.9)(x)
+
+    def block(x, filters, stride):
+        y = L.ReLU()(conv_bn(x, filters, 3, stride))
+        y = conv_bn(y, filters, 3, 1)
+        shortcut = x if stride == 1 and x.shape[-1] == filters else conv_bn(x, filters, 1, stride)
+        return L.ReLU()(L.Add()([y, shortcut]))
+
+    inputs = keras.Input((32, 32, 3))
+    x = L.ReLU()(conv_bn(inputs, 64, 3, 1))
+    for filters, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        x = block(x, filters, stride)
+    outputs = L.Dense(10)(L.GlobalAveragePooling2D()(x))
+    return keras.Model(inputs, outputs)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="mlp", choices=["mlp", "convnet"])
+    p.add_argument("--model", default="mlp", choices=MODELS)
     p.add_argument("--batch-size", type=int, default=64, help="per-rank batch size")
     p.add_argument("--num-warmup-batches", type=int, default=5)
     p.add_argument("--num-batches-per-iter", type=int, default=10)

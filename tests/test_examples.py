@@ -47,6 +47,8 @@ def test_pytorch_digits_trains_checkpoints_and_resumes(np_, tmp_path):
     ("pytorch_synthetic_benchmark.py", ["--model", "mlp"]),
     ("pytorch_synthetic_benchmark.py", ["--model", "convnet", "--fp16-allreduce"]),
     ("tensorflow2_synthetic_benchmark.py", ["--model", "mlp"]),
+    ("pytorch_synthetic_benchmark.py", ["--model", "resnet10"]),
+    ("tensorflow2_synthetic_benchmark.py", ["--model", "resnet10"]),
     ("pytorch_synthetic_benchmark.py", ["--no-distributed-optimizer", "--lockstep"]),
     ("tensorflow2_synthetic_benchmark.py", ["--no-distributed-tape", "--lockstep"]),
 ])
@@ -57,6 +59,8 @@ def test_synthetic_benchmarks_report_throughput(script, extra, tmp_path):
     result = json.loads(out.read_text())
     assert result["ranks"] == 2 and result["total"] > 0, result
     assert result["lockstep"] == ("--lockstep" in extra), result
+    if "resnet10" in extra:   # the same ~5M-parameter model in both frameworks
+        assert result["params"] == 4_903_242, result
 
 
 @pytest.mark.parametrize("script", ["pytorch_synthetic_benchmark.py",
