@@ -3,19 +3,19 @@
     hvdlite run -np 2 python examples/pytorch_synthetic_benchmark.py --model mlp --batch-size 64
     hvdlite run -np 1 python examples/pytorch_synthetic_benchmark.py --cuda --batch-size 4096
 
-Models need no download: ``mlp`` (~5.3M parameters in 6 tensors, matmul-bound, only ~2 FLOPs
-per parameter and sample: the worst case for communication), ``convnet`` (a small CNN on 32x32
-images, ~1.2M parameters), ``resnet10`` (a ResNet on 32x32 images, 4.9M parameters, with the
-compute per gradient byte of ResNet-50 on ImageNet, the model of Horovod's own synthetic
-benchmark; ~0.65 s per step of 32 samples on one core here) and ``deep`` (32 residual blocks of
-Linear(256, 256) and LayerNorm, ~2.1M parameters in 130 small tensors: what
-DistributedOptimizer's gradient buckets are for, see HVDLITE_GRADIENT_BUCKET_MB).  ``--no-distributed-optimizer`` runs the bare
-optimizer (for measuring hvdlite's overhead at one rank); adding ``--lockstep`` keeps the ranks
-in step with one scalar allreduce per step but exchanges no gradients (the cost of synchronous
-steps alone, see benchmarks/training_scaling.py).  ``--cuda`` trains on
-``cuda:<local_rank % device_count>`` (gradients go through NCCL, or through host memory with
-HVDLITE_GPU_OPERATIONS=mpi) and synchronizes the device around every timed region, so the
-samples/sec count finished work, not queued kernels.
+Models need no download: ``mlp`` (~5.3M parameters in 6 tensors, matmul-bound, only ~2 FLOPs per
+parameter and sample: the worst case for communication), ``convnet`` (a small CNN on 32x32 images,
+~1.2M parameters), ``resnet10`` (a ResNet on 32x32 images, 4.9M parameters, with the compute per
+gradient byte of ResNet-50 on ImageNet, the model of Horovod's own synthetic benchmark; ~0.65 s per
+step of 32 samples on one core here) and ``deep`` (32 residual blocks of Linear(256, 256) and
+LayerNorm, ~2.1M parameters in 130 small tensors: what DistributedOptimizer's gradient buckets are
+for, see HVDLITE_GRADIENT_BUCKET_MB). ``--no-distributed-optimizer`` runs the bare optimizer (for
+measuring hvdlite's overhead at one rank); adding ``--lockstep`` keeps the ranks in step with one
+scalar allreduce per step but exchanges no gradients (the cost of synchronous steps alone, see
+benchmarks/training_scaling.py). ``--cuda`` trains on ``cuda:<local_rank % device_count>``
+(gradients go through NCCL, or through host memory with HVDLITE_GPU_OPERATIONS=mpi) and
+synchronizes the device around every timed region, so the samples/sec count finished work, not
+queued kernels.
 """
 from __future__ import annotations
 

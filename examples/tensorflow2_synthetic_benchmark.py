@@ -2,11 +2,12 @@
 
     hvdlite run -np 2 python examples/tensorflow2_synthetic_benchmark.py --model mlp
 
-Models need no download: ``mlp`` (~5.3M parameters, matmul-bound), ``convnet`` (a small CNN
-on 32x32 images) and ``resnet10`` (the ResNet of the PyTorch benchmark, 4.9M parameters).  The step is a ``tf.function`` with ``hvd.DistributedGradientTape``, as in
-Horovod's ``tensorflow2_synthetic_benchmark.py``; ``--no-distributed-tape`` measures the bare
-step (hvdlite's overhead at one rank); with ``--lockstep`` too, one scalar allreduce per step
-keeps the ranks in step without exchanging gradients (see benchmarks/training_scaling.py).
+Models need no download: ``mlp`` (~5.3M parameters, matmul-bound), ``convnet`` (a small CNN on
+32x32 images) and ``resnet10`` (the ResNet of the PyTorch benchmark, 4.9M parameters). The step is
+a ``tf.function`` with ``hvd.DistributedGradientTape``, as in Horovod's
+``tensorflow2_synthetic_benchmark.py``; ``--no-distributed-tape`` measures the bare step (hvdlite's
+overhead at one rank); with ``--lockstep`` too, one scalar allreduce per step keeps the ranks in
+step without exchanging gradients (see benchmarks/training_scaling.py).
 """
 from __future__ import annotations
 

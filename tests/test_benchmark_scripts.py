@@ -33,21 +33,28 @@ def test_allreduce_benchmark_short_run(tmp_path, np_):
         assert "targets:" in job.stdout
 
 
-def test_gradient_buckets_benchmark_short_run():
-    """benchmarks/gradient_buckets.py runs its five configurations (bare, per gradient and
-    bucketed, at 1 and 2 ranks) on the 130-tensor model and prints its table."""
-    cmd = [sys.executable, str(REPO / "benchmarks" / "gradient_buckets.py"), "--rounds", "1",
-           "--batch-size", "4", "--num-iters", "1", "--num-batches-per-iter", "2",
-           "--timeout", "120"]
+def _run_driver(script: str, args: list[str], timeout: float) -> str:
+    """Run a benchmark driver (it launches mpiexec jobs itself) in its own process group, kill
+    the whole group if it hangs; return its output, failing the test on a non-zero exit."""
+    cmd = [sys.executable, str(REPO / "benchmarks" / script), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
-        output, _ = proc.communicate(timeout=600)
+        output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)   # the benchmark, its mpiexec and the ranks
         output, _ = proc.communicate()
-        pytest.fail(f"gradient_buckets.py hung\n{output}")
+        pytest.fail(f"{script} hung\n{output}")
     assert proc.returncode == 0, output
+    return output
+
+
+def test_gradient_buckets_benchmark_short_run():
+    """benchmarks/gradient_buckets.py runs its five configurations (bare, per gradient and
+    bucketed, at 1 and 2 ranks) on the 130-tensor model and prints its table."""
+    output = _run_driver("gradient_buckets.py", ["--rounds", "1", "--batch-size", "4",
+                                                 "--num-iters", "1", "--num-batches-per-iter",
+                                                 "2", "--timeout", "120"], timeout=600)
     for row in ("| bare-1 |", "| per-gradient-1 |", "| buckets-1@1 |", "| per-gradient-2 |",
                 "| buckets-2@1 |"):
         assert row in output, output
@@ -82,18 +89,9 @@ def test_reference_training_refuses_ddp_for_tensorflow():
 def test_training_scaling_prints_every_configuration():
     """benchmarks/training_scaling.py runs its seven PyTorch configurations (one short round)
     and prints the table and the ratios the README quotes."""
-    cmd = [sys.executable, str(REPO / "benchmarks" / "training_scaling.py"), "--rounds", "1",
-           "--batch-size", "8", "--num-iters", "1", "--num-batches-per-iter", "2",
-           "--timeout", "120"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=900)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)   # the benchmark, its mpiexec and the ranks
-        output, _ = proc.communicate()
-        pytest.fail(f"training_scaling.py hung\n{output}")
-    assert proc.returncode == 0, output
+    output = _run_driver("training_scaling.py", ["--rounds", "1", "--batch-size", "8",
+                                                 "--num-iters", "1", "--num-batches-per-iter",
+                                                 "2", "--timeout", "120"], timeout=900)
     for row in ("| bare-1 |", "| hvd-1 |", "| hvd-2 |", "| bare-2 |", "| lockstep-2 |",
                 "| mpi-2 |", "| ddp-2 |"):
         assert row in output, output

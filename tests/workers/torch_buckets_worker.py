@@ -369,9 +369,9 @@ def reshaped_parameter(case):
 def reshaped_on_one_rank(case, reshape):
     """A bucket member that changed shape on the last rank only (a bug in the user's script):
     every rank raises a shape mismatch naming the bucket and the rank (that rank names the
-    parameter too) at the end of backward, with nothing applied or left in flight; once the shape is restored, training
-    goes on in step.  ``reshape`` keeps the number of elements or not: either way the bucket's
-    flat tensor must not be combined with the other ranks'."""
+    parameter too) at the end of backward, with nothing applied or left in flight; once the
+    shape is restored, training goes on in step.  ``reshape`` keeps the number of elements or
+    not: either way the bucket's flat tensor must not be combined with the other ranks'."""
     model, ref, opt, ref_opt = planned(case)
     bucket = opt._bucket_of.get(model.scale)
     assert bucket is not None, "test set-up: scale is not in a bucket"
