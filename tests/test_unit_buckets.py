@@ -73,7 +73,7 @@ def test_pack_and_unpack_round_trip_through_the_flat_tensor():
     for k, p in enumerate(ps):
         p.grad = torch.arange(p.numel(), dtype=p.dtype).reshape(p.shape) + 10 * k
     bucket = GradientBucket("b", ps, ["a", "b", "c"], torch.float32)
-    assert bucket.pack()
+    assert bucket.pack() is bucket.flat
     expected = torch.cat([p.grad.reshape(-1) for p in ps])
     assert torch.equal(bucket.flat, expected)
     bucket.flat.mul_(2)   # as a reduction would
@@ -87,19 +87,39 @@ def test_pack_gives_zeros_to_a_member_without_gradient_and_densifies_sparse_ones
     ps[1].grad = torch.sparse_coo_tensor([[0], [1]], [5.0], (2, 2), check_invariants=True)
     bucket = GradientBucket("b", ps, ["a", "b"], torch.float32)
     bucket.flat.fill_(7)
-    assert bucket.pack()
+    assert bucket.pack() is bucket.flat
     assert torch.equal(ps[0].grad, torch.zeros(3))
     assert not ps[1].grad.is_sparse
     assert bucket.flat.tolist() == [0, 0, 0, 0, 5, 0, 0]
 
 
-def test_pack_refuses_a_gradient_that_changed_shape_instead_of_broadcasting_it():
+def test_pack_sends_a_gradient_that_changed_shape_as_is_instead_of_broadcasting_it():
+    """A member whose shape changed since the plan: its gradient is not broadcast into its old
+    view; the bucket goes as a (1, n) tensor of the gradients as they are (which can never
+    match another rank's planned, one-dimensional flat tensor), and unpacks from it."""
     ps = params((4,), (2,))
     bucket = GradientBucket("b", ps, ["a", "b"], torch.float32)
     ps[0].data = torch.zeros(1)
-    ps[0].grad, ps[1].grad = torch.ones(1), torch.ones(2)
-    assert not bucket.pack()
+    ps[0].grad, ps[1].grad = torch.full((1,), 3.0), torch.tensor([4.0, 5.0])
+    wire = bucket.pack()
+    assert wire is bucket.reshaped and wire.shape == (1, 3) and wire.tolist() == [[3, 4, 5]]
+    assert bucket.flat.shape == (6,), "the planned flat tensor changed"
+    assert "'a' is (1,) instead of (4,)" in bucket.describe_reshaped()
+    wire.mul_(2)   # as a reduction would
+    bucket.unpack()
+    assert ps[0].grad.tolist() == [6.0] and ps[1].grad.tolist() == [8.0, 10.0]
     assert bucket.layout != GradientBucket.signature(ps), "a re-plan would reuse the bucket"
+
+
+def test_pack_sends_a_same_size_reshape_in_two_dimensions_too():
+    """Same number of elements, other shape: still never the planned flat tensor's shape."""
+    ps = params((2, 3), (2,))
+    bucket = GradientBucket("b", ps, ["a", "b"], torch.float32)
+    ps[0].data = torch.zeros(3, 2)
+    ps[0].grad, ps[1].grad = torch.ones(3, 2), torch.ones(2)
+    wire = bucket.pack()
+    assert wire.shape == (1, 8) and wire.shape != bucket.flat.shape
+    assert bucket.describe_reshaped() == "; on this rank 'a' is (3, 2) instead of (2, 3)"
 
 
 def test_pack_casts_to_the_wire_dtype_and_unpack_casts_back():
@@ -107,7 +127,7 @@ def test_pack_casts_to_the_wire_dtype_and_unpack_casts_back():
     for p in ps:
         p.grad = torch.full(p.shape, 1.0 / 3)
     bucket = GradientBucket("b", ps, ["a", "b"], torch.float16)
-    assert bucket.pack() and bucket.flat.dtype == torch.float16
+    assert bucket.pack() is bucket.flat and bucket.flat.dtype == torch.float16
     bucket.unpack()
     assert ps[0].grad.dtype == torch.float32
     assert torch.equal(ps[0].grad, torch.tensor(1.0 / 3).half().float().expand(3))

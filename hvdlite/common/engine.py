@@ -371,7 +371,12 @@ class Engine:
         # runs (many steps later: a training loop then gets fresh, page-faulting memory for
         # every result, and the framework's gradient buffers are not reused either).
         entry.group = None
-        entry.handle._complete(result, error)
+        # The entry may outlive this call (the round that completed it still lists it), and an
+        # error raised to the user carries the user's frames in its traceback: hand the handle
+        # over instead of keeping it, so that nothing here keeps those frames alive.
+        handle, entry.handle = entry.handle, None
+        if handle is not None:
+            handle._complete(result, error)
 
     def _stop_after_shutdown(self, ranks: tuple[int, ...]) -> None:
         if self.rank in ranks:
