@@ -224,10 +224,6 @@ class Engine:
                 # pace the rounds by the cycle time instead of spinning.
                 pause = (self.config.cycle_seconds
                          if (not outcome.progress and outcome.everyone_busy and not new) else 0.0)
-                # Drop this round's entries before waiting for the next: held here, a failed
-                # entry's error (and through its traceback, the frames that raised it, e.g. a
-                # whole autograd graph) would stay alive until the next round of work.
-                new = outcome = None
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiters
             if isinstance(exc, HvdliteError):
                 reason = str(exc)
