@@ -19,11 +19,11 @@ from . import timeline as _timeline
 from .backend_mpi import MPIBackend
 from .config import Config
 from .controller import Controller, IDLE_TICK_SECONDS
-from .errors import (DuplicateNameError, HvdliteError, RankExitedError, ShutdownError,
-                     StallError, TensorMismatchError)
+from .errors import (DuplicateNameError, FailedOnRankError, HvdliteError, RankExitedError,
+                     ShutdownError, StallError, TensorMismatchError)
 from .fusion import plan_batches
 from .handle import Entry, Handle
-from .messages import ALLREDUCE, ERROR_STALL, Response
+from .messages import ALLREDUCE, ERROR_FAILED_ON_RANK, ERROR_STALL, Response
 from .waiting import poll_briefly, wait_until
 
 log = logging.getLogger("hvdlite")
@@ -42,6 +42,10 @@ IDLE_POLL_SECONDS = 200e-6
 _fusion_fields = operator.itemgetter(2, 4, 6, 7, 8)   # dtype, op, device, pre/postscale
 assert Response._fields[2:9] == ("dtype", "shape", "reduce_op", "root", "device", "prescale",
                                  "postscale")
+
+
+# How a negotiation's error response is raised (anything else is a mismatch).
+_ERROR_CLASSES = {ERROR_STALL: StallError, ERROR_FAILED_ON_RANK: FailedOnRankError}
 
 
 def _fusion_key(item: tuple[Response, Entry]):
@@ -254,7 +258,7 @@ class Engine:
             runnable = []
             for response, entry in ready:
                 if response.error is not None:
-                    cls = StallError if response.error_kind == ERROR_STALL else TensorMismatchError
+                    cls = _ERROR_CLASSES.get(response.error_kind, TensorMismatchError)
                     self._complete(entry, error=cls(response.error))
                 else:
                     runnable.append((response, entry))

@@ -48,6 +48,12 @@ class UnsupportedDtypeError(HvdliteError, TypeError):
     """The dtype cannot be used with the requested operation."""
 
 
+class FailedOnRankError(HvdliteError):
+    """Another rank raised while preparing this operation, before it could submit it (a bad
+    tensor or argument there); the operation fails on every rank, and the message names the
+    ranks and their error."""
+
+
 class StallError(HvdliteError):
     """A tensor stayed unsubmitted on some ranks past HVDLITE_STALL_SHUTDOWN_TIME_SECONDS."""
 

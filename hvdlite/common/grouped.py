@@ -7,6 +7,8 @@ validation, every member fails with an error naming it.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Sequence
 
 import numpy as np
@@ -14,7 +16,7 @@ import numpy as np
 from . import basics
 from .handle import GroupHandle
 from .messages import ALLGATHER, ALLREDUCE, REDUCESCATTER
-from .ops import _auto_name, _contiguous, make_entry
+from .ops import _announce, _auto_name, _contiguous, make_entry
 from .process_sets import ProcessSet
 from .reduce_ops import ReduceOp, resolve_op
 
@@ -30,18 +32,67 @@ def submit_group(kind: str, arrays: Sequence[np.ndarray], *, name: str | None = 
     n = len(arrays)
     if n == 0:
         return GroupHandle(name or f"grouped_{kind}", [])
-    base = name if name is not None else _auto_name(f"grouped_{kind}", set_id)
-    group = f"{base}.group{n}"
-    entries = [make_entry(engine, members, kind, array,
-                          name=f"{base}.{i}" if name is not None else None,
-                          output=None if outputs is None else outputs[i],
-                          allocate=None if allocates is None else allocates[i],
-                          dtype=None if dtypes is None else dtypes[i], set_id=set_id,
-                          group=group, group_size=n, **kwargs)
-               for i, array in enumerate(arrays)]
+    auto_named = name is None
+    # Every member's name is taken before any is checked: if one fails in an unnamed group, all
+    # are announced as failed, so the other ranks' group fails too and later names stay paired.
+    group, names = _group_names(kind, name, set_id, n)
+    try:
+        entries = [make_entry(engine, members, kind, array, name=names[i],
+                              output=None if outputs is None else outputs[i],
+                              allocate=None if allocates is None else allocates[i],
+                              dtype=None if dtypes is None else dtypes[i], set_id=set_id,
+                              group=group, group_size=n, auto_named=auto_named, **kwargs)
+                   for i, array in enumerate(arrays)]
+    except Exception as exc:
+        if auto_named:
+            _announce(engine, members, names, exc, group=group)
+        raise
     return GroupHandle(group, engine.submit_group(entries))
 
 
+def _group_names(kind: str, name: str | None, set_id: int, n: int) -> tuple[str, list[str]]:
+    """The group's name and its members' names (unnamed groups take them from the counters)."""
+    base = _auto_name(f"grouped_{kind}", set_id) if name is None else name
+    members = ([_auto_name(kind, set_id) for _ in range(n)] if name is None
+               else [f"{base}.{i}" for i in range(n)])
+    return f"{base}.group{n}", members
+
+
+def _announcing_group(kind: str):
+    """:func:`hvdlite.common.ops.announcing` for grouped operations: an unnamed group that
+    fails before it is submitted takes the names the other ranks' group took, and fails there
+    as one unit."""
+    def decorate(fn):
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:
+                if not getattr(exc, "_hvdlite_announced", False):
+                    _announce_group(kind, signature, args, kwargs, exc)
+                raise
+        return call
+    return decorate
+
+
+def _announce_group(kind: str, signature, args, kwargs, exc: Exception) -> None:
+    try:
+        bound = signature.bind(*args, **kwargs).arguments
+        n = len(bound["arrays"])
+        if bound.get("name") is not None or n == 0:
+            return
+        engine, members = basics.process_set_engine(bound.get("process_set"),
+                                                    f"grouped {kind}")
+        set_id = 0 if members is None else bound["process_set"].process_set_id
+    except Exception:   # noqa: BLE001 - malformed call, or nothing can be submitted here
+        return
+    group, names = _group_names(kind, None, set_id, n)
+    _announce(engine, members, names, exc, group=group)
+
+
+@_announcing_group(ALLREDUCE)
 def grouped_allreduce_async(arrays, average: bool | None = None, name: str | None = None,
                             op: ReduceOp | None = None, prescale_factor: float = 1.0,
                             postscale_factor: float = 1.0,
@@ -52,6 +103,7 @@ def grouped_allreduce_async(arrays, average: bool | None = None, name: str | Non
                         postscale_factor=postscale_factor, process_set=process_set)
 
 
+@_announcing_group(ALLREDUCE)
 def grouped_allreduce_async_(arrays, average: bool | None = None, name: str | None = None,
                              op: ReduceOp | None = None, prescale_factor: float = 1.0,
                              postscale_factor: float = 1.0,
@@ -84,6 +136,7 @@ def grouped_allreduce_(arrays, average: bool | None = None, name: str | None = N
                                     postscale_factor, process_set).wait()
 
 
+@_announcing_group(ALLGATHER)
 def grouped_allgather_async(arrays, name: str | None = None,
                             process_set: ProcessSet | None = None) -> GroupHandle:
     """Allgather a list of arrays as one unit; the handle yields a list of gathered arrays."""
@@ -100,6 +153,7 @@ def grouped_allgather(arrays, name: str | None = None,
     return grouped_allgather_async(arrays, name, process_set).wait()
 
 
+@_announcing_group(REDUCESCATTER)
 def grouped_reducescatter_async(arrays, name: str | None = None, op: ReduceOp | None = None,
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                                 process_set: ProcessSet | None = None) -> GroupHandle:

@@ -15,6 +15,10 @@ BARRIER = "barrier"
 ALLTOALL = "alltoall"
 REDUCESCATTER = "reducescatter"
 JOIN = "join"
+# Stands for an operation that raised on this rank before it could be submitted: the other ranks'
+# operation under the same name fails with the cause instead of waiting for it, and automatic
+# names stay paired across ranks (see ``ops.announce_failure``).
+FAILED = "failed"
 
 # Kinds that reduce, i.e. can run while some ranks have joined (they contribute the identity).
 REDUCING_KINDS = (ALLREDUCE,)
@@ -28,6 +32,7 @@ def runs_while_joined(kind: str, reduce_op: int) -> bool:
 
 ERROR_MISMATCH = "mismatch"
 ERROR_STALL = "stall"
+ERROR_FAILED_ON_RANK = "failed on a rank"
 
 
 class Request(NamedTuple):
@@ -44,6 +49,7 @@ class Request(NamedTuple):
     group: str = ""           # grouped ops: the group's name (members negotiate as one unit)
     group_size: int = 0
     cacheable: bool = True    # auto-named tensors never repeat, so caching them is waste
+    failure: str = ""         # FAILED: the error this rank raised (type and message)
 
     def signature(self) -> tuple:
         """Everything that must match for a cached response to be reused."""
@@ -102,6 +108,10 @@ def build_response(requests: Mapping[int, Request], joined: Iterable[int] = ()) 
     operation cannot run without them and fails with an error saying so.
     """
     name = next(iter(requests.values())).name
+    failed = sorted(rank for rank, req in requests.items() if req.kind == FAILED)
+    if failed:
+        return Response(name, "error", error=_failed_on_ranks(name, requests, failed),
+                        error_kind=ERROR_FAILED_ON_RANK, cacheable=False)
     by_kind = {rank: req.kind for rank, req in requests.items()}
     if len(set(by_kind.values())) > 1:
         return Response(name, "error", error=_describe_values(name, "negotiation", "operation",
@@ -142,6 +152,15 @@ def build_response(requests: Mapping[int, Request], joined: Iterable[int] = ()) 
     return Response(name, kind, first.dtype, first.shape, first.reduce_op, first.root,
                     first.device, first.prescale, first.postscale, first_dims,
                     cacheable=all(r.cacheable for r in requests.values()), splits=splits)
+
+
+def _failed_on_ranks(name: str, requests: Mapping[int, Request], failed: list[int]) -> str:
+    kinds = sorted({req.kind for req in requests.values() if req.kind != FAILED})
+    what = f"{kinds[0]} {name!r}" if len(kinds) == 1 else repr(name)
+    causes = "; ".join(f"rank {rank}: {requests[rank].failure}" for rank in failed)
+    return (f"{what} failed on ranks {failed}, which raised before submitting it ({causes}). "
+            f"The operation fails on every rank, so no rank waits for it; later operations "
+            f"(named or unnamed) stay paired. Fix the input on ranks {failed}.")
 
 
 def _joined_error(request: Request, submitted: list[int], joined: list[int]) -> str | None:

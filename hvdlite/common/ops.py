@@ -7,6 +7,8 @@ same order when unnamed); results are identical on every rank.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import threading
 from typing import Callable
@@ -15,11 +17,11 @@ import numpy as np
 
 from . import basics
 from .dtypes import check_reduce_op, dtype_info
-from .errors import HvdliteError
+from .errors import DuplicateNameError, HvdliteError, ShutdownError
 from .handle import Entry, GroupHandle, Handle
 from .memory import result_empty
-from .messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN, REDUCESCATTER,
-                       Request)
+from .messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, FAILED, JOIN,
+                       REDUCESCATTER, Request)
 from .process_sets import ProcessSet, global_process_set
 from .reduce_ops import ReduceOp, resolve_op
 
@@ -33,6 +35,10 @@ def _auto_name(kind: str, set_id: int = 0) -> str:
         counter = _counters.setdefault((kind, set_id), itertools.count())
         n = next(counter)
     return f"{kind}.noname.{n}" if set_id == 0 else f"{kind}.set{set_id}.noname.{n}"
+
+
+# The cause sent to the other ranks with a FAILED stand-in is cut to this many characters.
+_FAILURE_TEXT_LIMIT = 600
 
 
 def reset_auto_names() -> None:
@@ -83,7 +89,7 @@ def fast_host_allreduce(array, output, name, reduce_op, prescale_factor, postsca
     if output is None:
         output = result_empty(shape, array.dtype)
     request = _new_request(Request, (name, ALLREDUCE, checked[0], shape, checked[1], -1, -1,
-                                     prescale_factor, postscale_factor, (), "", 0, True))
+                                     prescale_factor, postscale_factor, (), "", 0, True, ""))
     return engine.submit(Entry(request, array, output, _default_allocate,
                                engine.new_handle(name)))
 
@@ -113,11 +119,93 @@ def submit(kind: str, array: np.ndarray | None, *, name: str | None = None,
         engine, members = basics.process_set_engine(process_set,
                                                     f"{kind} of {name or 'a tensor'}")
         set_id = 0 if members is None else process_set.process_set_id
-    # Positional: this runs for every gradient, and keyword passing costs measurably here.
-    entry = make_entry(engine, members, kind, array, name, output, allocate, reduce_op,
-                       root_rank, prescale_factor, postscale_factor, dtype, device, splits,
-                       set_id)
+    auto_named = name is None
+    if auto_named:
+        name = _auto_name(kind, set_id)
+    try:
+        # Positional: this runs for every gradient, and keyword passing costs measurably here.
+        entry = make_entry(engine, members, kind, array, name, output, allocate, reduce_op,
+                           root_rank, prescale_factor, postscale_factor, dtype, device, splits,
+                           set_id, "", 0, auto_named)
+    except Exception as exc:
+        if auto_named:
+            _announce(engine, members, [name], exc)
+        raise
     return engine.submit(entry)
+
+
+def announce_failure(kind: str, name: str | None, process_set: ProcessSet | None,
+                     error: BaseException) -> None:
+    """Tell the other ranks that this rank's unnamed ``kind`` operation raised ``error`` before
+    it could be submitted (adapters call this when their own checks fail; the core's checks do
+    it themselves).  The operation takes its automatic name here, so the ranks' later automatic
+    names stay paired, and the other ranks' operation under that name fails with an error
+    naming this rank and the cause instead of waiting for a submission that never comes.
+
+    Named operations are not announced: the rank may retry under the same name (the others'
+    operation then completes with the retry), and a stand-in would occupy the name.  Nothing is
+    announced where no operation could be submitted (not initialized, not a member of
+    ``process_set``, shut down)."""
+    if name is not None or getattr(error, "_hvdlite_announced", False):
+        return
+    try:
+        if process_set is None or process_set is global_process_set:
+            engine, members, set_id = basics.engine(), None, 0
+        else:
+            engine, members = basics.process_set_engine(process_set, f"{kind} of a tensor")
+            set_id = 0 if members is None else process_set.process_set_id
+    except Exception:   # noqa: BLE001 - nothing can be submitted here, so nothing is owed
+        return
+    _announce(engine, members, [_auto_name(kind, set_id)], error)
+
+
+def announcing(kind: str) -> Callable[[Callable], Callable]:
+    """Decorator for a public operation taking ``name`` and ``process_set`` arguments: an
+    error it raises before the core took its submission is announced (see
+    :func:`announce_failure`), whichever check raised it."""
+    def decorate(fn: Callable) -> Callable:
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:
+                if not getattr(exc, "_hvdlite_announced", False):
+                    try:
+                        bound = signature.bind(*args, **kwargs).arguments
+                    except TypeError:   # the call itself was malformed: announce it unnamed
+                        bound = {}
+                    announce_failure(kind, bound.get("name"), bound.get("process_set"), exc)
+                raise
+        return call
+    return decorate
+
+
+def _announce(engine, members: list[int] | None, names: list[str], error: BaseException,
+              group: str = "") -> None:
+    """Submit one FAILED stand-in per name (a group's members keep their group, so that the
+    group fails as one unit everywhere).  Best effort: the caller re-raises ``error``."""
+    try:
+        error._hvdlite_announced = True   # outer layers (see announcing) must not announce again
+    except AttributeError:
+        pass
+    if isinstance(error, (DuplicateNameError, ShutdownError)):
+        return   # the name is busy here, or nothing runs any more: nothing can stand in
+    failure = f"{type(error).__name__}: {error}"
+    if len(failure) > _FAILURE_TEXT_LIMIT:
+        failure = failure[:_FAILURE_TEXT_LIMIT] + "..."
+    entries = [Entry(Request(name, FAILED, "uint8", (), group=group,
+                             group_size=len(names) if group else 0, cacheable=False,
+                             failure=failure), None, None, None, engine.new_handle(name))
+               for name in names]
+    try:
+        if group:
+            engine.submit_group(entries)
+        else:
+            engine.submit(entries[0])
+    except HvdliteError:   # e.g. one of the names is in flight here already
+        pass
 
 
 def make_entry(engine, members: list[int] | None, kind: str, array: np.ndarray | None,
@@ -126,13 +214,12 @@ def make_entry(engine, members: list[int] | None, kind: str, array: np.ndarray |
                reduce_op: ReduceOp = ReduceOp.Sum, root_rank: int = -1,
                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                dtype: str | None = None, device: int = -1, splits=None, set_id: int = 0,
-               group: str = "", group_size: int = 0) -> Entry:
+               group: str = "", group_size: int = 0, auto_named: bool = False) -> Entry:
     """Validate one operation locally and build the engine entry for it (see :func:`submit`);
-    ``members`` are the global ranks of its process set (None = all)."""
-    cacheable = name is not None
-    if name is None:
-        name = _auto_name(kind, set_id)
-    elif not isinstance(name, str):
+    ``members`` are the global ranks of its process set (None = all).  ``auto_named``: ``name``
+    was generated (such names never repeat, so their responses are not cached)."""
+    cacheable = not auto_named
+    if not isinstance(name, str):
         raise TypeError(f"name must be a string, got {type(name).__name__}")
     if kind in (BARRIER, JOIN):
         request = Request(name, kind, "uint8", (), cacheable=kind == BARRIER)
@@ -269,6 +356,7 @@ def _check_writable(array: np.ndarray, what: str) -> None:
 
 
 # --- allreduce -------------------------------------------------------------------------------
+@announcing(ALLREDUCE)
 def allreduce_async(array, average: bool | None = None, name: str | None = None,
                     op: ReduceOp | None = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0,
@@ -291,6 +379,7 @@ def allreduce_async(array, average: bool | None = None, name: str | None = None,
                   process_set=process_set)
 
 
+@announcing(ALLREDUCE)
 def allreduce_async_(array: np.ndarray, average: bool | None = None, name: str | None = None,
                      op: ReduceOp | None = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0,
@@ -331,6 +420,7 @@ def allreduce_(array: np.ndarray, average: bool | None = None, name: str | None 
 
 
 # --- allgather -------------------------------------------------------------------------------
+@announcing(ALLGATHER)
 def allgather_async(array, name: str | None = None,
                     process_set: ProcessSet | None = None) -> Handle:
     """Start gathering every rank's ``array`` along the first dimension (which may differ per
@@ -345,6 +435,7 @@ def allgather(array, name: str | None = None,
 
 
 # --- broadcast -------------------------------------------------------------------------------
+@announcing(BROADCAST)
 def broadcast_async(array, root_rank: int, name: str | None = None,
                     process_set: ProcessSet | None = None) -> Handle:
     """Start broadcasting ``root_rank``'s ``array`` into a new array on every rank.
@@ -353,6 +444,7 @@ def broadcast_async(array, root_rank: int, name: str | None = None,
                   process_set=process_set)
 
 
+@announcing(BROADCAST)
 def broadcast_async_(array: np.ndarray, root_rank: int, name: str | None = None,
                      process_set: ProcessSet | None = None) -> Handle:
     """In-place broadcast: ``array`` is overwritten with the root's values on other ranks."""
@@ -374,6 +466,7 @@ def broadcast_(array: np.ndarray, root_rank: int, name: str | None = None,
 
 
 # --- alltoall --------------------------------------------------------------------------------
+@announcing(ALLTOALL)
 def alltoall_async(array, splits=None, name: str | None = None,
                    process_set: ProcessSet | None = None) -> Handle:
     """Start an alltoall: rows ``splits[j]`` of ``array`` (along dimension 0, in order) go to
@@ -391,6 +484,7 @@ def alltoall(array, splits=None, name: str | None = None,
 
 
 # --- reducescatter ---------------------------------------------------------------------------
+@announcing(REDUCESCATTER)
 def reducescatter_async(array, name: str | None = None, op: ReduceOp | None = None,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                         process_set: ProcessSet | None = None) -> Handle:

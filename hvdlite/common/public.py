@@ -14,7 +14,7 @@ from .process_sets import ProcessSet, global_process_set
 from .errors import (HvdliteError, HorovodInternalError, NotInitializedError, ShutdownError,
                      RankExitedError, TensorMismatchError, DuplicateNameError,
                      UnsupportedDtypeError, StallError, GpuUnavailableError,
-                     RankChildProcessError)
+                     RankChildProcessError, FailedOnRankError)
 from .objects import allgather_object, broadcast_object
 from .reduce_ops import ReduceOp, Average, Sum, Adasum, Min, Max, Product
 
@@ -27,7 +27,7 @@ __all__ = [
     "ProcessSet", "global_process_set",
     "HvdliteError", "HorovodInternalError", "NotInitializedError", "ShutdownError",
     "RankExitedError", "TensorMismatchError", "DuplicateNameError", "UnsupportedDtypeError",
-    "StallError", "GpuUnavailableError", "RankChildProcessError",
+    "StallError", "GpuUnavailableError", "RankChildProcessError", "FailedOnRankError",
     "allgather_object", "broadcast_object",
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
 ]

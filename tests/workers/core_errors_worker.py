@@ -417,6 +417,93 @@ def after_shutdown_reinit_works():
     follow_up("reinit")
 
 
+# --- unnamed operations after an error on one rank --------------------------------------------
+# Without the FAILED stand-in the failing rank's automatic names fall one behind: the others'
+# operation waits for ever (sync) and every later unnamed op pairs with the wrong tensor (here
+# with different shapes, so it would fail with a mismatch, or give wrong sums).
+def unnamed_follow_ups(label: str) -> None:
+    """Unnamed ops of several shapes and kinds right after the error: every rank pairs them."""
+    xs = [np.arange(k + 2, dtype=np.float64) * (RANK + 1) for k in range(3)]
+    got = [attempt(lambda x=x: hvd.allreduce(x, op=hvd.Sum)) for x in xs]
+    gathered = attempt(lambda: hvd.allgather(np.full((RANK + 1, 2), RANK, dtype=np.int32)))
+    grouped = attempt(lambda: hvd.grouped_allreduce([xs[0], xs[2]], op=hvd.Sum))
+    total = sum(k + 1 for k in range(SIZE))
+    for x, g in zip(xs, got):
+        check_exact(f"{label}: unnamed allreduce after the error", g, x / (RANK + 1) * total)
+    check_exact(f"{label}: unnamed allgather after the error", gathered,
+                np.concatenate([np.full((k + 1, 2), k, dtype=np.int32) for k in range(SIZE)]))
+    if isinstance(grouped, Exception):
+        raise AssertionError(f"{label}: unnamed grouped_allreduce after the error: {grouped!r}")
+    check_exact(f"{label}: grouped member 0", grouped[0], xs[0] / (RANK + 1) * total)
+    check_exact(f"{label}: grouped member 1", grouped[1], xs[2] / (RANK + 1) * total)
+
+
+def failed_on_rank(outcome, label: str, bad: int, cause: str) -> None:
+    """The other ranks' error: FailedOnRankError naming the failing rank and its error."""
+    if not isinstance(outcome, hvd.FailedOnRankError):
+        raise AssertionError(f"{label}: expected FailedOnRankError, got {outcome!r}")
+    msg = str(outcome)
+    for frag in (f"ranks [{bad}]", cause, "noname"):
+        assert frag in msg, f"{label}: message lacks {frag!r}: {msg}"
+
+
+def unnamed_one_rank(label: str, bad: int, fail, good, cause: str, local_cls) -> None:
+    """Rank ``bad`` raises ``local_cls`` from ``fail()``; the others run ``good()`` (same kind,
+    unnamed) and must get FailedOnRankError instead of waiting; then unnamed ops pair."""
+    out = attempt(fail if RANK == bad else good)
+    unnamed_follow_ups(label)
+    if RANK == bad:
+        if not isinstance(out, local_cls):
+            raise AssertionError(f"{label}: expected {local_cls.__name__}, got {out!r}")
+    else:
+        failed_on_rank(out, label, bad, cause)
+
+
+def unnamed_core_check():
+    unnamed_one_rank("dtype", LAST, lambda: hvd.allreduce(np.array(["x", "y"])),
+                     lambda: hvd.allreduce(np.ones(2)), "UnsupportedDtypeError",
+                     hvd.UnsupportedDtypeError)
+
+
+def unnamed_argument_check():
+    # resolve_op raises before the core sees the operation
+    unnamed_one_rank("args", 0, lambda: hvd.allreduce(np.ones(2), average=True, op=hvd.Sum),
+                     lambda: hvd.allreduce(np.ones(2)), "ValueError", ValueError)
+
+
+def unnamed_async():
+    unnamed_one_rank("async", LAST, lambda: hvd.allreduce_async(np.ones(2), op=42).wait(),
+                     lambda: hvd.allreduce_async(np.ones(2)).wait(), "ValueError", ValueError)
+
+
+def unnamed_alltoall_splits():
+    x = np.arange(2 * SIZE, dtype=np.float32)
+    unnamed_one_rank("splits", LAST, lambda: hvd.alltoall(x, splits=[1] * (SIZE + 1)),
+                     lambda: hvd.alltoall(x), "splits", ValueError)
+
+
+def unnamed_grouped_before_submit():
+    ro = np.ones(3)
+    ro.flags.writeable = False
+    arrays = [np.ones(3), np.ones(4)]
+    unnamed_one_rank("grouped", LAST, lambda: hvd.grouped_allreduce_([ro, np.ones(4)]),
+                     lambda: hvd.grouped_allreduce_(arrays), "writable", ValueError)
+
+
+def unnamed_grouped_member():
+    bad = [np.ones(3), np.array(["s"])]
+    unnamed_one_rank("grouped member", 0, lambda: hvd.grouped_allreduce(bad),
+                     lambda: hvd.grouped_allreduce([np.ones(3), np.ones(1)]),
+                     "UnsupportedDtypeError", hvd.UnsupportedDtypeError)
+
+
+def unnamed_all_ranks():
+    out = attempt(lambda: hvd.allreduce(np.array(["x"])))
+    unnamed_follow_ups("all ranks")
+    if not isinstance(out, hvd.UnsupportedDtypeError):
+        raise AssertionError(f"expected the local UnsupportedDtypeError, got {out!r}")
+
+
 CASES = {
     "mismatch.shape": mm_shape,
     "mismatch.dtype": mm_dtype,
@@ -449,6 +536,13 @@ CASES = {
     "synchronize_non_handle": synchronize_non_handle,
     "objects.unpicklable_root": objects_unpicklable_root,
     "objects.unpicklable_some_ranks": objects_unpicklable_some_ranks,
+    "unnamed.core_check": unnamed_core_check,
+    "unnamed.argument_check": unnamed_argument_check,
+    "unnamed.async": unnamed_async,
+    "unnamed.alltoall_splits": unnamed_alltoall_splits,
+    "unnamed.grouped_before_submit": unnamed_grouped_before_submit,
+    "unnamed.grouped_member": unnamed_grouped_member,
+    "unnamed.all_ranks": unnamed_all_ranks,
     "after_shutdown.ops_raise": after_shutdown_ops_raise,
     "after_shutdown.reinit_works": after_shutdown_reinit_works,
 }
