@@ -25,7 +25,7 @@ setup(
         "mpi4py>=4.0",
         "cloudpickle>=2.0",   # hvdlite.run() sends functions (lambdas, notebook code) by value
         # A working MPI from PyPI (MPICH). Skip it with `pip install --no-deps` plus the other
-        # requirements when you use a system MPI; see README "Using a system MPI".
+        # requirements when you use a system MPI; see docs/install.md, "Using a system MPI".
         "mpich>=4.2; platform_system == 'Linux'",
     ],
     extras_require={
@@ -37,6 +37,9 @@ setup(
         "nccl-cuda12": ["cupy-cuda12x>=13", "nvidia-nccl-cu12"],
         "examples": ["scikit-learn>=1.2"],
         "test": ["pytest>=7", "pytest-timeout>=2", "scikit-learn>=1.2"],
+        # The documentation site (mkdocs.yml, docs/); tests/test_docs.py builds it in strict mode.
+        "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings>=1.0",
+                 "mkdocstrings-python>=2.0"],
     },
     entry_points={"console_scripts": ["hvdlite = hvdlite.runner.launch:main"]},
     classifiers=[

@@ -736,10 +736,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          process_set=None) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
 
-    Horovod-compatible arguments:
-      named_parameters: ``model.named_parameters()``; names identify gradients across ranks
+    Args:
+      optimizer: the ``torch.optim.Optimizer`` to wrap.
+      named_parameters (Iterable[tuple[str, torch.nn.Parameter]] | None):
+        ``model.named_parameters()``; names identify gradients across ranks
         (without it, parameters are named by position, which must then match on all ranks).
-      compression: ``Compression.none`` (default), ``Compression.fp16`` or ``Compression.bf16``.
+      compression (Compression): ``Compression.none`` (default), ``Compression.fp16`` or
+        ``Compression.bf16``.
       backward_passes_per_step: backward passes to accumulate locally before reducing.
       op: ``Average`` (default) or ``Sum`` (also Min/Max/Product), or ``Adasum``: gradients
         are combined with Adasum (float parameters, a power-of-two number of ranks).  Horovod
@@ -748,12 +751,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         they differ.
       gradient_predivide_factor: with Average, divide by this before the sum and by
         size()/factor after it (helps fp16 range).
-      groups / num_groups: an int (split parameters into that many groups) or a list of lists
-        of parameters; each group is reduced together.
+      num_groups: split the parameters into that many groups; each group is reduced together.
+      groups (int | list[list[torch.nn.Parameter]] | None): the same as an int, or a list of
+        lists of parameters, each reduced together.
       sparse_as_dense: how sparse gradients (``nn.Embedding(sparse=True)``, ...) are reduced.
         True: converted to dense in ``.grad`` and allreduced like any other gradient.  False
         (default): the non-zero rows of every rank are allgathered (see
-        :func:`hvdlite.torch.sparse.sparse_allreduce_async`) and ``.grad`` becomes the reduced,
+        :func:`hvdlite.torch.sparse_allreduce_async`) and ``.grad`` becomes the reduced,
         coalesced sparse tensor at ``synchronize()``/``step()`` (optimizers such as SGD and
         ``SparseAdam`` accept it); only op Average/Sum (anything else raises ``ValueError``
         when the gradient is reduced), ``compression`` is not applied to it, and
@@ -763,8 +767,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         with one tiny allreduce, so that a rank without a gradient joins the right reduction;
         a rank without one then waits for that agreement in ``synchronize()``.  When no rank
         has a gradient, ``.grad`` becomes zeros without any data reduction.)
-      process_set: reduce gradients only among this process set's ranks (every member wraps
-        its optimizer with the same set); Average divides by the set's size.
+      process_set (ProcessSet | None): reduce gradients only among this process set's ranks
+        (every member wraps its optimizer with the same set); Average divides by the set's size.
+
     The result is an instance of the original optimizer's class (``isinstance`` holds) and
     works with LR schedulers, ``state_dict()`` and ``load_state_dict()``.  Parameter groups
     added later with ``add_param_group`` are reduced too (see its docstring).  ``step(closure)``
