@@ -1,8 +1,13 @@
-"""config.Config.from_env: defaults, HVDLITE_ over HOROVOD_ aliases, bad values (pure logic)."""
+"""config.Config.from_env: defaults, HVDLITE_ over HOROVOD_ aliases, bad values; and the knob
+table (config.KNOBS) that declares every knob once (pure logic)."""
+import dataclasses
+import typing
+
 import pytest
 
+from hvdlite.common import config as config_module
 from hvdlite.common.basics import _settings_error
-from hvdlite.common.config import Config, env_flag, env_value
+from hvdlite.common.config import KNOB_BY_NAME, KNOBS, OWN, RANK0, RECORDER, Config
 
 
 def test_defaults_from_empty_environment():
@@ -18,6 +23,9 @@ def test_defaults_from_empty_environment():
     assert cfg.shm_fusion_bytes == 64 * 2**20
     assert cfg.cma == "auto"
     assert cfg.gradient_bucket_bytes == 25 * 2**20
+    assert cfg.dynamic_process_sets is False
+    assert cfg.gpu_operations == "nccl" and cfg.gpu_async_completion is True
+    assert cfg.timeline_filename is None and cfg.timeline_mark_cycles is False
     assert cfg == Config()
 
 
@@ -60,12 +68,21 @@ def test_each_knob_under_both_prefixes(knob, field, raw, value, prefix):
 def test_hvdlite_spelling_wins_over_horovod(knob, field, ours, theirs, value):
     env = {"HOROVOD_" + knob: theirs, "HVDLITE_" + knob: ours}
     assert getattr(Config.from_env(env), field) == value
-    assert env_value(knob, env) == ours
+    assert KNOB_BY_NAME[knob].lookup(env) == ("HVDLITE_" + knob, ours)
 
 
-def test_env_value_unset():
-    assert env_value("FUSION_THRESHOLD", {}) is None
-    assert env_value("FUSION_THRESHOLD", {"OTHER_FUSION_THRESHOLD": "1"}) is None
+def test_lookup_unset():
+    knob = KNOB_BY_NAME["FUSION_THRESHOLD"]
+    assert knob.lookup({}) is None
+    assert knob.lookup({"OTHER_FUSION_THRESHOLD": "1"}) is None
+
+
+def test_empty_hvdlite_value_counts_as_unset():
+    knob = KNOB_BY_NAME["FUSION_THRESHOLD"]
+    env = {"HVDLITE_FUSION_THRESHOLD": "  ", "HOROVOD_FUSION_THRESHOLD": " 64 "}
+    assert knob.lookup(env) == ("HOROVOD_FUSION_THRESHOLD", "64")
+    assert Config.from_env(env).fusion_threshold == 64
+    assert Config.from_env({"HVDLITE_TIMELINE": ""}).timeline_filename is None
 
 
 def test_reads_os_environ_by_default(monkeypatch):
@@ -129,7 +146,8 @@ def test_bad_cma_mode_raises(raw):
 # --- on/off knobs: a typo is an error, not a silent choice ------------------------------------
 SWITCHES = [("STALL_CHECK_DISABLE", "stall_check_enabled", False),   # (knob, field, field if on)
             ("DYNAMIC_PROCESS_SETS", "dynamic_process_sets", True),
-            ("ENABLE_ASYNC_COMPLETION", "gpu_async_completion", True)]
+            ("ENABLE_ASYNC_COMPLETION", "gpu_async_completion", True),
+            ("TIMELINE_MARK_CYCLES", "timeline_mark_cycles", True)]
 
 
 @pytest.mark.parametrize("knob,field,when_on", SWITCHES)
@@ -153,14 +171,14 @@ def test_switches_refuse_other_words_naming_the_variable_set(knob, raw, prefix):
 
 
 @pytest.mark.parametrize("raw,on", [(None, False), ("1", True), ("off", False)])
-def test_env_flag(raw, on):
+def test_timeline_mark_cycles(raw, on):
     env = {} if raw is None else {"HOROVOD_TIMELINE_MARK_CYCLES": raw}
-    assert env_flag("TIMELINE_MARK_CYCLES", env) is on
+    assert Config.from_env(env).timeline_mark_cycles is on
 
 
-def test_env_flag_refuses_other_words():
+def test_timeline_mark_cycles_refuses_other_words():
     with pytest.raises(ValueError, match="HVDLITE_TIMELINE_MARK_CYCLES='sure'"):
-        env_flag("TIMELINE_MARK_CYCLES", {"HVDLITE_TIMELINE_MARK_CYCLES": "sure"})
+        Config.from_env({"HVDLITE_TIMELINE_MARK_CYCLES": "sure"})
 
 
 def test_number_errors_name_the_horovod_variable_when_that_is_the_one_set():
@@ -179,3 +197,136 @@ def test_settings_error_names_the_problem_and_the_ranks():
     other = _settings_error(problems, 0)
     assert "rank 1's settings are invalid: HVDLITE_CMA='x' is not understood." in other
     assert "Invalid settings on ranks [1, 3]" in other and "start the job again" in other
+
+
+# --- the knob table: every knob declared once -----------------------------------------------
+# One non-default setting per knob and the Config value it must give, written out by hand (not
+# from the table): a knob added to the table without a line here fails test_every_knob_has_a_
+# round_trip_case.
+ROUND_TRIPS = {
+    "FUSION_THRESHOLD": ("fusion_threshold", "1e3", 1000),
+    "CYCLE_TIME": ("cycle_time_ms", "0.25", 0.25),
+    "CACHE_CAPACITY": ("cache_capacity", "9", 9),
+    "STALL_CHECK_TIME_SECONDS": ("stall_check_seconds", "7.5", 7.5),
+    "STALL_SHUTDOWN_TIME_SECONDS": ("stall_shutdown_seconds", "30", 30.0),
+    "STALL_CHECK_DISABLE": ("stall_check_enabled", "1", False),
+    "LOG_LEVEL": ("log_level", "Info", "INFO"),
+    "DYNAMIC_PROCESS_SETS": ("dynamic_process_sets", "yes", True),
+    "GPU_OPERATIONS": ("gpu_operations", "MPI", "mpi"),
+    "ENABLE_ASYNC_COMPLETION": ("gpu_async_completion", "0", False),
+    "SHM_FUSION_MB": ("shm_fusion_bytes", "0.25", 2**18),
+    "CMA": ("cma", "off", "off"),
+    "TIMELINE": ("timeline_filename", " /tmp/tl.json ", "/tmp/tl.json"),
+    "TIMELINE_MARK_CYCLES": ("timeline_mark_cycles", "on", True),
+    "GRADIENT_BUCKET_MB": ("gradient_bucket_bytes", "2", 2 * 2**20),
+    "RESULT_POOL_MB": ("result_pool_bytes", "3", 3 * 2**20),
+}
+
+
+def test_every_knob_has_a_round_trip_case():
+    assert set(ROUND_TRIPS) == {knob.name for knob in KNOBS}
+
+
+@pytest.mark.parametrize("name", sorted(ROUND_TRIPS))
+@pytest.mark.parametrize("prefix", ["HVDLITE_", "HOROVOD_"])
+def test_every_knob_round_trips_from_env_to_config(name, prefix):
+    field, raw, value = ROUND_TRIPS[name]
+    knob = KNOB_BY_NAME[name]
+    assert knob.field == field and (knob.variable, knob.alias) == ("HVDLITE_" + name,
+                                                                   "HOROVOD_" + name)
+    cfg = Config.from_env({prefix + name: raw})
+    assert getattr(cfg, field) == value and type(getattr(cfg, field)) is type(value)
+    assert getattr(Config(), field) != value, "the case must differ from the default"
+    # only this field moved
+    assert dataclasses.replace(cfg, **{field: getattr(Config(), field)}) == Config()
+
+
+def test_knob_names_and_fields_are_unique():
+    assert len({knob.name for knob in KNOBS}) == len(KNOBS)
+    assert len({knob.field for knob in KNOBS}) == len(KNOBS)
+    assert set(KNOB_BY_NAME) == {knob.name for knob in KNOBS}
+
+
+def test_every_config_field_is_fed_by_a_knob():
+    """A Config field that no knob feeds (or a knob naming a field Config lacks) fails here."""
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    assert set(fields) == {knob.field for knob in KNOBS}
+    hints = typing.get_type_hints(Config)
+    for knob in KNOBS:   # the field's default and type are the knob's
+        assert fields[knob.field].default == knob.field_default, knob.name
+        default = knob.field_default
+        allowed = typing.get_args(hints[knob.field]) or (hints[knob.field],)
+        assert type(default) in allowed, (knob.name, hints[knob.field], default)
+
+
+def test_every_knob_is_documented():
+    """A knob without help text, whose-value column, Horovod column or a broken flag cannot be
+    added: the help is what --help, the error messages and the docs say about it."""
+    for knob in KNOBS:
+        assert knob.help.strip() and knob.help == knob.help.strip(), knob.name
+        assert not knob.help.endswith("."), f"{knob.name}: the docs add their own full stop"
+        assert knob.agree in (RANK0, OWN, RECORDER), knob.name
+        assert knob.horovod.strip(), knob.name
+        assert knob.kind.type_name, knob.name
+        for flag in knob.flags:
+            assert flag.spellings and all(s.startswith("-") for s in flag.spellings), knob.name
+            if flag.sets is not None:
+                assert flag.help.strip(), f"{knob.name}: on/off flag {flag.spellings} has no help"
+            else:
+                assert flag.metavar, f"{knob.name}: {flag.spellings} needs a metavar"
+
+
+def test_a_knob_has_one_value_flag_or_on_off_flags():
+    """hvdlite run stores all flags of a knob under one name (see launch._add_knob_options)."""
+    for knob in KNOBS:
+        kinds = {flag.sets is None for flag in knob.flags}
+        assert len(kinds) <= 1, knob.name
+        if True in kinds:
+            assert len(knob.flags) == 1, knob.name
+
+
+def test_whose_value_counts_is_as_init_uses_it():
+    """basics.init: rank 0's values everywhere, but each rank's own memory and log level; the
+    timeline is rank 0's alone (only rank 0 opens it)."""
+    assert {k.name for k in KNOBS if k.agree == OWN} == {"LOG_LEVEL", "RESULT_POOL_MB"}
+    assert {k.name for k in KNOBS if k.agree == RECORDER} == {"TIMELINE",
+                                                              "TIMELINE_MARK_CYCLES"}
+    rank0 = Config.from_env({"HVDLITE_FUSION_THRESHOLD": "1", "HVDLITE_LOG_LEVEL": "debug",
+                             "HVDLITE_RESULT_POOL_MB": "1", "HVDLITE_TIMELINE": "/tmp/a"})
+    own = Config.from_env({"HVDLITE_FUSION_THRESHOLD": "2", "HVDLITE_LOG_LEVEL": "error",
+                           "HVDLITE_RESULT_POOL_MB": "2", "HVDLITE_CMA": "0"})
+    used = own.with_rank0(rank0)
+    assert (used.fusion_threshold, used.cma, used.timeline_filename) == (1, "auto", "/tmp/a")
+    assert (used.log_level, used.result_pool_bytes) == ("ERROR", 2 * 2**20)
+    assert rank0.with_rank0(rank0) == rank0
+
+
+def test_result_pool_default_is_the_table_s():
+    assert config_module.DEFAULT_RESULT_POOL_MB == 512
+    from hvdlite.common import memory
+    assert memory.POOL_MAX_IDLE_BYTES == Config().result_pool_bytes
+
+
+def test_switch_errors_say_what_the_knob_does():
+    with pytest.raises(ValueError) as info:
+        Config.from_env({"HOROVOD_STALL_CHECK_DISABLE": "maybe"})
+    assert str(info.value) == ("HOROVOD_STALL_CHECK_DISABLE='maybe' is not understood; use 1 "
+                               "or 0 (1 turns the stall inspector off).")
+    with pytest.raises(ValueError, match=r"HVDLITE_CMA='x' is not understood; use auto, 1 or 0 "
+                                         r"\(auto: single allreduces"):
+        Config.from_env({"HVDLITE_CMA": "x"})
+    with pytest.raises(ValueError, match=r"is not one of nccl, mpi \(nccl: reduce GPU tensors"):
+        Config.from_env({"HVDLITE_GPU_OPERATIONS": "gloo"})
+
+
+def test_config_module_imports_only_the_standard_library():
+    """The docs build loads config.py on its own (scripts/mkdocs_knobs.py)."""
+    import ast
+    import sys
+    tree = ast.parse(open(config_module.__file__, encoding="utf-8").read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0 and node.module.split(".")[0] in sys.stdlib_module_names \
+                or node.module == "__future__", ast.dump(node)
+        elif isinstance(node, ast.Import):
+            assert all(a.name.split(".")[0] in sys.stdlib_module_names for a in node.names)

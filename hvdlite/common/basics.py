@@ -10,7 +10,7 @@ import threading
 import time
 
 from . import child_process, liveness, timeline
-from .config import Config, env_flag, env_value
+from .config import Config
 from .errors import NotInitializedError
 from .memory import result_pool
 from .process_sets import ProcessSet, check_ranks, global_process_set, resolve_ranks
@@ -129,9 +129,8 @@ def init(comm=None, process_sets=None) -> None:
         # it cannot write fails init() on every rank instead of rank 0 alone.
         try:
             own, problem = Config.from_env(), None
-            path, mark_cycles = env_value("TIMELINE"), env_flag("TIMELINE_MARK_CYCLES")
-            if path and rank == 0:
-                timeline.start(path, mark_cycles=mark_cycles)
+            if own.timeline_filename and rank == 0:
+                timeline.start(own.timeline_filename, mark_cycles=own.timeline_mark_cycles)
         except ValueError as exc:
             own, problem = None, str(exc)
         local_sizes, problems = zip(*world.allgather((local_size, problem)))
@@ -140,14 +139,15 @@ def init(comm=None, process_sets=None) -> None:
             for c in (local, cross, world):
                 c.Free()
             raise ValueError(_settings_error(problems, rank))
-        config = world.bcast(own if rank == 0 else None, root=0)
+        # rank 0's settings, but this rank's own for the knobs that are each rank's (config.KNOBS)
+        config = own.with_rank0(world.bcast(own if rank == 0 else None, root=0))
         if dynamic and not config.dynamic_process_sets:
             import dataclasses
             config = dataclasses.replace(config, dynamic_process_sets=True)
-        result_pool().max_idle_bytes = own.result_pool_bytes   # this rank's memory: its own say
+        result_pool().max_idle_bytes = config.result_pool_bytes
         local.Free()
         cross.Free()
-        _configure_logging(own.log_level, rank)
+        _configure_logging(config.log_level, rank)
         if own != config and rank != 0:
             log.info("using rank 0's settings %s (this rank's environment says %s)", config, own)
         engine = Engine(world.Dup(), config)

@@ -1,88 +1,68 @@
-"""Engine settings read from the environment.
+"""Every knob hvdlite reads from the environment, declared once in :data:`KNOBS`.
 
 Each knob is ``HVDLITE_<NAME>``; Horovod's ``HOROVOD_<NAME>`` is accepted as an alias so existing
-launch scripts keep working (the hvdlite spelling wins when both are set).  Rank 0's values are
-broadcast at ``init()``: knobs that shape the communication pattern (fusion threshold, cache
-capacity) must agree on every rank or the ranks would issue different collectives.
+launch scripts keep working (the hvdlite spelling wins when both are set).  The table drives
+:class:`Config` (each field's default, parsing and checks), ``hvdlite run``'s tuning flags
+(:mod:`hvdlite.runner.launch`) and the knob reference in the docs (``scripts/mkdocs_knobs.py``
+renders it into ``docs/knobs.md`` at build time).  Whose value counts is the knob's ``agree``:
+rank 0's values are broadcast at ``init()``, because knobs that shape the communication pattern
+(fusion threshold, cache capacity) must agree on every rank or the ranks would issue different
+collectives; a few are each rank's own.
+
+This module imports only the standard library: the docs build loads it on its own.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Mapping
+from typing import Callable, Mapping, Union
 
-DEFAULT_FUSION_THRESHOLD = 128 * 1024 * 1024  # bytes, Horovod's default since v0.21
-DEFAULT_CYCLE_TIME_MS = 1.0
-DEFAULT_CACHE_CAPACITY = 1024
-DEFAULT_STALL_CHECK_SECONDS = 60.0
-DEFAULT_RESULT_POOL_MB = 512.0
-DEFAULT_SHM_FUSION_MB = 64.0
-DEFAULT_GRADIENT_BUCKET_MB = 25.0   # as torch DDP's bucket_cap_mb
 # Longest sleep between two checks while waiting on peers, whatever the cycle time: each sleep's
 # overshoot is paid by the wait it ends, and a long cycle is asked for to gather more per round,
 # not to notice ready peers late.
 MAX_WAIT_SLEEP_SECONDS = 1e-3
+MIB = 2**20
 
-
-def _setting(name: str, environ: Mapping[str, str] | None) -> tuple[str, str] | None:
-    """``(variable, value)`` of ``HVDLITE_<name>``, else ``HOROVOD_<name>``, else None: errors
-    name the variable the user actually set."""
-    environ = os.environ if environ is None else environ
-    for prefix in ("HVDLITE_", "HOROVOD_"):
-        value = environ.get(prefix + name)
-        if value is not None and value.strip() != "":
-            return prefix + name, value.strip()
-    return None
-
-
-def env_value(name: str, environ: Mapping[str, str] | None = None) -> str | None:
-    """Value of ``HVDLITE_<name>``, else ``HOROVOD_<name>``, else None."""
-    found = _setting(name, environ)
-    return None if found is None else found[1]
-
-
-def _number(name: str, default: float, environ: Mapping[str, str] | None, cast=float):
-    found = _setting(name, environ)
-    if found is None:
-        return default
-    variable, raw = found
-    try:
-        value = cast(float(raw)) if cast is int else cast(raw)
-    except ValueError:
-        raise ValueError(f"{variable}={raw!r} is not a number.") from None
-    if value < 0:
-        raise ValueError(f"{variable}={raw!r} must not be negative.")
-    return value
-
-
-GPU_OPERATIONS = ("nccl", "mpi")
-
-
-def _gpu_operations(environ: Mapping[str, str] | None) -> str:
-    found = _setting("GPU_OPERATIONS", environ)
-    if found is None:
-        return "nccl"
-    variable, raw = found
-    value = raw.lower()
-    if value not in GPU_OPERATIONS:
-        raise ValueError(f"{variable}={raw!r} is not one of "
-                         f"{', '.join(GPU_OPERATIONS)} (nccl: reduce GPU tensors with NCCL on "
-                         f"the device; mpi: stage them through host memory and use MPI).")
-    return value
-
+# Whose value of a knob counts (the table's "ranks must agree" column).
+RANK0 = "rank 0's"          # broadcast from rank 0 at init(): the ranks must agree
+OWN = "each rank's own"     # read by every rank for itself (its memory, its log)
+RECORDER = "rank 0 only"    # used by rank 0 alone (it records the timeline)
 
 _ON_WORDS = ("1", "true", "yes", "on")
 _OFF_WORDS = ("0", "false", "no", "off")
 
 
-def _switch(name: str, environ: Mapping[str, str] | None, default: bool, meaning: str) -> bool:
-    """An on/off knob: 1/true/yes/on or 0/false/no/off (any case), ``default`` when unset.
-    Other integers read as Horovod reads them (on if positive).  Anything else is an error
-    naming the variable: a typo must not silently pick a behaviour."""
-    found = _setting(name, environ)
-    if found is None:
-        return default
-    variable, raw = found
+# --- how a variable's text becomes a value ------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Number:
+    """A non-negative number.  ``cast=int`` reads it as Horovod does (``1e3`` is 1000, a
+    fraction is cut); ``scale`` turns the variable's unit into the field's (``MIB`` for the
+    ``*_MB`` knobs, whose fields are bytes)."""
+
+    cast: type = float
+    scale: int | None = None
+
+    @property
+    def type_name(self) -> str:
+        return "integer" if self.cast is int else "number"
+
+    def parse(self, variable: str, raw: str, knob: "Knob"):
+        try:
+            value = self.cast(float(raw)) if self.cast is int else self.cast(raw)
+        except ValueError:
+            raise ValueError(f"{variable}={raw!r} is not a number.") from None
+        if value < 0:
+            raise ValueError(f"{variable}={raw!r} must not be negative.")
+        return self.to_field(value)
+
+    def to_field(self, value):
+        return value if self.scale is None else int(value * self.scale)
+
+
+def _on_off(variable: str, raw: str, choices: str, help_text: str) -> bool:
+    """1/true/yes/on or 0/false/no/off (any case); other integers as Horovod reads them (on if
+    positive).  Anything else is an error naming the variable: a typo must not silently pick a
+    behaviour."""
     word = raw.lower()
     if word in _ON_WORDS:
         return True
@@ -91,56 +71,296 @@ def _switch(name: str, environ: Mapping[str, str] | None, default: bool, meaning
     try:
         return int(word) > 0
     except ValueError:
-        raise ValueError(f"{variable}={raw!r} is not understood; use 1 or 0 "
-                         f"({meaning}).") from None
+        raise ValueError(f"{variable}={raw!r} is not understood; use {choices} "
+                         f"({help_text}).") from None
 
 
-def env_flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
-    """Whether the on/off knob ``HVDLITE_<name>`` (or ``HOROVOD_<name>``) is on; unset is off,
-    and a value that is neither an on/off word nor an integer raises ``ValueError``."""
-    return _switch(name, environ, False, "1 turns it on, 0 or unset leaves it off")
+@dataclasses.dataclass(frozen=True)
+class Switch:
+    """An on/off knob; ``invert``: the field is its opposite (``STALL_CHECK_DISABLE`` feeds
+    ``stall_check_enabled``)."""
+
+    invert: bool = False
+    type_name = "on/off"
+
+    def parse(self, variable: str, raw: str, knob: "Knob") -> bool:
+        return self.to_field(_on_off(variable, raw, "1 or 0", knob.help))
+
+    def to_field(self, value: bool) -> bool:
+        return value is not self.invert
 
 
-def _cma_mode(environ: Mapping[str, str] | None) -> str:
-    if (env_value("CMA", environ) or "auto").lower() == "auto":
-        return "auto"
-    return "on" if _switch("CMA", environ, False, "or auto, the default: direct copies between "
-                           "ranks where the kernel allows them; 1: the same, warning where it "
-                           "cannot; 0: never") else "off"
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One of a few words (any case)."""
+
+    values: tuple[str, ...]
+
+    @property
+    def type_name(self) -> str:
+        return " / ".join(self.values)
+
+    def parse(self, variable: str, raw: str, knob: "Knob") -> str:
+        value = raw.lower()
+        if value not in self.values:
+            raise ValueError(f"{variable}={raw!r} is not one of {', '.join(self.values)} "
+                             f"({knob.help}).")
+        return value
+
+    def to_field(self, value: str) -> str:
+        return value
 
 
-def _async_completion(environ: Mapping[str, str] | None) -> bool:
-    return _switch("ENABLE_ASYNC_COMPLETION", environ, True,
-                   "1, the default: a GPU handle completes once its work is queued, and wait() "
-                   "makes the framework's stream wait for it; 0: wait() returns after the GPU "
-                   "work has finished")
+@dataclasses.dataclass(frozen=True)
+class AutoSwitch:
+    """``auto``, or an on/off word: the field is ``"auto"``, ``"on"`` or ``"off"``."""
+
+    type_name = "auto / on/off"
+
+    def parse(self, variable: str, raw: str, knob: "Knob") -> str:
+        if raw.lower() == "auto":
+            return "auto"
+        return "on" if _on_off(variable, raw, "auto, 1 or 0", knob.help) else "off"
+
+    def to_field(self, value: str) -> str:
+        return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Text:
+    """Free text; ``upper`` upper-cases it, ``type_name`` says what it is (for the docs)."""
+
+    type_name: str = "text"
+    upper: bool = False
+
+    def parse(self, variable: str, raw: str, knob: "Knob") -> str:
+        return raw.upper() if self.upper else raw
+
+    def to_field(self, value):
+        return value
+
+
+Kind = Union[Number, Switch, Choice, AutoSwitch, Text]
+
+
+# --- hvdlite run's flags ------------------------------------------------------------------------
+def _as_given(value) -> str:
+    if isinstance(value, str):
+        return value
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversion:
+    """How a flag's value becomes the variable's text; ``text`` describes it in ``--help`` and
+    the docs (empty: the value as given)."""
+
+    text: str
+    apply: Callable[[object], str]
+
+
+AS_GIVEN = Conversion("", _as_given)
+MB_TO_BYTES = Conversion("MB × 1024 × 1024", lambda mb: str(int(round(mb * 1024 * 1024))))
+# absolute: every rank resolves it alike, whatever its working directory
+ABSOLUTE = Conversion("the absolute path", os.path.abspath)
+LOG_LEVEL_NAME = Conversion(
+    "LEVEL in capitals, trace as DEBUG and fatal as CRITICAL",   # Python's logging has neither
+    lambda level: {"trace": "DEBUG", "fatal": "CRITICAL"}.get(level, level).upper())
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """An ``hvdlite run`` flag that exports a knob to every rank.  ``spellings``: the first is
+    shown, the others are aliases (horovodrun's names where hvdlite's own differ).  ``sets``:
+    the value an on/off flag exports (None: the flag takes a value, read as ``value_type``, or
+    one of ``choices``, and turned into the variable's text by ``conversion``)."""
+
+    spellings: tuple[str, ...]
+    sets: str | None = None
+    help: str = ""              # an on/off flag's own words; a value flag uses the knob's help
+    metavar: str = ""
+    value_type: type = float
+    choices: tuple[str, ...] = ()
+    conversion: Conversion = AS_GIVEN
+
+    @property
+    def dest(self) -> str:
+        return self.spellings[0].lstrip("-").replace("-", "_")
+
+
+def value_flag(*spellings: str, metavar: str, value_type: type = float,
+               conversion: Conversion = AS_GIVEN, choices: tuple[str, ...] = ()) -> Flag:
+    return Flag(spellings, metavar=metavar, value_type=value_type, conversion=conversion,
+                choices=choices)
+
+
+def on_off_flag(*spellings: str, sets: str, help: str) -> Flag:
+    return Flag(spellings, sets=sets, help=help)
+
+
+# --- the table ----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    """One knob: the variable ``HVDLITE_<name>`` (alias ``HOROVOD_<name>``) that sets
+    :class:`Config`'s ``field``.  ``default`` is in the variable's own terms (what a user would
+    write); ``help`` is plain text (``--help``, error messages, the docs), ``details`` Markdown
+    the docs add after it; ``horovod`` says whether Horovod has the variable."""
+
+    name: str
+    field: str
+    kind: Kind
+    default: object
+    agree: str
+    help: str
+    unit: str = ""
+    flags: tuple[Flag, ...] = ()
+    horovod: str = "no"
+    details: str = ""
+
+    @property
+    def variable(self) -> str:
+        return "HVDLITE_" + self.name
+
+    @property
+    def alias(self) -> str:
+        return "HOROVOD_" + self.name
+
+    @property
+    def field_default(self):
+        return self.kind.to_field(self.default)
+
+    def lookup(self, environ: Mapping[str, str] | None = None) -> tuple[str, str] | None:
+        """``(variable, value)`` of the hvdlite spelling, else the Horovod one, else None (an
+        empty value counts as unset): errors name the variable the user actually set."""
+        environ = os.environ if environ is None else environ
+        for variable in (self.variable, self.alias):
+            value = environ.get(variable)
+            if value is not None and value.strip() != "":
+                return variable, value.strip()
+        return None
+
+    def read(self, environ: Mapping[str, str] | None = None):
+        """The field's value from ``environ`` (default ``os.environ``); ValueError naming the
+        variable when it cannot be read."""
+        found = self.lookup(environ)
+        return self.field_default if found is None else self.kind.parse(*found, self)
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob("FUSION_THRESHOLD", "fusion_threshold", Number(int), 128 * MIB, RANK0,
+         "largest batch of tensors fused into one allreduce; 0 disables fusion", unit="bytes",
+         flags=(value_flag("--fusion-threshold-mb", metavar="MB", conversion=MB_TO_BYTES),),
+         horovod="yes"),   # Horovod's default since v0.21
+    Knob("CYCLE_TIME", "cycle_time_ms", Number(float), 1.0, RANK0,
+         "how long a round gathers a backward pass's tensors before negotiating them, and the "
+         "pause between rounds while all ranks wait on each other", unit="ms",
+         flags=(value_flag("--cycle-time-ms", metavar="MS"),), horovod="yes",
+         details="Waits on peers sleep at most 1 ms (or this, if shorter)."),
+    Knob("CACHE_CAPACITY", "cache_capacity", Number(int), 1024, RANK0,
+         "negotiated responses remembered; 0 disables the response cache", unit="responses",
+         flags=(value_flag("--cache-capacity", metavar="N", value_type=int),), horovod="yes"),
+    Knob("STALL_CHECK_TIME_SECONDS", "stall_check_seconds", Number(float), 60.0, RANK0,
+         "warn (on rank 0) about tensors submitted on some ranks but not others for this long",
+         unit="s", flags=(value_flag("--stall-check-seconds", "--stall-check-warning-time-seconds",
+                                     metavar="S"),), horovod="yes"),
+    Knob("STALL_SHUTDOWN_TIME_SECONDS", "stall_shutdown_seconds", Number(float), 0.0, RANK0,
+         "after this long, fail a stalled operation with StallError on the ranks that submitted "
+         "it; 0: never", unit="s",
+         flags=(value_flag("--stall-shutdown-seconds", "--stall-check-shutdown-time-seconds",
+                           metavar="S"),), horovod="yes"),
+    Knob("STALL_CHECK_DISABLE", "stall_check_enabled", Switch(invert=True), False, RANK0,
+         "1 turns the stall inspector off",
+         flags=(on_off_flag("--no-stall-check", sets="1", help="disable the stall check"),
+                on_off_flag("--stall-check", sets="0",
+                            help="keep the stall check on (the default)")), horovod="yes"),
+    Knob("LOG_LEVEL", "log_level", Text("level name", upper=True), "WARNING", OWN,
+         "lowest level of hvdlite's log messages shown",
+         flags=(value_flag("--log-level", metavar="LEVEL", value_type=str,
+                           choices=("trace", "debug", "info", "warning", "error", "fatal",
+                                    "critical"), conversion=LOG_LEVEL_NAME),),
+         horovod="yes", details="`DEBUG`, `INFO`, `WARNING`, `ERROR` or `CRITICAL`."),
+    Knob("DYNAMIC_PROCESS_SETS", "dynamic_process_sets", Switch(), False, RANK0,
+         "1 allows add_process_set/remove_process_set after init()", horovod="yes",
+         details='As `hvd.init(process_sets="dynamic")` does (see '
+                 '[process sets](collectives.md#process-sets)).'),
+    Knob("GPU_OPERATIONS", "gpu_operations", Choice(("nccl", "mpi")), "nccl", RANK0,
+         "nccl: reduce GPU tensors with NCCL on the device; mpi: stage them through pinned host "
+         "memory and use MPI (lets ranks share a GPU)",
+         horovod="at build time"),
+    Knob("ENABLE_ASYNC_COMPLETION", "gpu_async_completion", Switch(), True, RANK0,
+         "1: a GPU tensor's handle completes once its work is queued, and synchronize() makes "
+         "the framework's current stream wait for it on the device; 0: the handle completes "
+         "after the GPU work has finished", horovod="yes (off by default)",
+         details="With `1` the host never waits for the GPU; `0` has simpler semantics (device "
+                 "errors are raised by `synchronize()`) but drains the device every step "
+                 "(see [GPUs](gpus.md#what-happens-to-a-cuda-tensor))."),
+    Knob("SHM_FUSION_MB", "shm_fusion_bytes", Number(float, MIB), 64.0, RANK0,
+         "largest allreduce reduced through the intra-node shared-memory window; 0: no window",
+         unit="MiB",
+         details="The window takes a fused batch of 64 KiB or more, or a single tensor of 1 MiB "
+                 "or more that does not go by direct copies (see [How it works]"
+                 "(how-it-works.md#fusion-and-the-intra-node-shared-memory-window)); each "
+                 "rank's window holds two slots of up to this size in `/dev/shm`. `0` with "
+                 "`HVDLITE_CMA=0` too: always MPI."),
+    Knob("CMA", "cma", AutoSwitch(), "auto", RANK0,
+         "auto: single allreduces of 2 MiB or more by direct copies between the ranks' memory "
+         "where the kernel lets every rank reach every peer; 1: the same, warning where it "
+         "does not; 0: never",
+         details="Linux cross-memory attach (see [How it works]"
+                 "(how-it-works.md#direct-copies-between-ranks)). `auto` finds out by trying, "
+                 "once; under Yama's `ptrace_scope` 1 each rank first lets in the job's launcher "
+                 "process and its descendants. `0`: no probe, no `prctl`."),
+    Knob("TIMELINE", "timeline_filename", Text("path"), None, RECORDER,
+         "file to record a Horovod Timeline into; rank 0 records it",
+         flags=(value_flag("--timeline-filename", metavar="FILE", value_type=str,
+                           conversion=ABSOLUTE),), horovod="yes",
+         details="See [Timeline](timeline.md)."),
+    Knob("TIMELINE_MARK_CYCLES", "timeline_mark_cycles", Switch(), False, RECORDER,
+         "1 marks every negotiation round on the timeline",
+         flags=(on_off_flag("--timeline-mark-cycles", sets="1",
+                            help="mark negotiation rounds on the timeline"),
+                on_off_flag("--no-timeline-mark-cycles", sets="0",
+                            help="do not mark negotiation rounds (the default)")), horovod="yes"),
+    Knob("GRADIENT_BUCKET_MB", "gradient_bucket_bytes", Number(float, MIB), 25.0, RANK0,
+         "PyTorch DistributedOptimizer: small gradients travel in flat buckets of up to this "
+         "size, one allreduce per bucket; 0: every gradient on its own, as in Horovod",
+         unit="MiB",   # as torch DDP's bucket_cap_mb; buckets' names and sizes are collectives'
+         details="See [gradient buckets](pytorch.md#gradient-buckets)."),
+    Knob("RESULT_POOL_MB", "result_pool_bytes", Number(float, MIB), 512.0, OWN,
+         "most idle result memory each rank keeps for reuse; 0 turns the pool off", unit="MiB",
+         details="See [How it works](how-it-works.md#result-memory)."),
+)
+KNOB_BY_NAME: dict[str, Knob] = {knob.name: knob for knob in KNOBS}
+
+DEFAULT_RESULT_POOL_MB = KNOB_BY_NAME["RESULT_POOL_MB"].default
+
+
+def _default(field: str):
+    """The default of ``field``, from the knob that feeds it."""
+    return next(knob.field_default for knob in KNOBS if knob.field == field)
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    fusion_threshold: int = DEFAULT_FUSION_THRESHOLD
-    cycle_time_ms: float = DEFAULT_CYCLE_TIME_MS
-    cache_capacity: int = DEFAULT_CACHE_CAPACITY
-    stall_check_enabled: bool = True
-    stall_check_seconds: float = DEFAULT_STALL_CHECK_SECONDS
-    stall_shutdown_seconds: float = 0.0  # 0 = never turn a stall into an error
-    log_level: str = "WARNING"
-    dynamic_process_sets: bool = False   # allow add_process_set / remove_process_set
-    gpu_operations: str = "nccl"         # how GPU tensors move: "nccl" or "mpi" (host-staged)
-    # GPU handles complete once their work is queued; wait() orders the framework's stream after
-    # it on the device (False: complete after the host saw the work finish).
-    gpu_async_completion: bool = True
-    # Idle host result memory kept for reuse (memory.BufferPool); per rank, need not agree.
-    result_pool_bytes: int = int(DEFAULT_RESULT_POOL_MB * 2**20)
-    # Largest fused batch reduced through intra-node shared memory (shm_fusion.SharedFusion).
-    shm_fusion_bytes: int = int(DEFAULT_SHM_FUSION_MB * 2**20)
-    # Single large allreduces by direct copies between ranks (direct_allreduce): "auto" (where
-    # the kernel allows it), "on" (the same, but warn where it does not) or "off".
-    cma: str = "auto"
-    # DistributedOptimizer packs small gradients into flat buckets of up to this many bytes,
-    # reduced as one tensor each (0: every gradient on its own, as Horovod does).  Must agree
-    # on every rank (the buckets' names and sizes are collectives'), hence rank 0's value.
-    gradient_bucket_bytes: int = int(DEFAULT_GRADIENT_BUCKET_MB * 2**20)
+    """The knobs' values, one field per knob of :data:`KNOBS` (see there for each one's
+    meaning).  ``init()`` uses rank 0's values except where a knob is each rank's own."""
+
+    fusion_threshold: int = _default("fusion_threshold")
+    cycle_time_ms: float = _default("cycle_time_ms")
+    cache_capacity: int = _default("cache_capacity")
+    stall_check_enabled: bool = _default("stall_check_enabled")
+    stall_check_seconds: float = _default("stall_check_seconds")
+    stall_shutdown_seconds: float = _default("stall_shutdown_seconds")
+    log_level: str = _default("log_level")
+    dynamic_process_sets: bool = _default("dynamic_process_sets")
+    gpu_operations: str = _default("gpu_operations")
+    gpu_async_completion: bool = _default("gpu_async_completion")
+    result_pool_bytes: int = _default("result_pool_bytes")
+    shm_fusion_bytes: int = _default("shm_fusion_bytes")
+    cma: str = _default("cma")
+    gradient_bucket_bytes: int = _default("gradient_bucket_bytes")
+    timeline_filename: str | None = _default("timeline_filename")
+    timeline_mark_cycles: bool = _default("timeline_mark_cycles")
 
     @property
     def cycle_seconds(self) -> float:
@@ -156,26 +376,12 @@ class Config:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Config":
-        return cls(
-            fusion_threshold=_number("FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD, environ, int),
-            cycle_time_ms=_number("CYCLE_TIME", DEFAULT_CYCLE_TIME_MS, environ),
-            cache_capacity=_number("CACHE_CAPACITY", DEFAULT_CACHE_CAPACITY, environ, int),
-            stall_check_enabled=not _switch("STALL_CHECK_DISABLE", environ, False,
-                                            "1 turns the stall inspector off"),
-            stall_check_seconds=_number(
-                "STALL_CHECK_TIME_SECONDS", DEFAULT_STALL_CHECK_SECONDS, environ),
-            stall_shutdown_seconds=_number("STALL_SHUTDOWN_TIME_SECONDS", 0.0, environ),
-            log_level=(env_value("LOG_LEVEL", environ) or "WARNING").upper(),
-            dynamic_process_sets=_switch(
-                "DYNAMIC_PROCESS_SETS", environ, False,
-                "1 allows add_process_set/remove_process_set after init()"),
-            gpu_operations=_gpu_operations(environ),
-            gpu_async_completion=_async_completion(environ),
-            result_pool_bytes=int(_number("RESULT_POOL_MB", DEFAULT_RESULT_POOL_MB, environ)
-                                  * 2**20),
-            shm_fusion_bytes=int(_number("SHM_FUSION_MB", DEFAULT_SHM_FUSION_MB, environ)
-                                 * 2**20),
-            cma=_cma_mode(environ),
-            gradient_bucket_bytes=int(_number("GRADIENT_BUCKET_MB", DEFAULT_GRADIENT_BUCKET_MB,
-                                              environ) * 2**20),
-        )
+        """Every knob read from ``environ`` (default ``os.environ``); ValueError naming the
+        first variable that cannot be read."""
+        return cls(**{knob.field: knob.read(environ) for knob in KNOBS})
+
+    def with_rank0(self, rank0: "Config") -> "Config":
+        """The settings this rank runs with: ``rank0``'s values, but this rank's own for the
+        knobs that are each rank's own (its memory, its log)."""
+        return dataclasses.replace(rank0, **{knob.field: getattr(self, knob.field)
+                                             for knob in KNOBS if knob.agree == OWN})
