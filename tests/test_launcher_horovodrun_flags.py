@@ -48,6 +48,38 @@ def test_unsupported_horovodrun_flags_say_why(flags, capsys):
         assert f"{flag} (a horovodrun flag) is not supported: {reason}" in err, err
 
 
+# horovodrun's flags for knobs hvdlite has (Horovod's horovod/runner/launch.py, parse_args, and
+# config_parser.set_env_from_args): flag, its value, the variable and value the ranks get.
+# --stall-check and --no-timeline-mark-cycles are horovodrun's hidden counterparts.
+HOROVODRUN_KNOB_FLAGS = [
+    ("--fusion-threshold-mb", ["32"], "FUSION_THRESHOLD", str(32 * 1024 * 1024)),
+    ("--cycle-time-ms", ["5"], "CYCLE_TIME", "5"),
+    ("--cache-capacity", ["2048"], "CACHE_CAPACITY", "2048"),
+    ("--timeline-filename", ["/tmp/tl.json"], "TIMELINE", "/tmp/tl.json"),
+    ("--timeline-mark-cycles", [], "TIMELINE_MARK_CYCLES", "1"),
+    ("--no-timeline-mark-cycles", [], "TIMELINE_MARK_CYCLES", "0"),
+    ("--no-stall-check", [], "STALL_CHECK_DISABLE", "1"),
+    ("--stall-check", [], "STALL_CHECK_DISABLE", "0"),
+    ("--stall-check-warning-time-seconds", ["120"], "STALL_CHECK_TIME_SECONDS", "120"),
+    ("--stall-check-shutdown-time-seconds", ["300"], "STALL_SHUTDOWN_TIME_SECONDS", "300"),
+    ("--log-level", ["WARNING"], "LOG_LEVEL", "WARNING"),
+]
+
+
+@pytest.mark.parametrize("flag,values,knob,value", HOROVODRUN_KNOB_FLAGS,
+                         ids=[case[0] for case in HOROVODRUN_KNOB_FLAGS])
+def test_horovodrun_knob_flags_set_the_same_knob(flag, values, knob, value):
+    env = launch.knob_env(launch.parse_args(["-np", "2", flag] + values + ["python", "t.py"]))
+    assert env == {"HVDLITE_" + knob: value}
+
+
+def test_no_knob_flag_is_also_refused():
+    from hvdlite.common.config import KNOBS
+    knob_flags = {s for knob in KNOBS for flag in knob.flags for s in flag.spellings}
+    refused = {s for spellings in horovodrun_flags.UNSUPPORTED for s in spellings}
+    assert not knob_flags & refused
+
+
 def test_unsupported_flag_inside_the_command_is_the_command_s():
     args = launch.parse_args(["-np", "2", "python", "t.py", "--gloo", "-p", "5"])
     assert args.command == ["python", "t.py", "--gloo", "-p", "5"]

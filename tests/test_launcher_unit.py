@@ -246,6 +246,80 @@ def test_knob_env_is_what_the_engine_reads():
     assert not config.stall_check_enabled and config.log_level == "INFO"
 
 
+# Every spelling of every tuning flag: (arguments, variable, exported text, Config field, value),
+# written out by hand (Horovod's config_parser.set_env_from_args: MB * 1024 * 1024, on/off flags
+# as 1/0).  A flag added to the knob table without a line here fails the coverage test.
+FLAG_CASES = {
+    "--fusion-threshold-mb": (["3"], "HVDLITE_FUSION_THRESHOLD", "3145728",
+                              "fusion_threshold", 3145728),
+    "--cycle-time-ms": (["0.5"], "HVDLITE_CYCLE_TIME", "0.5", "cycle_time_ms", 0.5),
+    "--cache-capacity": (["12"], "HVDLITE_CACHE_CAPACITY", "12", "cache_capacity", 12),
+    "--stall-check-seconds": (["9"], "HVDLITE_STALL_CHECK_TIME_SECONDS", "9",
+                              "stall_check_seconds", 9.0),
+    "--stall-check-warning-time-seconds": (["11"], "HVDLITE_STALL_CHECK_TIME_SECONDS", "11",
+                                           "stall_check_seconds", 11.0),
+    "--stall-shutdown-seconds": (["2.5"], "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS", "2.5",
+                                 "stall_shutdown_seconds", 2.5),
+    "--stall-check-shutdown-time-seconds": (["4"], "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS", "4",
+                                            "stall_shutdown_seconds", 4.0),
+    "--no-stall-check": ([], "HVDLITE_STALL_CHECK_DISABLE", "1", "stall_check_enabled", False),
+    "--stall-check": ([], "HVDLITE_STALL_CHECK_DISABLE", "0", "stall_check_enabled", True),
+    "--log-level": (["fatal"], "HVDLITE_LOG_LEVEL", "CRITICAL", "log_level", "CRITICAL"),
+    "--timeline-filename": (["/tmp/x/../tl.json"], "HVDLITE_TIMELINE", "/tmp/tl.json",
+                            "timeline_filename", "/tmp/tl.json"),
+    "--timeline-mark-cycles": ([], "HVDLITE_TIMELINE_MARK_CYCLES", "1",
+                               "timeline_mark_cycles", True),
+    "--no-timeline-mark-cycles": ([], "HVDLITE_TIMELINE_MARK_CYCLES", "0",
+                                  "timeline_mark_cycles", False),
+}
+
+
+def test_every_tuning_flag_has_a_case():
+    from hvdlite.common.config import KNOBS
+    spellings = {s for knob in KNOBS for flag in knob.flags for s in flag.spellings}
+    assert spellings == set(FLAG_CASES)
+
+
+@pytest.mark.parametrize("flag", sorted(FLAG_CASES))
+def test_every_flag_exports_its_variable_in_the_variable_s_unit(flag):
+    from hvdlite.common.config import Config
+    values, variable, text, field, value = FLAG_CASES[flag]
+    env = launch.knob_env(launch.parse_args(["-np", "2", flag] + values + ["cmd"]))
+    assert env == {variable: text}
+    assert getattr(Config.from_env(env), field) == value   # what the ranks will read
+
+
+@pytest.mark.parametrize("pair", [("--no-stall-check", "--stall-check"),
+                                  ("--timeline-mark-cycles", "--no-timeline-mark-cycles")])
+def test_on_off_flags_exclude_each_other(pair, capsys):
+    """As in horovodrun (a mutually exclusive group)."""
+    assert launch.main(["-np", "2", *pair, "cmd"]) == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_on_flag_overrides_x():
+    args = launch.parse_args(["-np", "2", "-x", "HVDLITE_STALL_CHECK_DISABLE=1",
+                              "--stall-check", "cmd"])
+    assert launch.job_env(args, {})["HVDLITE_STALL_CHECK_DISABLE"] == "0"
+
+
+def test_relative_timeline_path_is_made_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    env = launch.knob_env(launch.parse_args(["-np", "2", "--timeline-filename", "t.json", "c"]))
+    assert env == {"HVDLITE_TIMELINE": str(tmp_path / "t.json")}
+
+
+def test_help_names_each_flag_s_variable(capsys):
+    from hvdlite.common.config import KNOBS
+    with pytest.raises(SystemExit):
+        launch.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for knob in KNOBS:
+        for flag in knob.flags:
+            assert flag.spellings[0] in text
+            assert knob.variable in text
+
+
 def test_parse_env_args():
     environ = {"HOME_DIR": "/home/u", "EMPTY": ""}
     assert launch.parse_env_args(["HOME_DIR", "FOO=bar", "EQ=a=b", "BLANK=", "EMPTY"],

@@ -18,9 +18,9 @@ import argparse
 from typing import Sequence
 
 _ELASTIC = ("hvdlite has no elastic mode: it runs a fixed set of MPI processes (see the "
-            "README, 'Elastic training'). Start the job with -np N and -H/--hostfile.")
+            "docs, docs/elastic.md). Start the job with -np N and -H/--hostfile.")
 _AUTOTUNE = ("hvdlite has no autotuner; set --fusion-threshold-mb and --cycle-time-ms "
-             "(see the README's tuning section).")
+             "(docs/knobs.md lists every knob).")
 _SSH = ("hvdlite starts remote ranks through your MPI launcher, which uses ssh's own "
         "configuration: put Port/IdentityFile for those hosts in ~/.ssh/config, or pass the "
         "launcher's own option with --mpi-args.")

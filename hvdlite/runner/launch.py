@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable, Mapping, Sequence, TextIO, TypeVar
 
 from . import check_build, horovodrun_flags, mpi_flavor
+from ..common.config import KNOBS, Flag, Knob
 from ..version import __version__
 from .mpi_flavor import Host, HostfileError, JobSpec
 
@@ -31,7 +32,6 @@ Number = TypeVar("Number", int, float)
 
 # After forwarding Ctrl-C/SIGTERM, wait this long for the job to exit before SIGKILL.
 KILL_GRACE_SECONDS = 5.0
-LOG_LEVELS = ("trace", "debug", "info", "warning", "error", "fatal", "critical")
 INSTALL_HINT = ("install one with `pip install mpich` (or your system's MPI, e.g. "
                 "`apt-get install mpich` or `apt-get install openmpi-bin`)")
 
@@ -94,29 +94,36 @@ def _add_launch_options(parser: argparse.ArgumentParser) -> None:
                         help="show the available frameworks, controllers and operations")
 
 
+def _flag_help(knob: Knob, flag: Flag) -> str:
+    if flag.sets is not None:
+        return f"{flag.help} ({knob.variable}={flag.sets})"
+    values = f": {', '.join(flag.choices)}" if flag.choices else ""
+    how = f" to {flag.conversion.text}" if flag.conversion.text else ""
+    return f"{knob.help}{values} (sets {knob.variable}{how})"
+
+
 def _add_knob_options(parser: argparse.ArgumentParser) -> None:
-    knobs = parser.add_argument_group("tuning (exported as HVDLITE_* variables)")
-    knobs.add_argument("--fusion-threshold-mb", type=_non_negative(float), metavar="MB",
-                       help="tensor fusion buffer size in MB (HVDLITE_FUSION_THRESHOLD)")
-    knobs.add_argument("--cycle-time-ms", type=_non_negative(float), metavar="MS",
-                       help="background cycle time in ms (HVDLITE_CYCLE_TIME)")
-    knobs.add_argument("--cache-capacity", type=_non_negative(int), metavar="N",
-                       help="response cache entries, 0 disables (HVDLITE_CACHE_CAPACITY)")
-    knobs.add_argument("--stall-check-seconds", "--stall-check-warning-time-seconds",
-                       dest="stall_check_seconds", type=_non_negative(float), metavar="S",
-                       help="warn about stalled tensors after S seconds")
-    knobs.add_argument("--stall-shutdown-seconds", "--stall-check-shutdown-time-seconds",
-                       dest="stall_shutdown_seconds", type=_non_negative(float), metavar="S",
-                       help="fail stalled operations after S seconds (0: never)")
-    knobs.add_argument("--no-stall-check", action="store_true",
-                       help="disable the stall check (HVDLITE_STALL_CHECK_DISABLE=1)")
-    knobs.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, metavar="LEVEL",
-                       help="hvdlite log level: " + ", ".join(LOG_LEVELS))
-    knobs.add_argument("--timeline-filename", metavar="FILE",
-                       help="record a Horovod Timeline on rank 0 (HVDLITE_TIMELINE)")
-    knobs.add_argument("--timeline-mark-cycles", action="store_true",
-                       help="mark negotiation cycles on the timeline "
-                            "(HVDLITE_TIMELINE_MARK_CYCLES=1)")
+    """The flags of :data:`config.KNOBS`.  A knob has one flag that takes a value, or on/off
+    flags (mutually exclusive, as in horovodrun); either way they store into the first flag's
+    ``dest`` (None when not given)."""
+    group = parser.add_argument_group("tuning (exported as HVDLITE_* variables)")
+    for knob in KNOBS:
+        if not knob.flags:
+            continue
+        dest = knob.flags[0].dest
+        pair = group.add_mutually_exclusive_group() if len(knob.flags) > 1 else group
+        for flag in knob.flags:
+            if flag.sets is not None:
+                pair.add_argument(*flag.spellings, dest=dest, action="store_const",
+                                  const=flag.sets, help=_flag_help(knob, flag))
+            elif flag.choices:
+                group.add_argument(*flag.spellings, dest=dest, type=str.lower,
+                                   choices=flag.choices, metavar=flag.metavar,
+                                   help=_flag_help(knob, flag))
+            else:
+                kind = _non_negative(flag.value_type) if flag.value_type in (int, float) else None
+                group.add_argument(*flag.spellings, dest=dest, type=kind, metavar=flag.metavar,
+                                   help=_flag_help(knob, flag))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,32 +154,17 @@ def parse_args(argv: Sequence[str],
 
 
 # --- environment ---------------------------------------------------------------------------------
-def _number(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
-
-
 def knob_env(args: argparse.Namespace) -> dict[str, str]:
     """The ``HVDLITE_*`` variables that the tuning flags ask for (unset flags add nothing)."""
     env: dict[str, str] = {}
-    if args.fusion_threshold_mb is not None:
-        env["HVDLITE_FUSION_THRESHOLD"] = str(int(round(args.fusion_threshold_mb * 1024 * 1024)))
-    if args.cycle_time_ms is not None:
-        env["HVDLITE_CYCLE_TIME"] = _number(args.cycle_time_ms)
-    if args.cache_capacity is not None:
-        env["HVDLITE_CACHE_CAPACITY"] = str(args.cache_capacity)
-    if args.stall_check_seconds is not None:
-        env["HVDLITE_STALL_CHECK_TIME_SECONDS"] = _number(args.stall_check_seconds)
-    if args.stall_shutdown_seconds is not None:
-        env["HVDLITE_STALL_SHUTDOWN_TIME_SECONDS"] = _number(args.stall_shutdown_seconds)
-    if args.no_stall_check:
-        env["HVDLITE_STALL_CHECK_DISABLE"] = "1"
-    if args.log_level is not None:
-        level = {"trace": "DEBUG", "fatal": "CRITICAL"}.get(args.log_level, args.log_level)
-        env["HVDLITE_LOG_LEVEL"] = level.upper()
-    if args.timeline_filename:   # absolute: every rank resolves it alike, whatever its cwd
-        env["HVDLITE_TIMELINE"] = os.path.abspath(args.timeline_filename)
-    if args.timeline_mark_cycles:
-        env["HVDLITE_TIMELINE_MARK_CYCLES"] = "1"
+    for knob in KNOBS:
+        if not knob.flags:
+            continue
+        flag = knob.flags[0]
+        value = getattr(args, flag.dest)
+        if value is None or value == "":
+            continue
+        env[knob.variable] = value if flag.sets is not None else flag.conversion.apply(value)
     return env
 
 
