@@ -117,3 +117,61 @@ def test_readme_anchors_exist(site):
             if f'id="{anchor}"' not in html:
                 broken.append(f"{path}#{anchor}")
     assert not broken, f"README links to missing anchors: {broken}"
+
+
+# --- the generated knob reference (scripts/mkdocs_knobs.py) -----------------------------------
+def _knob_hook():
+    """scripts/mkdocs_knobs.py and the knob table it loads (as the docs build does)."""
+    spec = importlib.util.spec_from_file_location("mkdocs_knobs_under_test",
+                                                  ROOT / "scripts" / "mkdocs_knobs.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    return hook, hook.load_config()
+
+
+def test_knob_pages_hold_their_table_markers():
+    hook, _ = _knob_hook()
+    for page, marker in hook.REQUIRED.items():
+        assert (DOCS / page).read_text(encoding="utf-8").count(marker) == 1, page
+
+
+def test_generated_knob_table_lists_every_knob_and_flag():
+    hook, config = _knob_hook()
+    table = hook.knob_table(config)
+    rows = table.splitlines()[2:]
+    assert len(rows) == len(config.KNOBS)
+    for knob, row in zip(config.KNOBS, rows):
+        assert row.startswith(f"| `{knob.variable}` |"), row
+        assert knob.help in row and knob.agree in row and row.count(" | ") == 6, row
+        for flag in knob.flags:
+            assert all(f"`{s}" in row for s in flag.spellings), row
+    flags = hook.flag_table(config)
+    for knob in config.KNOBS:
+        for flag in knob.flags:
+            assert all(f"`{s}" in flags for s in flag.spellings), flag
+
+
+def test_hook_stops_the_build_when_a_marker_is_gone():
+    if importlib.util.find_spec("mkdocs") is None:
+        pytest.skip("mkdocs is not installed in this environment")
+    from types import SimpleNamespace
+
+    from mkdocs.exceptions import PluginError
+    hook, _ = _knob_hook()
+    page = SimpleNamespace(file=SimpleNamespace(src_uri="knobs.md"))
+    with pytest.raises(PluginError, match="marker"):
+        hook.on_page_markdown("# Environment knobs\n\nno table\n", page)
+    other = SimpleNamespace(file=SimpleNamespace(src_uri="index.md"))
+    assert hook.on_page_markdown("plain\n", other) == "plain\n"
+
+
+def test_built_knob_pages_show_every_knob(site):
+    _, config = _knob_hook()
+    knobs = _page_html(site, "knobs.md").read_text(encoding="utf-8")
+    launcher = _page_html(site, "launcher.md").read_text(encoding="utf-8")
+    assert "<!-- knob" not in knobs and "<!-- knob" not in launcher
+    for knob in config.KNOBS:
+        assert f"<code>{knob.variable}</code>" in knobs, knob.variable
+        for flag in knob.flags:
+            assert f"<code>{flag.spellings[0]}" in knobs
+            assert f"<code>{flag.spellings[0]}" in launcher
