@@ -13,6 +13,9 @@ CASES = [   # variable, invalid value, which ranks have it ("all", or one rank; 
     pytest.param("HOROVOD_STALL_CHECK_DISABLE", "maybe", "0", id="switch-rank0"),
     pytest.param("HVDLITE_CMA", "sometimes", "-1", id="cma-last"),
     pytest.param("HVDLITE_TIMELINE_MARK_CYCLES", "yes please", "all", id="flag-all"),
+    # each rank's own knob: once checked only when the logger was set up, on that rank alone
+    pytest.param("HVDLITE_LOG_LEVEL", "verbose", "-1", id="log-level-last"),
+    pytest.param("HOROVOD_CACHE_CAPACITY", "inf", "0", id="integer-inf-rank0"),
     # only rank 0 records a timeline, so only its path can be wrong
     pytest.param("HOROVOD_TIMELINE", "/nonexistent/dir/timeline.json", "0",
                  id="timeline-unwritable-rank0"),

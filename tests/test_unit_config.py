@@ -182,10 +182,34 @@ def test_timeline_mark_cycles_refuses_other_words():
 
 
 def test_number_errors_name_the_horovod_variable_when_that_is_the_one_set():
-    with pytest.raises(ValueError, match="HOROVOD_FUSION_THRESHOLD='64MB' is not a number"):
+    with pytest.raises(ValueError, match="HOROVOD_FUSION_THRESHOLD='64MB' is not a finite number"):
         Config.from_env({"HOROVOD_FUSION_THRESHOLD": "64MB"})
     with pytest.raises(ValueError, match="HOROVOD_GPU_OPERATIONS='gloo' is not one of"):
         Config.from_env({"HOROVOD_GPU_OPERATIONS": "gloo"})
+
+
+@pytest.mark.parametrize("name", ["FUSION_THRESHOLD", "CACHE_CAPACITY", "CYCLE_TIME",
+                                  "STALL_SHUTDOWN_TIME_SECONDS", "GRADIENT_BUCKET_MB"])
+@pytest.mark.parametrize("raw", ["inf", "-inf", "nan", "1e999"])
+def test_numbers_must_be_finite(name, raw):
+    # An OverflowError (int knobs) would escape init()'s all-ranks settings check and hang
+    # the other ranks; nan/inf mean no setting.
+    with pytest.raises(ValueError, match=f"HVDLITE_{name}='{raw}' is not a finite number"):
+        Config.from_env({f"HVDLITE_{name}": raw})
+
+
+@pytest.mark.parametrize("raw, level", [("trace", "DEBUG"), ("Debug", "DEBUG"), ("info", "INFO"),
+                                        ("WARNING", "WARNING"), ("error", "ERROR"),
+                                        ("fatal", "CRITICAL"), ("critical", "CRITICAL")])
+def test_log_level_names(raw, level):
+    assert Config.from_env({"HOROVOD_LOG_LEVEL": raw}).log_level == level
+
+
+def test_log_level_typo_is_a_settings_error():
+    # Checked with every other knob in init(): before, logging.setLevel raised on that rank only,
+    # after the all-ranks settings check, and the other ranks waited for it.
+    with pytest.raises(ValueError, match="HVDLITE_LOG_LEVEL='verbose' is not a log level"):
+        Config.from_env({"HVDLITE_LOG_LEVEL": "verbose"})
 
 
 def test_settings_error_names_the_problem_and_the_ranks():

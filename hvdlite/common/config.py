@@ -14,6 +14,7 @@ This module imports only the standard library: the docs build loads it on its ow
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Callable, Mapping, Union
 
@@ -48,9 +49,12 @@ class Number:
 
     def parse(self, variable: str, raw: str, knob: "Knob"):
         try:
-            value = self.cast(float(raw)) if self.cast is int else self.cast(raw)
-        except ValueError:
-            raise ValueError(f"{variable}={raw!r} is not a number.") from None
+            number = float(raw)
+            if not math.isfinite(number):   # nan, inf: no setting means that
+                raise ValueError
+            value = self.cast(number) if self.cast is int else self.cast(raw)
+        except (ValueError, OverflowError):
+            raise ValueError(f"{variable}={raw!r} is not a finite number.") from None
         if value < 0:
             raise ValueError(f"{variable}={raw!r} must not be negative.")
         return self.to_field(value)
@@ -112,6 +116,26 @@ class Choice:
 
 
 @dataclasses.dataclass(frozen=True)
+class LogLevel:
+    """A log level by name, any case: Python's, plus Horovod's ``trace`` (read as DEBUG) and
+    ``fatal`` (CRITICAL).  Checked here, so that a typo fails ``init()`` on every rank rather
+    than later on one."""
+
+    type_name = "level name"
+    names = ("trace", "debug", "info", "warning", "error", "fatal", "critical")
+
+    def parse(self, variable: str, raw: str, knob: "Knob") -> str:
+        level = raw.lower()
+        if level not in self.names:
+            raise ValueError(f"{variable}={raw!r} is not a log level; use one of "
+                             f"{', '.join(self.names)}.")
+        return {"trace": "DEBUG", "fatal": "CRITICAL"}.get(level, level).upper()
+
+    def to_field(self, value: str) -> str:
+        return value
+
+
+@dataclasses.dataclass(frozen=True)
 class AutoSwitch:
     """``auto``, or an on/off word: the field is ``"auto"``, ``"on"`` or ``"off"``."""
 
@@ -140,7 +164,7 @@ class Text:
         return value
 
 
-Kind = Union[Number, Switch, Choice, AutoSwitch, Text]
+Kind = Union[Number, Switch, Choice, AutoSwitch, Text, LogLevel]
 
 
 # --- hvdlite run's flags ------------------------------------------------------------------------
@@ -273,7 +297,7 @@ KNOBS: tuple[Knob, ...] = (
          flags=(on_off_flag("--no-stall-check", sets="1", help="disable the stall check"),
                 on_off_flag("--stall-check", sets="0",
                             help="keep the stall check on (the default)")), horovod="yes"),
-    Knob("LOG_LEVEL", "log_level", Text("level name", upper=True), "WARNING", OWN,
+    Knob("LOG_LEVEL", "log_level", LogLevel(), "WARNING", OWN,
          "lowest level of hvdlite's log messages shown",
          flags=(value_flag("--log-level", metavar="LEVEL", value_type=str,
                            choices=("trace", "debug", "info", "warning", "error", "fatal",
