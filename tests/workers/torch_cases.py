@@ -204,6 +204,8 @@ def state_cases(size: int) -> list[str]:
             + [f"params.named_parameters.root{root}" for root in range(size)]
             + ["scheduler.made_before.fresh", "scheduler.made_before.restored",
                "scheduler.made_before.plain_broadcast"]
+            + ["lazy_state.sparse_adam", "lazy_state.sgd_sparse_embedding_model",
+               "lazy_state.existing_grads_replaced", "lazy_state.stateless_sgd"]
             + ["params.list_of_pairs", "params.list_of_tensors", "params.noncontiguous_tensor",
                "params.bad_input"]
             + [f"object.broadcast.root{root}" for root in range(size)]
