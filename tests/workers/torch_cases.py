@@ -189,6 +189,7 @@ OPTIMIZER_CASES = [
     "step_with_closure.sgd",
     "step_with_closure.lbfgs",
     "torch_compile",
+    "parameter_names",
 ]
 
 STATE_OPTIMIZERS = ["sgd_momentum", "adam", "adamw", "rmsprop", "adagrad"]
@@ -236,6 +237,9 @@ ERROR_CASES = [
     "optimizer.named_parameters_missing_param", "optimizer.named_parameters_not_pairs",
     "optimizer.sparse_grad_unsupported_op", "optimizer.sparse_as_dense",
     "optimizer.sync_error_waits_for_the_rest",
+    "horovod_class.reducescatter_adasum", "horovod_class.unsupported_tensor_is_value_error",
+    "horovod_class.adasum_ranks", "horovod_class.gradient_of_max",
+    "horovod_class.poll_not_a_handle",
 ]
 
 
