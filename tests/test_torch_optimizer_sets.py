@@ -5,7 +5,7 @@ import pytest
 from tests.mpi_harness import case_failures, check_job
 
 WORKER = "torch_optimizer_sets_worker.py"
-CASES = ["process_set_training", "non_member_refused", "adasum_training"]
+CASES = ["process_set_training", "non_member_local_optimizer", "adasum_training"]
 
 
 @pytest.mark.parametrize("np_", [2, 3, 4])

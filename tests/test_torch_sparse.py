@@ -27,6 +27,7 @@ SPARSE_CASES = (
        "allreduce.default_op_is_average", "allreduce.op_as_int", "allreduce.scaled",
        "allreduce.unnamed", "allreduce.async_several_in_flight",
        "allreduce.input_unchanged", "allreduce.requires_grad_input",
+       "allreduce.handle_is_callable",
        "errors.unsupported_ops_then_sum", "errors.dense_input", "errors.size_mismatch",
        "errors.complex_values", "errors.bool_average"]
     + [f"optimizer.{model}.{mode}" for model in ("embedding", "mixed")
@@ -36,7 +37,9 @@ SPARSE_CASES = (
        "optimizer.unused_embedding_on_rank0", "optimizer.unused_embedding_on_rank0_first_step",
        "optimizer.embedding_used_staggered",
        "optimizer.zero_grad_keep_sparse",
-       "optimizer.op_max_raises"]
+       "optimizer.op_max_raises",
+       "optimizer.as_dense_sparse_adam", "optimizer.as_dense_unused_embedding_on_rank0_first_step",
+       "optimizer.as_dense_bpps2"]
 )
 
 

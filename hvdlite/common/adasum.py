@@ -27,14 +27,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .errors import UnsupportedOperationError
+
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _TAG = 0x4144  # point-to-point tag for every message the kernel sends ("AD")
 
 
 def check_adasum_size(size: int, what: str) -> None:
-    """Raise ValueError unless ``size`` (a number of ranks) is a power of two; 1 is allowed."""
+    """Raise UnsupportedOperationError (a ValueError and, as in Horovod, a NotImplementedError)
+    unless ``size`` (a number of ranks) is a power of two; 1 is allowed."""
     if size < 1 or size & (size - 1):
-        raise ValueError(
+        raise UnsupportedOperationError(
             f"{what}: op=Adasum needs a power-of-two number of ranks (1, 2, 4, 8, ...), but this "
             f"job has {size}. Run on a power-of-two number of ranks or use op=Average.")
 

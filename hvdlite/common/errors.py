@@ -15,8 +15,10 @@ class HvdliteError(RuntimeError):
 HorovodInternalError = HvdliteError
 
 
-class NotInitializedError(ValueError):
-    """An hvdlite function was called before ``init()``."""
+class NotInitializedError(HvdliteError, ValueError):
+    """An hvdlite function was called before ``init()``.  Horovod raises ``ValueError`` from
+    ``rank()``/``size()`` and ``HorovodInternalError`` from its operations in that case: this
+    class is both, so either ``except`` keeps working."""
 
     def __init__(self, what: str = "this function") -> None:
         super().__init__(f"hvdlite has not been initialized; call hvd.init() before {what}.")
@@ -44,8 +46,16 @@ class DuplicateNameError(HvdliteError, ValueError):
     """A tensor name is already in flight on this rank."""
 
 
-class UnsupportedDtypeError(HvdliteError, TypeError):
-    """The dtype cannot be used with the requested operation."""
+class UnsupportedDtypeError(HvdliteError, TypeError, ValueError):
+    """The dtype (or layout, or device) cannot be used with the requested operation.  Horovod
+    raises ``ValueError`` ("Tensor type ... is not supported") for these."""
+
+
+class UnsupportedOperationError(HvdliteError, NotImplementedError, ValueError):
+    """The operation is not supported with these arguments: ``reducescatter`` with Adasum (Horovod:
+    ``HorovodInternalError``), Adasum on a number of ranks that is not a power of two (Horovod:
+    ``NotImplementedError``), the gradient of a reduction other than Sum/Average.  It derives
+    from both, and from ``ValueError`` (what hvdlite raised for these before)."""
 
 
 class FailedOnRankError(HvdliteError):

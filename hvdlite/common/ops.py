@@ -17,7 +17,8 @@ import numpy as np
 
 from . import basics
 from .dtypes import check_reduce_op, dtype_info
-from .errors import DuplicateNameError, HvdliteError, ShutdownError
+from .errors import (DuplicateNameError, HvdliteError, ShutdownError,
+                     UnsupportedOperationError)
 from .handle import Entry, GroupHandle, Handle
 from .memory import result_empty
 from .messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, FAILED, JOIN,
@@ -252,8 +253,8 @@ def make_entry(engine, members: list[int] | None, kind: str, array: np.ndarray |
         if reduce_op == ReduceOp.Adasum:
             from .adasum import check_adasum_size
             if kind == REDUCESCATTER:
-                raise ValueError(f"reducescatter of {name!r}: op=Adasum is not supported; use "
-                                 f"Sum or Average.")
+                raise UnsupportedOperationError(f"reducescatter of {name!r}: op=Adasum is not "
+                                                f"supported; use Sum or Average.")
             check_adasum_size(_set_size(members), f"allreduce of {name!r}")
         if kind == REDUCESCATTER and not shape:
             raise ValueError(f"reducescatter of {name!r}: a scalar cannot be scattered; pass a "

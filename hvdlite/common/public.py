@@ -13,8 +13,8 @@ from .basics import (init, shutdown, is_initialized, size, rank, local_size, loc
 from .process_sets import ProcessSet, global_process_set
 from .errors import (HvdliteError, HorovodInternalError, NotInitializedError, ShutdownError,
                      RankExitedError, TensorMismatchError, DuplicateNameError,
-                     UnsupportedDtypeError, StallError, GpuUnavailableError,
-                     RankChildProcessError, FailedOnRankError)
+                     UnsupportedDtypeError, UnsupportedOperationError, StallError,
+                     GpuUnavailableError, RankChildProcessError, FailedOnRankError)
 from .objects import allgather_object, broadcast_object
 from .reduce_ops import ReduceOp, Average, Sum, Adasum, Min, Max, Product
 
@@ -27,7 +27,8 @@ __all__ = [
     "ProcessSet", "global_process_set",
     "HvdliteError", "HorovodInternalError", "NotInitializedError", "ShutdownError",
     "RankExitedError", "TensorMismatchError", "DuplicateNameError", "UnsupportedDtypeError",
-    "StallError", "GpuUnavailableError", "RankChildProcessError", "FailedOnRankError",
+    "UnsupportedOperationError", "StallError", "GpuUnavailableError", "RankChildProcessError",
+    "FailedOnRankError",
     "allgather_object", "broadcast_object",
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
 ]

@@ -43,23 +43,29 @@ def broadcast_parameters(params, root_rank: int = 0) -> None:
         synchronize(handle)
 
 
-def _create_lazy_state(optimizer: torch.optim.Optimizer) -> None:
-    """Run one step with zero gradients so lazily created state exists, without moving the
-    parameters (their values are restored)."""
-    saved = []
+def _create_lazy_state(optimizer: torch.optim.Optimizer, model=None) -> None:
+    """Horovod's way to create the state that optimizers create lazily: every parameter that
+    requires a gradient gets a zero ``.grad`` (sparse for ``SparseAdam``, and for an ``SGD``'s
+    ``nn.Embedding(sparse=True)`` parameters of ``model``), and the optimizer takes one step.
+    As in Horovod, the zero gradients stay, and so does whatever that step did to the
+    parameters (weight decay shrinks them once): a script sees the same values as under
+    Horovod."""
+    sparse = set()
+    if model is not None:
+        sparse = {p for m in model.modules()
+                  if isinstance(m, torch.nn.Embedding) and m.sparse for p in m.parameters()}
+    all_sparse = isinstance(optimizer, torch.optim.SparseAdam)
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.requires_grad:
-                saved.append((p, p.detach().clone(), p.grad))
-                p.grad = torch.zeros_like(p)
+                grad = torch.zeros_like(p)
+                if all_sparse or (isinstance(optimizer, torch.optim.SGD) and p in sparse):
+                    grad = grad.to_sparse()
+                p.grad = grad
     if isinstance(optimizer, _distributed_cls()):
         super(_distributed_cls(), optimizer).step()   # the wrapped optimizer's own step
     else:
         optimizer.step()
-    with torch.no_grad():
-        for p, value, grad in saved:
-            p.copy_(value)
-            p.grad = grad
 
 
 def _distributed_cls():
@@ -67,16 +73,23 @@ def _distributed_cls():
     return _DistributedOptimizer
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
+                              model=None) -> None:
     """Make every rank's optimizer state (per-parameter tensors such as momentum buffers, step
     counters, and the hyper-parameters in ``param_groups``) equal to ``root_rank``'s.
 
-    Works before the first step too: state that optimizers create lazily is created first.
+    Works before the first step too, as in Horovod: a rank whose optimizer has no state yet
+    gives every parameter that requires a gradient a zero ``.grad`` and takes one step, which
+    creates the state; the zero gradients stay, and so does that step's effect on the
+    parameters (with weight decay it shrinks them once, with this rank's hyper-parameters),
+    so broadcast the parameters afterwards if ranks may differ there.  ``model`` (optional, as
+    in Horovod) marks its ``nn.Embedding(sparse=True)`` parameters, whose zero gradient is
+    then sparse for ``SGD`` (``SparseAdam`` always gets sparse ones).
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
     if not optimizer.state:
-        _create_lazy_state(optimizer)
+        _create_lazy_state(optimizer, model)
     state = optimizer.state_dict()
     # Everything but the tensors travels as one pickled object from the root.
     skeleton = {

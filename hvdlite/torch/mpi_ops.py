@@ -3,7 +3,10 @@
 Contiguous tensors are handed to the core as zero-copy numpy views; non-contiguous ones are
 copied to a contiguous buffer (and, for in-place ops, copied back when the handle is waited on).
 ``allreduce``/``allgather``/``broadcast``/``alltoall``/``reducescatter`` and their grouped forms
-are differentiable.  Every op takes ``process_set`` (default: all ranks).
+are differentiable, with Horovod's gradients (see each autograd function; they are not always the
+gradient of the sum of every rank's loss: allgather's and broadcast's are averaged over the ranks,
+reducescatter's is scaled up by the set's size).  Every op takes ``process_set`` (default: all
+ranks).
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import torch
 from hvdlite.common import grouped as core_grouped
 from hvdlite.common import ops as core
 from hvdlite.common.basics import rank, size
+from hvdlite.common.errors import UnsupportedOperationError
 from hvdlite.common.handle import GroupHandle, Handle
 from hvdlite.common.messages import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER
 from hvdlite.common.process_sets import ProcessSet, global_process_set
@@ -106,9 +110,16 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
 
 
 def _check_grad_op(op: ReduceOp, what: str) -> None:
+    # Horovod's backward would reduce the gradient with the same op (a Max of gradients, say),
+    # which is no gradient of anything: refused instead (a deliberate deviation).
     if op not in (ReduceOp.Average, ReduceOp.Sum):
-        raise RuntimeError(f"hvdlite: the gradient of {what} with op={op.name} is not defined; "
-                           f"detach the input or use Sum/Average.")
+        raise UnsupportedOperationError(
+            f"hvdlite: the gradient of {what} with op={op.name} is not defined; detach the "
+            f"input or use Sum/Average.")
+
+
+def _set_of(process_set: ProcessSet | None) -> ProcessSet:
+    return global_process_set if process_set is None else process_set
 
 
 def _allreduce_now(tensor, name, op, prescale_factor, postscale_factor, process_set):
@@ -199,17 +210,20 @@ class _Allgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = allreduce(grad_output, op=ReduceOp.Sum, process_set=ctx.process_set)
+        # Horovod's gradient: the incoming gradients averaged over the set, then this rank's
+        # rows of it (the other ranks' row counts come with one small allgather).
+        grad = allreduce(grad_output, op=ReduceOp.Average, process_set=ctx.process_set)
         rows = allgather(torch.tensor([ctx.rows], dtype=torch.int64),
                          process_set=ctx.process_set)
-        offset = int(rows[:(ctx.process_set or global_process_set).rank()].sum())
+        offset = int(rows[:_set_of(ctx.process_set).rank()].sum())
         return grad.narrow(0, offset, ctx.rows), None, None
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenation of every rank's ``tensor`` along dimension 0, in rank order.
-    Differentiable: each rank gets the slice of the summed gradient that matches its rows."""
+    Differentiable (as in Horovod): each rank gets its rows of the incoming gradients averaged
+    over the set."""
     out = _Allgather.apply(tensor, name, process_set)
     return out.reshape(-1) if tensor.dim() == 0 else out
 
@@ -240,7 +254,9 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = allreduce(grad_output, op=ReduceOp.Sum, process_set=ctx.process_set)
+        # Horovod's gradient: the incoming gradients averaged over the set for the root, zeros
+        # elsewhere.  root_rank is a global rank, also with a process set (as in Horovod).
+        grad = allreduce(grad_output, op=ReduceOp.Average, process_set=ctx.process_set)
         if rank() != ctx.root_rank:
             grad = torch.zeros_like(grad)
         return grad, None, None, None
@@ -248,8 +264,8 @@ class _Broadcast(torch.autograd.Function):
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """Return ``root_rank``'s ``tensor`` on every rank.  Differentiable: the root receives the
-    sum of all ranks' gradients, the others zeros."""
+    """Return ``root_rank``'s ``tensor`` on every rank.  Differentiable (as in Horovod): the root
+    receives the average of all ranks' gradients, the others zeros."""
     return _Broadcast.apply(tensor, root_rank, name, process_set)
 
 
@@ -286,9 +302,10 @@ class _Alltoall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output, _grad_received):
-        # Send every received row's gradient back where the row came from.
-        grad, _ = synchronize(alltoall_async(grad_output.contiguous(), ctx.received.tolist(),
-                                             process_set=ctx.process_set))
+        # Send every received row's gradient back where the row came from (Horovod's: an
+        # alltoall of the gradient with the received splits; itself differentiable).
+        grad, _ = alltoall(grad_output.contiguous(), splits=ctx.received,
+                           process_set=ctx.process_set)
         return grad, None, None, None
 
 
@@ -297,7 +314,8 @@ def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None,
     """Scatter slices of ``tensor`` to every rank and gather the slices sent to this rank.
 
     Returns the gathered tensor, or ``(tensor, received_splits)`` when ``splits`` is given
-    (Horovod's convention).  Differentiable: the gradient travels back the same way.
+    (Horovod's convention).  Differentiable (as in Horovod): the gradient travels back the same
+    way, an alltoall of the incoming gradient with the received splits.
     """
     output, received = _Alltoall.apply(tensor, splits, name, process_set)
     return output if splits is None else (output, received)
@@ -305,13 +323,14 @@ def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None,
 
 # --- reducescatter ---------------------------------------------------------------------------
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
-                        op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0,
-                        process_set: ProcessSet = global_process_set) -> Handle:
+                        op: ReduceOp | None = ReduceOp.Average,
+                        process_set: ProcessSet = global_process_set,
+                        prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> Handle:
     """Start a reducescatter: ``tensor`` (same shape on every rank) is reduced across the
     process set (Average by default, or Sum/Min/Max/Product) and each rank receives its share
     of the rows: with R rows and N ranks the first R % N ranks get R // N + 1 rows, the others
-    R // N."""
+    R // N.  (Arguments in Horovod's order.)"""
     what = f"reducescatter of {name or 'unnamed tensor'}"
     check_tensor(tensor, what)
     src, array, dtype, allocate, holder = _shape_later(tensor)
@@ -321,40 +340,54 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
     return handle.then(lambda _: (src, holder[0])[1])
 
 
-def _scatter_grad(grad: torch.Tensor, op: ReduceOp, scales, process_set) -> torch.Tensor:
-    """Gradient of reducescatter: every rank's output-gradient rows, gathered, times the
-    factors the forward applied (1/N for Average)."""
-    full = allgather(grad.contiguous(), process_set=process_set)
+def _scatter_grad_factor(op: ReduceOp, scales, process_set) -> float:
+    """What Horovod multiplies a reducescatter's incoming gradient by before gathering it: the
+    set's size for Sum (not divided by it for Average), and both scale factors."""
+    _check_grad_op(op, "reducescatter")
     factor = scales[0] * scales[1]
-    if op == ReduceOp.Average:
-        factor /= (process_set or global_process_set).size()
-    return full * factor if factor != 1.0 else full
+    if op == ReduceOp.Sum:
+        factor *= _set_of(process_set).size()
+    return factor
+
+
+def _scaled(grad: torch.Tensor, factor: float) -> torch.Tensor:
+    return grad * factor if factor != 1.0 else grad
 
 
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, process_set):
         ctx.op, ctx.scales, ctx.process_set = op, (prescale_factor, postscale_factor), process_set
-        return synchronize(reducescatter_async(tensor, name, op, prescale_factor,
-                                               postscale_factor, process_set))
+        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor,
+                                               postscale_factor))
 
     @staticmethod
     def backward(ctx, grad_output):
-        _check_grad_op(ctx.op, "reducescatter")
-        return (_scatter_grad(grad_output, ctx.op, ctx.scales, ctx.process_set),
-                None, None, None, None, None)
+        factor = _scatter_grad_factor(ctx.op, ctx.scales, ctx.process_set)
+        grad = allgather(_scaled(grad_output.contiguous(), factor), process_set=ctx.process_set)
+        return grad, None, None, None, None, None
 
 
-def reducescatter(tensor: torch.Tensor, name: str | None = None, op: ReduceOp | None = None,
-                  prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                  process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """This rank's rows of ``tensor`` reduced across ranks (see :func:`reducescatter_async`).
-    Differentiable for Sum and Average."""
-    return _Reducescatter.apply(tensor, name, resolve_op(op), prescale_factor,
-                                postscale_factor, process_set)
+def reducescatter(tensor: torch.Tensor, name: str | None = None, compression=Compression.none,
+                  op: ReduceOp | None = ReduceOp.Average,
+                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> torch.Tensor:
+    """This rank's rows of ``tensor`` reduced across ranks (see :func:`reducescatter_async`);
+    ``compression`` as for :func:`allreduce`.  Differentiable for Sum and Average, with
+    Horovod's gradient: the allgather of the incoming gradients, times the set's size for Sum
+    (and not divided by it for Average), times ``prescale_factor * postscale_factor``."""
+    compressed, cctx = compression.compress(tensor)
+    reduced = _Reducescatter.apply(compressed, name, resolve_op(op), prescale_factor,
+                                   postscale_factor, process_set)
+    return compression.decompress(reduced, cctx)
 
 
 # --- grouped ops -----------------------------------------------------------------------------
+def _differentiable(grads) -> list[int]:
+    """Positions of a grouped op's members that can have a gradient (floating point)."""
+    return [i for i, g in enumerate(grads) if g is not None and g.dtype.is_floating_point]
+
+
 def _group_views(tensors, what: str, in_place: bool = False):
     srcs, arrays, dtypes = [], [], []
     for t in tensors:
@@ -410,22 +443,36 @@ class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         _check_grad_op(ctx.op, "grouped_allreduce")
-        reduced = grouped_allreduce([g.contiguous() for g in grads], op=ctx.op,
-                                    prescale_factor=ctx.scales[0],
-                                    postscale_factor=ctx.scales[1], process_set=ctx.process_set)
-        return (None, None, None, None, None, *reduced)
+        members = _differentiable(grads)
+        out = [None] * len(grads)
+        if members:
+            reduced = grouped_allreduce([grads[i].contiguous() for i in members], op=ctx.op,
+                                        prescale_factor=ctx.scales[0],
+                                        postscale_factor=ctx.scales[1],
+                                        process_set=ctx.process_set)
+            for i, g in zip(members, reduced):
+                out[i] = g
+        return (None, None, None, None, None, *out)
 
 
 def grouped_allreduce(tensors, average: bool | None = None, name: str | None = None,
-                      op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0,
+                      compression=Compression.none, op: ReduceOp | None = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
-    """Allreduce a list of tensors as one unit; differentiable for Sum and Average."""
+    """Allreduce a list of tensors as one unit (``compression`` applies to each); differentiable
+    for Sum and Average, like :func:`allreduce`."""
     tensors = list(tensors)
     if not tensors:
         return []
-    return list(_GroupedAllreduce.apply(name, resolve_op(op, average), prescale_factor,
-                                        postscale_factor, process_set, *tensors))
+    compressed, ctxs = _compress_all(compression, tensors)
+    reduced = _GroupedAllreduce.apply(name, resolve_op(op, average), prescale_factor,
+                                      postscale_factor, process_set, *compressed)
+    return [compression.decompress(t, c) for t, c in zip(reduced, ctxs)]
+
+
+def _compress_all(compression, tensors: list) -> tuple[list, list]:
+    pairs = [compression.compress(t) for t in tensors]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
 def grouped_allreduce_(tensors, average: bool | None = None, name: str | None = None,
@@ -437,30 +484,66 @@ def grouped_allreduce_(tensors, average: bool | None = None, name: str | None = 
                                                 postscale_factor, process_set))
 
 
+def _gather_views(tensors, what: str):
+    """``_shape_later`` for every member (scalars travel as one row each, as in allgather)."""
+    for t in tensors:
+        check_tensor(t, what)
+    return [_shape_later(t.reshape(1) if t.dim() == 0 else t) for t in tensors]
+
+
 def grouped_allgather_async(tensors, name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> GroupHandle:
     """Start allgathering a list of tensors as one unit."""
-    for t in tensors:
-        check_tensor(t, f"grouped_allgather {name or ''}".strip())
-    tensors = [t.reshape(1) if t.dim() == 0 else t for t in tensors]
-    parts = [_shape_later(t) for t in tensors]
+    parts = _gather_views(tensors, f"grouped_allgather {name or ''}".strip())
     handle = core_grouped.submit_group(
         ALLGATHER, [p[1] for p in parts], name=name, allocates=[p[3] for p in parts],
         dtypes=[p[2] for p in parts], process_set=process_set)
     return handle.then(lambda _: [p[4][0] for p in parts])
 
 
+class _GroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        ctx.shapes = [t.shape for t in tensors]
+        ctx.process_set = process_set
+        return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        # Horovod's gradient, as for allgather: the incoming gradients averaged over the set
+        # (one grouped allreduce), then this rank's rows of each (every member's row counts
+        # from every rank come with one small allgather).  Members of a dtype without
+        # gradients take no part (their dtype, hence the choice, is the same on every rank).
+        members = _differentiable(grads)
+        if not members:
+            return (None, None, *[None] * len(grads))
+        reduced = grouped_allreduce([grads[i].contiguous() for i in members],
+                                    op=ReduceOp.Average, process_set=ctx.process_set)
+        rows = [ctx.shapes[i][0] if len(ctx.shapes[i]) else 1 for i in members]
+        everyone = allgather(torch.tensor(rows, dtype=torch.int64), process_set=ctx.process_set)
+        offsets = everyone.view(-1, len(rows))[:_set_of(ctx.process_set).rank()].sum(0)
+        out = [None] * len(grads)
+        for i, g, offset, n in zip(members, reduced, offsets.tolist(), rows):
+            out[i] = g.narrow(0, offset, n).reshape(ctx.shapes[i])
+        return (None, None, *out)
+
+
 def grouped_allgather(tensors, name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
-    """Allgather a list of tensors as one unit (not differentiable; use allgather for
-    autograd)."""
-    return synchronize(grouped_allgather_async(tensors, name, process_set))
+    """Allgather a list of tensors as one unit.  Differentiable, like :func:`allgather` (each
+    member's gradient as allgather's)."""
+    tensors = list(tensors)
+    if not tensors:   # (still validates process_set)
+        return synchronize(grouped_allgather_async(tensors, name, process_set))
+    return list(_GroupedAllgather.apply(name, process_set, *tensors))
 
 
-def grouped_reducescatter_async(tensors, name: str | None = None, op: ReduceOp | None = None,
-                                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                                process_set: ProcessSet = global_process_set) -> GroupHandle:
-    """Start reducescattering a list of tensors as one unit."""
+def grouped_reducescatter_async(tensors, name: str | None = None,
+                                op: ReduceOp | None = ReduceOp.Average,
+                                process_set: ProcessSet = global_process_set,
+                                prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> GroupHandle:
+    """Start reducescattering a list of tensors as one unit (arguments in Horovod's order)."""
     for t in tensors:
         check_tensor(t, f"grouped_reducescatter {name or ''}".strip())
     parts = [_shape_later(t) for t in tensors]
@@ -472,18 +555,49 @@ def grouped_reducescatter_async(tensors, name: str | None = None, op: ReduceOp |
     return handle.then(lambda _: [p[4][0] for p in parts])
 
 
-def grouped_reducescatter(tensors, name: str | None = None, op: ReduceOp | None = None,
-                          prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                          process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
-    """Reducescatter a list of tensors as one unit (not differentiable; use reducescatter for
-    autograd)."""
-    return synchronize(grouped_reducescatter_async(tensors, name, op, prescale_factor,
-                                                   postscale_factor, process_set))
+class _GroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, prescale_factor, postscale_factor, process_set, *tensors):
+        ctx.op, ctx.scales, ctx.process_set = op, (prescale_factor, postscale_factor), process_set
+        return tuple(synchronize(grouped_reducescatter_async(
+            list(tensors), name, op, process_set, prescale_factor, postscale_factor)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        # As for reducescatter, member by member, in one grouped allgather.
+        factor = _scatter_grad_factor(ctx.op, ctx.scales, ctx.process_set)
+        members = _differentiable(grads)
+        out = [None] * len(grads)
+        if members:
+            gathered = grouped_allgather([_scaled(grads[i].contiguous(), factor)
+                                          for i in members], process_set=ctx.process_set)
+            for i, g in zip(members, gathered):
+                out[i] = g
+        return (None, None, None, None, None, *out)
+
+
+def grouped_reducescatter(tensors, name: str | None = None, compression=Compression.none,
+                          op: ReduceOp | None = ReduceOp.Average,
+                          process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """Reducescatter a list of tensors as one unit (``compression`` applies to each).
+    Differentiable for Sum and Average, like :func:`reducescatter`."""
+    tensors = list(tensors)
+    if not tensors:   # (still validates process_set)
+        return synchronize(grouped_reducescatter_async(tensors, name, op, process_set))
+    compressed, ctxs = _compress_all(compression, tensors)
+    reduced = _GroupedReducescatter.apply(name, resolve_op(op), prescale_factor,
+                                          postscale_factor, process_set, *compressed)
+    return [compression.decompress(t, c) for t, c in zip(reduced, ctxs)]
 
 
 # --- handles, barrier, join ------------------------------------------------------------------
 def poll(handle: Handle) -> bool:
     """True if the asynchronous operation behind ``handle`` has completed."""
+    if not isinstance(handle, (Handle, GroupHandle)):   # (Horovod: a TypeError, too)
+        raise TypeError(f"poll() expects a handle returned by an *_async call, got "
+                        f"{type(handle).__name__}.")
     return handle.poll()
 
 

@@ -21,6 +21,7 @@ from hvdlite.common import ops as core_ops
 from hvdlite.common.adasum import check_adasum_size
 from hvdlite.common.basics import process_set_engine, size
 from hvdlite.common.errors import HvdliteError
+from hvdlite.common.process_sets import ProcessSet
 from hvdlite.common.reduce_ops import ReduceOp
 
 from . import param_owners
@@ -34,6 +35,14 @@ _TOO_MANY_PASSES = ("Gradients of {name!r} were computed more than backward_pass
                     "{n} times before step()/synchronize(). Call optimizer.step() after each "
                     "backward pass, or raise backward_passes_per_step to accumulate gradients "
                     "locally.")
+
+
+class OptimizerMisuseError(HvdliteError, AssertionError):
+    """DistributedOptimizer used out of order: more backward passes than
+    ``backward_passes_per_step`` before ``step()``, or ``zero_grad()`` (``load_state_dict()``,
+    ...) while reductions are in flight.  Horovod raises ``AssertionError`` for these; this is
+    one, and an :class:`HvdliteError` (what hvdlite raised before)."""
+
 
 _created = itertools.count(1)   # DistributedOptimizers made in this process, in order
 _live: "weakref.WeakSet" = weakref.WeakSet()   # every DistributedOptimizer not yet collected
@@ -90,6 +99,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  gradient_predivide_factor, groups, sparse_as_dense, process_set):
         super().__init__(params)
         self._process_set = process_set
+        # As in Horovod, on a rank outside process_set this is a plain local optimizer: no
+        # hooks, no reductions (synchronize() does nothing).
+        self._member = process_set is None or process_set.included()
         self._compression = compression
         self._passes = backward_passes_per_step
         self._op = op
@@ -101,7 +113,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hook_handles: dict = {}     # param -> its gradient hook's handle
         self._grad_hook = _weak_hook(self)
         weakref.finalize(self, _remove_hooks, self._hook_handles)   # no dead hooks left behind
-        self._names = self._parameter_names(named_parameters)
+        self._names = self._names_of(named_parameters)
         self._group_of, self._groups = self._parameter_groups(groups)
         self._names = self._own(self._names)   # after every check: takes hooks over
         self._delay = {p: backward_passes_per_step for p in self._names}
@@ -132,11 +144,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         _live.add(self)
 
     # --- set-up ------------------------------------------------------------------------------
-    def _parameter_names(self, named_parameters) -> dict:
+    def _names_of(self, named_parameters) -> dict:
+        """Each parameter's name on the wire (``allreduce.<name>``), checked.  Also sets
+        Horovod's ``_parameter_names`` (``{parameter: name}`` as given, or
+        ``allreduce.noname.<group>.<index>`` without ``named_parameters``; in name order),
+        which scripts read to log or check names."""
         all_params = [p for group in self.param_groups for p in group["params"]]
         if named_parameters is None:
-            return {p: f"allreduce.noname.{i}.{j}" for i, group in enumerate(self.param_groups)
-                    for j, p in enumerate(group["params"])}
+            names = {p: f"allreduce.noname.{i}.{j}" for i, group in enumerate(self.param_groups)
+                     for j, p in enumerate(group["params"])}
+            self._parameter_names = dict(sorted(names.items(), key=lambda item: item[1]))
+            return names
         named = list(named_parameters)
         if any(not isinstance(pair, tuple) or len(pair) != 2 for pair in named):
             raise ValueError("named_parameters should be a sequence of (name, parameter) "
@@ -146,6 +164,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if dups:
             raise ValueError(f"named_parameters contains duplicate names {dups}; each "
                              f"parameter needs a unique name.")
+        self._parameter_names = {p: name for name, p in sorted(named, key=lambda n: n[0])}
         by_param = {p: f"allreduce.{name}" for name, p in named}
         self._given_names = by_param   # also names parameter groups added later
         unnamed = [i for i, p in enumerate(all_params) if p not in by_param]
@@ -170,6 +189,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _hook(self, params) -> None:
         """Start each parameter's allreduce from its gradient hook (parameters that need no
         gradient now get none; ``synchronize()`` reduces them if they need one later)."""
+        if not self._member:
+            return
         for p in params:
             if p.requires_grad:
                 self._hook_handles[p] = p.register_post_accumulate_grad_hook(self._grad_hook)
@@ -209,6 +230,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         added = {p: (self._given_names[p] if self._given_names is not None
                      else f"allreduce.noname.{group_index}.{j}")
                  for j, p in enumerate(params) if p in new}
+        if self._given_names is None:
+            self._parameter_names.update(added)
         self._names.update(self._own(added))
         for p in added:
             self._delay[p] = self._passes
@@ -240,7 +263,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if self._delay[p] <= 0:
             self._close_stream()
-            raise HvdliteError(_TOO_MANY_PASSES.format(name=self._names[p], n=self._passes))
+            raise OptimizerMisuseError(_TOO_MANY_PASSES.format(name=self._names[p],
+                                                              n=self._passes))
         self._fired += 1
         expected = len(self._hook_handles)   # hooks that fire in a full backward pass
         if self._stream_engine is None and self._fired < expected:
@@ -302,7 +326,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _allreduce_grad_async(self, p: torch.Tensor):
         name = self._names[p]
-        if not self._sparse_as_dense and p not in self._layouts:
+        if p not in self._layouts:
             pending = self._agree_layout(p, name)
             if pending is not None:
                 return pending
@@ -318,7 +342,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if p.grad.is_sparse:   # the only sparse work on the dense path: one attribute check
             if not self._sparse_as_dense:
                 return self._sparse_allreduce_grad_async(p, name)
-            # Horovod's sparse_as_dense: the optimizer sees (and the wire carries) a dense grad.
+            # Horovod's sparse_as_dense: the wire carries a dense gradient; it is made sparse
+            # again once reduced (see _sparse_again).
             p.grad = p.grad.to_dense()
         prescale, postscale = self._scale_factors()
         wire, ctx = self._compression.compress(p.grad)
@@ -334,7 +359,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         not use), and guessing wrong leaves every rank waiting for good.  So each rank also
         sends what it has (sparse_dim, 0 = dense, -1 = nothing; the maximum wins).  A rank
         with a gradient goes on at once; one without returns a pending entry that
-        ``synchronize()`` resolves."""
+        ``synchronize()`` resolves.  (With sparse_as_dense every rank sends a dense tensor,
+        but a rank without a gradient still learns that the result is to be made sparse.)"""
         grad = p.grad
         code = -1 if grad is None else (grad.sparse_dim() if grad.is_sparse else 0)
         handle = allreduce_async(torch.tensor([code], dtype=torch.int32),
@@ -519,6 +545,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         a shape mismatch across ranks), the others are still waited for and written into
         ``.grad``; then the first error is raised, and nothing stays in flight.
         """
+        if not self._member:
+            return
         if not self._fresh:
             self._reduce_gradients()
         self._restart_counts()
@@ -558,6 +586,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 result = self._compression.decompress(wire, ctx)
                 if result is not p.grad:
                     p.grad.copy_(result)
+                self._sparse_again(p)
             for bucket in self._buckets:
                 if bucket.handle is None:
                     continue
@@ -568,6 +597,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         first_error = _in_bucket(exc, bucket)
                     continue
                 bucket.unpack()
+                for p in bucket.params:
+                    self._sparse_again(p)
                 reduced_in_buckets.extend(bucket.params)
                 if bucket.reshaped is not None:   # (on every rank alike: it was reduced)
                     self._replan = True   # a member changed shape: plan for the new one
@@ -586,6 +617,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._plan_buckets()
         if self._forget_after_reduction:
             self._forget_first_step()
+
+    def _sparse_again(self, p: torch.Tensor) -> None:
+        """sparse_as_dense, as in Horovod: a sparse gradient, reduced densely, is made sparse
+        again (``to_sparse()``: every dimension sparse, exact zeros left out) before the update,
+        so optimizers that take only sparse gradients (``SparseAdam``) work.  On a rank without
+        a gradient of its own it becomes sparse too (Horovod leaves that one dense): the ranks
+        agreed on the layout the first time the parameter was reduced."""
+        if self._sparse_as_dense and self._layouts.get(p, 0) > 0 and not p.grad.is_sparse:
+            p.grad = p.grad.to_sparse()
 
     def _forget_first_step(self) -> None:
         """Called when hvd.join() has returned on every rank of this optimizer's set.  A rank
@@ -628,6 +668,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Apply the averaged gradients with the wrapped optimizer's ``step`` (reducing them
         first unless the backward pass or ``synchronize()`` already did, or inside
         ``skip_synchronize()``).  Gradients already reduced are never reduced twice."""
+        if not self._member:   # a rank outside the process set: a plain local step
+            return super().step(closure)
         if closure is not None and self._should_synchronize:
             # A backward before step(closure): finish its reductions.
             if self._handles or self._buckets_busy():
@@ -693,7 +735,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         flying += [self._names[p] for b in self._buckets if b.busy for p in b.params]
         if flying:
             shown = ", ".join(repr(n) for n in flying[:3]) + (", ..." if len(flying) > 3 else "")
-            raise HvdliteError(
+            raise OptimizerMisuseError(
                 f"optimizer.{what} was called while the allreduces of {len(flying)} of its "
                 f"gradients ({shown}) were in flight: a backward pass started them and did not "
                 f"complete (it raised), so they were not finished at its end. That would race "
@@ -729,6 +771,12 @@ def _in_bucket(exc: BaseException, bucket: GradientBucket) -> BaseException:
     return wrapped
 
 
+def _outside(process_set) -> bool:
+    """This rank is not a member of the registered ``process_set``."""
+    return (isinstance(process_set, ProcessSet) and process_set.process_set_id is not None
+            and process_set.process_set_id != 0 and not process_set.included())
+
+
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
                          compression=Compression.none, backward_passes_per_step: int = 1,
                          op: ReduceOp = ReduceOp.Average, gradient_predivide_factor: float = 1.0,
@@ -755,7 +803,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
       groups (int | list[list[torch.nn.Parameter]] | None): the same as an int, or a list of
         lists of parameters, each reduced together.
       sparse_as_dense: how sparse gradients (``nn.Embedding(sparse=True)``, ...) are reduced.
-        True: converted to dense in ``.grad`` and allreduced like any other gradient.  False
+        True (as in Horovod): converted to dense and allreduced like any other gradient, then
+        turned back into a sparse tensor (``to_sparse()``, every dimension sparse) before the
+        update, so ``SparseAdam`` works.  False
         (default): the non-zero rows of every rank are allgathered (see
         :func:`hvdlite.torch.sparse_allreduce_async`) and ``.grad`` becomes the reduced,
         coalesced sparse tensor at ``synchronize()``/``step()`` (optimizers such as SGD and
@@ -769,6 +819,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         has a gradient, ``.grad`` becomes zeros without any data reduction.)
       process_set (ProcessSet | None): reduce gradients only among this process set's ranks
         (every member wraps its optimizer with the same set); Average divides by the set's size.
+        On a rank outside the set the result is, as in Horovod, a plain local optimizer: no
+        reductions, and ``synchronize()`` does nothing.
 
     The result is an instance of the original optimizer's class (``isinstance`` holds) and
     works with LR schedulers, ``state_dict()`` and ``load_state_dict()``.  Parameter groups
@@ -776,7 +828,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     averages the gradients (and the returned loss) of every closure evaluation, LBFGS's
     included.
     """
-    if process_set is not None:   # type, registration and membership checked up front
+    if process_set is not None and not _outside(process_set):
+        # type and registration checked up front (a non-member becomes a local optimizer)
         process_set_engine(process_set, "DistributedOptimizer(process_set=...)")
     if op == ReduceOp.Adasum:
         members = (size() if process_set is None or process_set.process_set_id == 0

@@ -69,11 +69,12 @@ def check_sparse_op(op: ReduceOp, what: str) -> None:
 def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None,
                            op: ReduceOp | int = ReduceOp.Average, process_set=None, *,
                            prescale_factor: float = 1.0,
-                           postscale_factor: float = 1.0) -> Handle:
+                           postscale_factor: float = 1.0) -> "SparseAllreduceHandle":
     """Start reducing the sparse COO ``tensor`` across ranks; return a handle.
 
-    Horovod's ``sparse_allreduce_async``: waiting on the handle (``handle.wait()`` or
-    :func:`hvdlite.torch.synchronize`) gives a new, coalesced sparse tensor of ``tensor``'s size
+    Horovod's ``sparse_allreduce_async``: calling the handle (``handle()``, as in Horovod), or
+    waiting on it (:func:`hvdlite.torch.synchronize`, ``handle.wait()``) gives a new, coalesced
+    sparse tensor of ``tensor``'s size
     and dtype whose entries are the sum (``op=Sum``) or the average (``op=Average``, the sum
     times ``1/size()``) of every rank's entries; it is identical on every rank.  Ranks may have
     different numbers of non-zeros (also none).  Any other op raises ``ValueError`` before
@@ -130,7 +131,38 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None,
 
     # One handle for both: wait() also waits for the indices.  poll() reports the values'
     # allgather; the indices were submitted first, so they are negotiated no later than it.
-    return values_handle.then(finish)
+    return SparseAllreduceHandle(values_handle.then(finish))
+
+
+class SparseAllreduceHandle(Handle):
+    """The handle of :func:`sparse_allreduce_async`.  Calling it waits and returns the reduced
+    sparse tensor, as Horovod's (a function) does; it is also an ordinary handle, so
+    ``hvd.synchronize(handle)``, ``hvd.poll(handle)`` and ``handle.wait()`` work too."""
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, inner: Handle) -> None:   # (no lock of its own: everything delegates)
+        self._inner = inner
+        self.name = inner.name
+
+    def __call__(self) -> torch.Tensor:
+        return self._inner.wait()
+
+    def then(self, fn) -> "SparseAllreduceHandle":
+        self._inner.then(fn)
+        return self
+
+    def poll(self) -> bool:
+        return self._inner.poll()
+
+    def wait(self, timeout: float | None = None):
+        return self._inner.wait(timeout)
+
+    synchronize = wait
+
+    def __repr__(self) -> str:
+        return f"<hvdlite.SparseAllreduceHandle {self.name!r} " \
+               f"{'done' if self.poll() else 'pending'}>"
 
 
 def sparse_allreduce(tensor: torch.Tensor, name: str | None = None,
@@ -144,4 +176,4 @@ def sparse_allreduce(tensor: torch.Tensor, name: str | None = None,
                                               postscale_factor=postscale_factor))
 
 
-__all__ = ["sparse_allreduce", "sparse_allreduce_async"]
+__all__ = ["sparse_allreduce", "sparse_allreduce_async", "SparseAllreduceHandle"]

@@ -189,6 +189,7 @@ OPTIMIZER_CASES = [
     "step_with_closure.sgd",
     "step_with_closure.lbfgs",
     "torch_compile",
+    "parameter_names",
 ]
 
 STATE_OPTIMIZERS = ["sgd_momentum", "adam", "adamw", "rmsprop", "adagrad"]
@@ -204,6 +205,8 @@ def state_cases(size: int) -> list[str]:
             + [f"params.named_parameters.root{root}" for root in range(size)]
             + ["scheduler.made_before.fresh", "scheduler.made_before.restored",
                "scheduler.made_before.plain_broadcast"]
+            + ["lazy_state.sparse_adam", "lazy_state.sgd_sparse_embedding_model",
+               "lazy_state.existing_grads_replaced", "lazy_state.stateless_sgd"]
             + ["params.list_of_pairs", "params.list_of_tensors", "params.noncontiguous_tensor",
                "params.bad_input"]
             + [f"object.broadcast.root{root}" for root in range(size)]
@@ -234,6 +237,9 @@ ERROR_CASES = [
     "optimizer.named_parameters_missing_param", "optimizer.named_parameters_not_pairs",
     "optimizer.sparse_grad_unsupported_op", "optimizer.sparse_as_dense",
     "optimizer.sync_error_waits_for_the_rest",
+    "horovod_class.reducescatter_adasum", "horovod_class.unsupported_tensor_is_value_error",
+    "horovod_class.adasum_ranks", "horovod_class.gradient_of_max",
+    "horovod_class.poll_not_a_handle",
 ]
 
 

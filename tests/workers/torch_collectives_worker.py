@@ -69,7 +69,8 @@ RS_EXTRA = ["reducescatter.default_op_is_average.int32",
             "reducescatter.grad.Average.float32.even", "reducescatter.grad.Average.float64.uneven",
             "reducescatter.grad.Average.float64.3d", "reducescatter.grad.default_op",
             "reducescatter.grad.scaled.Sum", "reducescatter.grad.scaled.Average",
-            "reducescatter.grad.min_raises", "reducescatter.grad.chain_allgather"]
+            "reducescatter.grad.min_raises", "reducescatter.grad.chain_allgather",
+            "reducescatter.grad.compression_fp16"]
 
 GROUPED_VARIANTS = ["out", "inplace", "async", "async_inplace"]
 GROUPED_EXTRA = ["grouped_allreduce.unnamed.Sum", "grouped_allreduce.scaled.Sum",
@@ -84,6 +85,11 @@ GROUPED_EXTRA = ["grouped_allreduce.unnamed.Sum", "grouped_allreduce.scaled.Sum"
                  "grouped_allreduce.grad.scaled", "grouped_allreduce.grad.unused_output",
                  "grouped_allreduce.grad.partial_requires_grad",
                  "grouped_allreduce.grad.min_raises",
+                 "grouped_allgather.grad.mixed", "grouped_allgather.grad.unused_output",
+                 "grouped_allgather.grad.compared_with_allgather",
+                 "grouped_reducescatter.grad.Sum", "grouped_reducescatter.grad.Average",
+                 "grouped_reducescatter.grad.scaled", "grouped_reducescatter.grad.default_op",
+                 "grouped_reducescatter.grad.min_raises",
                  "grouped_allgather.out", "grouped_allgather.async",
                  "grouped_allgather.repeated_named_changing_rows",
                  "grouped_reducescatter.scaled.Average",
@@ -178,7 +184,8 @@ PSET_OPS = ([f"allreduce.{op}.{dt}" for op in OPS
                "grouped_reducescatter.Sum",
                "grad.allreduce.Sum", "grad.allreduce.Average", "grad.allgather",
                "grad.broadcast", "grad.alltoall", "grad.reducescatter.Average",
-               "grad.grouped_allreduce.Sum",
+               "grad.grouped_allreduce.Sum", "grad.grouped_allgather",
+               "grad.grouped_reducescatter.Sum",
                "adasum", "broadcast.nonmember_root_raises", "unnamed_ops", "join",
                "interleaved_with_global", "size_rank_included"])
 
@@ -833,7 +840,10 @@ def rs_grad(case):
     tol = 1e-5 if dt == "float32" else 1e-12
     close(y, my_rows(sum(t.to(F64) for t in xs) * pre * post / div, SIZE, RANK), "forward", tol)
     assert x.grad is not None and x.grad.dtype == d
-    close(x.grad, torch.cat([w.to(F64) for w in ws]) * pre * post / div, "x.grad", tol)
+    # Horovod's gradient: every rank's upstream rows gathered, times the set's size for Sum
+    # (and, for Average, not divided by it), times prescale and postscale
+    times = SIZE if op == "Sum" else 1
+    close(x.grad, torch.cat([w.to(F64) for w in ws]) * pre * post * times, "x.grad", tol)
 
 
 def rs_grad_min_raises(case):
@@ -844,7 +854,9 @@ def rs_grad_min_raises(case):
 
 
 def rs_grad_chain(case):
-    """allgather(reducescatter(x, Sum)) == allreduce(x, Sum); its gradient is the summed w."""
+    """allgather(reducescatter(x, Sum)) == allreduce(x, Sum).  With Horovod's gradients
+    (allgather's averages the upstream gradients, reducescatter's Sum multiplies by the size)
+    its gradient is the summed w, as allreduce(Sum)'s."""
     xs = [randn(case, k, (2 * SIZE + 1, 2)) for k in range(SIZE)]
     ws = [randn(case, k, (2 * SIZE + 1, 2), extra=1) for k in range(SIZE)]
     x = xs[RANK].clone().requires_grad_()
@@ -871,6 +883,7 @@ RS_FUNCS = {
     "reducescatter.scalar_raises": rs_scalar_raises,
     "reducescatter.adasum_raises": rs_adasum_raises,
     "reducescatter.bool_average_raises": rs_bool_average_raises,
+    "reducescatter.grad.compression_fp16": lambda c: rs_grad_compressed(c),
 }
 
 
@@ -1174,6 +1187,118 @@ def grouped_grad_min_raises(case):
     follow_up(case)
 
 
+# grouped allgather / reducescatter gradients (Horovod's, member by member as for the single
+# ops): members (dtype, trailing shape or None for a scalar), rows per rank from gather_rows
+GRAD_GATHER_MEMBERS = [("float64", (2,)), ("float32", None), ("float64", (3,)),
+                       ("int32", (2,)), ("float64", (2, 2))]
+
+
+def grouped_allgather_grad(case):
+    kind = case.split(".")[-1]
+    members = GRAD_GATHER_MEMBERS
+    rows = [[1 if tr is None else gather_rows(k, i) for i, (_, tr) in enumerate(members)]
+            for k in range(SIZE)]
+    total = [sum(rows[k][i] for k in range(SIZE)) for i in range(len(members))]
+    xs = [[(torch.full((rows[k][i],) + tr, k, dtype=torch.int32) if dt == "int32" else
+            randn(case, k, () if tr is None else (rows[k][i],) + tr, tdt(dt), extra=i))
+           for i, (dt, tr) in enumerate(members)] for k in range(SIZE)]
+    ws = [[randn(case, k, (total[i],) + (() if tr is None else tr), tdt(dt), extra=100 + i)
+           for i, (dt, tr) in enumerate(members)] for k in range(SIZE)]
+    mine = [x.clone().requires_grad_(x.dtype.is_floating_point) for x in xs[RANK]]
+    used = [i for i, (dt, _) in enumerate(members)
+            if dt != "int32" and not (kind == "unused_output" and i == 2)]
+
+    def run():
+        if kind == "compared_with_allgather":   # the same numbers as one allgather each
+            ys = [hvd.allgather(t, name=f"{case}.{i}") for i, t in enumerate(mine)]
+        else:
+            ys = hvd.grouped_allgather(mine, name=case)
+        sum((ys[i] * ws[RANK][i]).sum() for i in used).backward()
+        return ys
+    ys, exc = attempt(run)
+    if exc is not None:
+        raise exc
+    for i, (dt, tr) in enumerate(members):
+        full = torch.cat([xs[k][i].reshape(1) if tr is None else xs[k][i] for k in range(SIZE)])
+        check_same(ys[i].detach(), full, f"forward {i}")
+        if dt == "int32":
+            assert not ys[i].requires_grad and mine[i].grad is None
+            continue
+        # Horovod: the upstream gradients averaged over the ranks, then this rank's rows
+        off = sum(rows[k][i] for k in range(RANK))
+        avg = sum(ws[k][i].to(F64) for k in range(SIZE)) / SIZE
+        expected = (avg[off:off + rows[RANK][i]] if i in used
+                    else torch.zeros((rows[RANK][i],) + tr, dtype=F64))
+        if tr is None:
+            expected = expected.reshape(())
+        assert mine[i].grad is not None, f"no gradient for member {i}"
+        assert mine[i].grad.dtype == tdt(dt), mine[i].grad.dtype
+        close(mine[i].grad, expected, f"grad {i}", 1e-5 if dt == "float32" else 1e-12)
+
+
+def grouped_reducescatter_grad(case):
+    kind = case.split(".")[-1]
+    if kind == "min_raises":
+        xs = [randn(case, RANK, (SIZE, 2)).requires_grad_(), randn(case, RANK, (SIZE,), extra=1)]
+        ys = hvd.grouped_reducescatter(xs, op=hvd.Min, name=case)
+        expect_raises(lambda: ys[0].sum().backward(), RuntimeError, "Min")
+        follow_up(case)
+        return
+    op, pre, post = {"Sum": ("Sum", 1.0, 1.0), "Average": ("Average", 1.0, 1.0),
+                     "scaled": ("Sum", 2.0, 0.75), "default_op": ("Average", 1.0, 1.0)}[kind]
+    members = [("float64", (2 * SIZE + 1, 2)), ("float32", (SIZE - 1,)), ("int32", (SIZE,)),
+               ("float64", (3 * SIZE,))]
+    xs = [[randn(case, k, sh, tdt(dt), extra=i) if dt != "int32" else
+           torch.arange(sh[0], dtype=torch.int32) for i, (dt, sh) in enumerate(members)]
+          for k in range(SIZE)]
+    rows = [split_rows(sh[0], SIZE) for _, sh in members]
+    ws = [[randn(case, k, (rows[i][k],) + sh[1:], tdt(dt), extra=100 + i)
+           for i, (dt, sh) in enumerate(members)] for k in range(SIZE)]
+    mine = [x.clone().requires_grad_(x.dtype.is_floating_point) for x in xs[RANK]]
+    kwargs = {} if kind == "default_op" else {"op": OP[op]}
+
+    def run():
+        ys = hvd.grouped_reducescatter(mine, name=case, prescale_factor=pre,
+                                       postscale_factor=post, **kwargs)
+        sum((ys[i] * ws[RANK][i]).sum() for i, (dt, _) in enumerate(members)
+            if dt != "int32").backward()
+        return ys
+    ys, exc = attempt(run)
+    if exc is not None:
+        raise exc
+    div = SIZE if op == "Average" else 1
+    times = SIZE if op == "Sum" else 1   # Horovod: times the size for Sum, no 1/size for Average
+    for i, (dt, sh) in enumerate(members):
+        if dt == "int32":
+            assert mine[i].grad is None
+            continue
+        tol = 1e-5 if dt == "float32" else 1e-12
+        close(ys[i], my_rows(sum(x[i].to(F64) for x in xs) * pre * post / div, SIZE, RANK),
+              f"forward {i}", tol)
+        assert mine[i].grad is not None and mine[i].grad.dtype == tdt(dt)
+        close(mine[i].grad, torch.cat([w[i].to(F64) for w in ws]) * pre * post * times,
+              f"grad {i}", tol)
+
+
+def rs_grad_compressed(case):
+    """reducescatter(compression=fp16), Horovod's argument: the wire is float16, the result
+    and the gradient float32 (Average: the gathered upstream gradient, not divided)."""
+    xs = [randn(case, k, (2 * SIZE, 3), torch.float32) for k in range(SIZE)]
+    ws = [randn(case, k, (2, 3), torch.float32, extra=1) for k in range(SIZE)]
+    x = xs[RANK].clone().requires_grad_()
+
+    def run():
+        y = hvd.reducescatter(x, name=case, compression=hvd.Compression.fp16)
+        (y * ws[RANK]).sum().backward()
+        return y
+    y, exc = attempt(run)
+    if exc is not None:
+        raise exc
+    assert y.dtype == torch.float32 and x.grad.dtype == torch.float32
+    close(y, my_rows(sum(t.to(F64) for t in xs) / SIZE, SIZE, RANK), "forward", 5e-3)
+    close(x.grad, torch.cat(ws).to(F64), "x.grad", 5e-3)
+
+
 # grouped allgather: (dtype, trailing shape or None for a scalar member)
 GATHER_MEMBERS = [("float32", (3,)), ("int64", ()), ("bool", (2,)), ("bfloat16", (2, 2)),
                   ("float64", None), ("uint8", (0,)), ("int8", (1,))]
@@ -1364,6 +1489,11 @@ def run_grouped():
             r.case(case, GROUPED_FUNCS[case], case)
         elif case.startswith("grouped_allreduce.grad."):
             r.case(case, grouped_grad, case)
+        elif case.startswith("grouped_allgather.grad."):
+            r.case(case, grouped_allgather_grad, case)
+        elif case.startswith("grouped_reducescatter.grad."):
+            r.case(case, grouped_reducescatter_grad, case)
+
         elif case.startswith("grouped_mismatch."):
             r.case(case, grouped_mismatch, case)
         elif case.startswith("grouped_reducescatter."):
@@ -2194,34 +2324,50 @@ def pset_grad(case, ps, members, me, n):
         elif what == "grouped_allreduce.Sum":
             y = hvd.grouped_allreduce([x, x * 2.0], op=hvd.Sum, name=case, process_set=ps)
             y = torch.cat([y[0], y[1]])
+        elif what == "grouped_allgather":
+            y = hvd.grouped_allgather([x[:me + 1], x * 2.0], name=case, process_set=ps)
+            y = torch.cat([y[0], y[1]])
+        elif what == "grouped_reducescatter.Sum":
+            y = hvd.grouped_reducescatter([x, x * 2.0], op=hvd.Sum, name=case, process_set=ps)
+            y = torch.cat([y[0], y[1]])
         (y * ws[me]).sum().backward()
         return y
     # output shapes, hence the weights, depend on the op (shape of set rank idx's output)
     S = [[3 if j == (i + 1) % n else 0 for j in range(n)] for i in range(n)]   # alltoall
     rows = split_rows(3, n)                                                    # reducescatter
-    out_shapes = {"allgather": [(sum(i + 1 for i in range(n)), 2)] * n,
+    gathered = sum(i + 1 for i in range(n))
+    out_shapes = {"allgather": [(gathered, 2)] * n,
+                  "grouped_allgather": [(gathered + 3 * n, 2)] * n,
                   "reducescatter.Average": [(rows[idx], 2) for idx in range(n)],
+                  "grouped_reducescatter.Sum": [(2 * rows[idx], 2) for idx in range(n)],
                   "grouped_allreduce.Sum": [(6, 2)] * n}.get(what, [(3, 2)] * n)
     ws = [randn(case, k, out_shapes[idx], extra=1) for idx, k in enumerate(members)]
     exc = attempt(run)[1]
     if exc is not None:
         raise exc
-    W = sum(ws)
+    W = sum(ws) if len({w.shape for w in ws}) == 1 else None   # (reducescatter: per rank)
+    # Horovod's gradients over the set's n ranks: allgather and broadcast average the upstream
+    # gradients, reducescatter(Average) gathers them without dividing by n
     if what == "allreduce.Sum":
         expected = W
     elif what == "allreduce.Average":
         expected = W / n
-    elif what == "allgather":
+    elif what in ("allgather", "grouped_allgather"):
         off = sum(i + 1 for i in range(me))
         expected = torch.zeros(3, 2, dtype=F64)
-        expected[:me + 1] = W[off:off + me + 1]
+        expected[:me + 1] = W[off:off + me + 1] / n
+        if what == "grouped_allgather":   # member 1: 2x, gathered whole (weights' 2nd half)
+            expected += 2.0 * W[gathered:].reshape(n, 3, 2)[me] / n
     elif what == "broadcast":
-        expected = W if RANK == members[-1] else torch.zeros(3, 2, dtype=F64)
+        expected = W / n if RANK == members[-1] else torch.zeros(3, 2, dtype=F64)
     elif what == "alltoall":
         # my 3 rows went to set rank (me + 1) % n, landing at its position 0
         expected = ws[(me + 1) % n]
     elif what == "reducescatter.Average":
-        expected = torch.cat(ws) / n
+        expected = torch.cat(ws)
+    elif what == "grouped_reducescatter.Sum":   # [x, 2x], Sum: times n
+        expected = n * (torch.cat([w[:rows[i]] for i, w in enumerate(ws)])
+                        + 2.0 * torch.cat([w[rows[i]:] for i, w in enumerate(ws)]))
     else:   # grouped Sum of [x, 2x]
         expected = W[:3] + 2.0 * W[3:]
     assert x.grad is not None, "no gradient reached the input"

@@ -50,10 +50,81 @@ def mismatch(case, fn, *args, **kwargs):
 
 # --- error classes -----------------------------------------------------------------------------
 def error_classes(case):
+    from hvdlite.torch.optimizer import OptimizerMisuseError
     assert hvd.HorovodInternalError is hvd.HvdliteError
-    for cls in (hvd.TensorMismatchError, hvd.DuplicateNameError, hvd.UnsupportedDtypeError):
+    for cls in (hvd.TensorMismatchError, hvd.DuplicateNameError, hvd.UnsupportedDtypeError,
+                hvd.UnsupportedOperationError, hvd.NotInitializedError, OptimizerMisuseError):
         assert issubclass(cls, hvd.HvdliteError), cls
         assert issubclass(cls, hvd.HorovodInternalError), cls
+        assert issubclass(cls, RuntimeError), cls
+    # what Horovod raises for the same calls, and what hvdlite raised before
+    assert issubclass(hvd.UnsupportedDtypeError, ValueError)       # Horovod: ValueError
+    assert issubclass(hvd.UnsupportedDtypeError, TypeError)        # hvdlite before
+    assert issubclass(hvd.UnsupportedOperationError, NotImplementedError)
+    assert issubclass(hvd.UnsupportedOperationError, ValueError)
+    assert issubclass(hvd.NotInitializedError, ValueError)         # Horovod's rank(), size()
+    assert issubclass(OptimizerMisuseError, AssertionError)        # Horovod's optimizer
+
+
+# --- Horovod's exception classes for the same calls --------------------------------------------
+def h_reducescatter_adasum(case):
+    """Horovod: HorovodInternalError (a RuntimeError); hvdlite's is also a ValueError, as
+    before.  Raised locally, before anything is sent, for the grouped form too."""
+    for fn in (lambda: hvd.reducescatter(torch.ones(SIZE, 2), op=hvd.Adasum, name=case),
+               lambda: hvd.reducescatter_async(torch.ones(SIZE), name=case + ".a",
+                                               op=hvd.Adasum),
+               lambda: hvd.grouped_reducescatter([torch.ones(SIZE)], op=hvd.Adasum,
+                                                 name=case + ".g")):
+        exc = expect(hvd.HorovodInternalError, fn)
+        assert isinstance(exc, RuntimeError) and isinstance(exc, ValueError), type(exc)
+        assert "Adasum" in str(exc) and "Sum or Average" in str(exc), str(exc)
+    follow_up(case)
+
+
+def h_unsupported_tensor_is_value_error(case):
+    """Horovod: ValueError("Tensor type ... is not supported") for a dtype, layout or device it
+    has no kernel for."""
+    for t in (torch.ones(2, dtype=torch.complex64), torch.ones(2, dtype=torch.uint32),
+              torch.ones(2).to_sparse(), torch.ones(2, device="meta")):
+        for fn in (lambda: hvd.allreduce(t, name=case), lambda: hvd.broadcast_(t, 0),
+                   lambda: hvd.allgather(t), lambda: hvd.alltoall(t)):
+            exc = expect(ValueError, fn)
+            assert isinstance(exc, hvd.UnsupportedDtypeError), type(exc)
+    follow_up(case)
+
+
+def h_adasum_ranks(case):
+    """Horovod: NotImplementedError for Adasum on a number of ranks that is not a power of
+    two (raised before anything is sent)."""
+    from hvdlite.common.adasum import check_adasum_size
+    exc = expect(NotImplementedError, check_adasum_size, 3, "allreduce of 'x'")
+    assert isinstance(exc, ValueError) and "power-of-two" in str(exc), str(exc)
+    x = torch.ones(4)
+    if SIZE & (SIZE - 1):
+        expect(NotImplementedError, hvd.allreduce, x, op=hvd.Adasum, name=case)
+        expect(NotImplementedError, hvd.DistributedOptimizer,
+               torch.optim.SGD([nn.Parameter(x)], lr=0.1), op=hvd.Adasum)
+    else:
+        assert hvd.allreduce(x, op=hvd.Adasum, name=case).tolist() == [1.0] * 4
+    follow_up(case)
+
+
+def h_gradient_of_max(case):
+    """Horovod's backward would reduce the gradient with Max too; hvdlite refuses with an
+    UnsupportedOperationError (a RuntimeError) on every rank, inside backward()."""
+    x = torch.ones(3, requires_grad=True)
+    y = hvd.allreduce(x, op=hvd.Max, name=case)
+    exc = expect(hvd.UnsupportedOperationError, lambda: y.sum().backward())
+    assert isinstance(exc, RuntimeError) and "Max" in str(exc), str(exc)
+    follow_up(case)
+
+
+def h_poll_not_a_handle(case):
+    """Horovod: TypeError (pybind11 refuses the argument); hvdlite's synchronize() of a
+    non-handle raises HvdliteError where Horovod returns None (a deliberate deviation)."""
+    expect(TypeError, hvd.poll, 42)
+    expect(hvd.HvdliteError, hvd.synchronize, 42)
+    follow_up(case)
 
 
 # --- mismatches across ranks -------------------------------------------------------------------
@@ -343,7 +414,8 @@ def o_zero_grad_in_flight(case):
     expect(RuntimeError, lambda: F.mse_loss(model[2](torch.tanh(hidden)), y).backward())
     in_flight = [p for p, h in opt._handles.items() if h[0] is not None]
     assert in_flight, "test set-up: the failed backward must leave reductions in flight"
-    exc = expect(hvd.HvdliteError, opt.zero_grad)
+    exc = expect(AssertionError, opt.zero_grad)   # (Horovod's class; also an HvdliteError)
+    assert isinstance(exc, hvd.HvdliteError), type(exc)
     assert "synchronize()" in str(exc), str(exc)
     assert all(p.grad is not None for p in in_flight), "zero_grad cleared gradients"
     opt.step()      # the reductions in flight complete normally
@@ -364,7 +436,8 @@ def too_many_passes(case, bpps):
     x, y = data()
     for _ in range(bpps):
         F.mse_loss(model(x), y).backward()
-    exc = expect(hvd.HvdliteError, lambda: F.mse_loss(model(x), y).backward())
+    exc = expect(AssertionError, lambda: F.mse_loss(model(x), y).backward())   # as Horovod
+    assert isinstance(exc, hvd.HvdliteError), type(exc)
     assert "backward_passes_per_step" in str(exc), str(exc)
     # recover: drain what is in flight, start over from identical parameters
     opt.synchronize()
@@ -543,6 +616,11 @@ CASES = {
     "optimizer.sparse_grad_unsupported_op": o_sparse_unsupported_op,
     "optimizer.sparse_as_dense": o_sparse_as_dense,
     "optimizer.sync_error_waits_for_the_rest": o_sync_error_waits_for_rest,
+    "horovod_class.reducescatter_adasum": h_reducescatter_adasum,
+    "horovod_class.unsupported_tensor_is_value_error": h_unsupported_tensor_is_value_error,
+    "horovod_class.adasum_ranks": h_adasum_ranks,
+    "horovod_class.gradient_of_max": h_gradient_of_max,
+    "horovod_class.poll_not_a_handle": h_poll_not_a_handle,
 }
 assert list(CASES) == C.ERROR_CASES
 for case, fn in CASES.items():

@@ -691,7 +691,9 @@ def grad_allgather(case, rows_of, trailing, dt=torch.float64, scalar=False):
     (y * ws[RANK]).sum().backward()
     offset = RANK if scalar else sum(rows_of(k) for k in range(RANK))
     rows = 1 if scalar else rows_of(RANK)
-    expected = sum(w.to(F64) for w in ws)[offset:offset + rows]
+    # Horovod's gradient: the ranks' upstream gradients averaged (allreduce Average), then
+    # this rank's rows (not the sum, which is SIZE times larger)
+    expected = (sum(w.to(F64) for w in ws) / SIZE)[offset:offset + rows]
     if scalar:
         expected = expected.reshape(())
     assert x.grad is not None and x.grad.dtype == dt
@@ -706,7 +708,9 @@ def grad_broadcast(case):
     y = hvd.broadcast(x, root, name=case)
     assert torch.equal(y.detach(), xs[root])
     (y * ws[RANK]).sum().backward()
-    expected = sum(ws) if RANK == root else torch.zeros(3, dtype=F64)
+    # Horovod's gradient: the average of every rank's upstream gradient at the root (root_rank
+    # is a global rank), zeros elsewhere
+    expected = sum(ws) / SIZE if RANK == root else torch.zeros(3, dtype=F64)
     close(x.grad, expected, "x.grad", 1e-12)
     if RANK != root:
         assert torch.equal(x.grad, torch.zeros(3, dtype=F64))
@@ -718,8 +722,9 @@ def grad_broadcast_graph(case):
     x = xs[RANK].clone().requires_grad_()
     y = hvd.broadcast(x * 2.0, 0, name=case)        # y = 2 x_0 on every rank
     (y ** 2 * ws[RANK]).sum().backward()
-    # L = sum_k <w_k, (2 x_0)^2>  ->  dL/dx_0 = 8 x_0 * sum_k w_k; other ranks' x do not matter
-    expected = 8 * xs[0] * sum(ws) if RANK == 0 else torch.zeros(4, dtype=F64)
+    # upstream on rank k: 2 y w_k = 4 x_0 w_k; Horovod averages it over the ranks at the root,
+    # then the chain rule's factor 2: 8 x_0 * mean_k w_k; other ranks' x get zeros
+    expected = 8 * xs[0] * sum(ws) / SIZE if RANK == 0 else torch.zeros(4, dtype=F64)
     close(x.grad, expected, "x.grad", 1e-10)
 
 

@@ -175,6 +175,33 @@ def isinstance_and_api(case):
     same_on_all_ranks(model)
 
 
+def parameter_names(case):
+    """Horovod's optimizer._parameter_names: {parameter: name} as given (all of
+    named_parameters, in name order), or allreduce.noname.<group>.<index> without names; the
+    names on the wire stay hvdlite's business (training still works)."""
+    model = make_model(extra=True)
+    named = list(model.named_parameters())   # also parameters the optimizer does not update
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD([{"params": list(model.fc1.parameters())},
+                         {"params": list(model.fc2.parameters())}], lr=0.1),
+        named_parameters=model.named_parameters())
+    assert isinstance(opt._parameter_names, dict)
+    assert opt._parameter_names == {p: n for n, p in named}
+    assert list(opt._parameter_names.values()) == sorted(n for n, _ in named)
+    train_dist(case, model, opt, steps=1)
+    plain = make_model(extra=True)
+    params = list(plain.parameters())
+    opt2 = hvd.DistributedOptimizer(
+        torch.optim.SGD([{"params": params[:2]}, {"params": params[2:3]}], lr=0.1))
+    expected = {params[0]: "allreduce.noname.0.0", params[1]: "allreduce.noname.0.1",
+                params[2]: "allreduce.noname.1.0"}
+    assert opt2._parameter_names == expected, list(opt2._parameter_names.values())
+    opt2.add_param_group({"params": params[3:]})   # (named like the others, by position)
+    assert opt2._parameter_names[params[3]] == "allreduce.noname.2.0"
+    train_dist(case + ".unnamed", plain, opt2, steps=1)
+    same_on_all_ranks(plain)
+
+
 def bpps2_partial(case):
     model = make_model()
     ref = copy.deepcopy(model)
@@ -955,6 +982,7 @@ CASES = {
     "step_with_closure.lbfgs": lambda c: step_with_closure(
         c, lambda m: torch.optim.LBFGS(m.parameters(), lr=0.5, max_iter=4), 1e-4),
     "torch_compile": compiled_model,
+    "parameter_names": parameter_names,
 }
 assert list(CASES) == C.OPTIMIZER_CASES
 for case, fn in CASES.items():

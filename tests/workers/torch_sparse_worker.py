@@ -179,6 +179,27 @@ def async_several(case):
     assert hvd.synchronize(dense_handle).tolist() == [float(SIZE)] * 3
 
 
+def handle_is_callable(case):
+    """Horovod's sparse_allreduce_async(tensor, name, op) returns a function: calling it gives
+    the reduced sparse tensor.  hvdlite's handle is callable too, and still works with
+    hvd.poll / hvd.synchronize / handle.wait (in any order, any number of times)."""
+    pats = ["overlap", "rows2d"]
+    inputs = {p: [sparse_input(case + p, k, p) for k in range(SIZE)] for p in pats}
+    called = sparse_allreduce_async(inputs["overlap"][RANK], f"{case}.called", hvd.Sum)
+    waited = hvd.sparse_allreduce_async(inputs["rows2d"][RANK], f"{case}.waited", hvd.Average)
+    res = called()
+    assert hvd.poll(called)
+    check_sparse_result(res, inputs["overlap"][RANK], dense_reference(inputs["overlap"], "Sum"),
+                        exact=True, what="handle()")
+    assert torch.equal(hvd.synchronize(called).to_dense(), res.to_dense())
+    res = hvd.synchronize(waited)
+    check_sparse_result(res, inputs["rows2d"][RANK],
+                        dense_reference(inputs["rows2d"], "Average"), exact=False,
+                        what="synchronize(handle)")
+    assert torch.equal(waited().to_dense(), res.to_dense()) and hvd.poll(waited)
+    assert torch.equal(waited.wait().to_dense(), res.to_dense())
+
+
 def input_unchanged(case):
     inputs = [sparse_input(case, k, "overlap") for k in range(SIZE)]
     inp = inputs[RANK]
@@ -348,8 +369,14 @@ def grads_are(sparse):
             assert g.is_sparse and g.is_coalesced(), "embedding gradient is not sparse+coalesced"
             sparse_same_on_all_ranks(g, "embedding gradient")
         else:
-            assert g.layout == torch.strided, f"sparse_as_dense left a {g.layout} gradient"
-            same_on_all_ranks(bits(g), "embedding gradient")
+            # Horovod's sparse_as_dense: reduced densely, then to_sparse() (every dimension
+            # sparse, exact zeros dropped) before the update
+            assert g.is_sparse, f"sparse_as_dense left a {g.layout} gradient"
+            assert g.sparse_dim() == g.dim(), (g.sparse_dim(), g.dim())
+            dense = g.to_dense()
+            assert torch.equal(dense.to_sparse().to_dense(), dense)
+            assert g._nnz() == int((dense != 0).sum()), "exact zeros kept"
+            same_on_all_ranks(bits(dense), "embedding gradient")
         if model.lin is not None:
             assert model.lin.weight.grad.layout == torch.strided
     return check
@@ -433,6 +460,41 @@ def op_max_raises(case):
     del opt
 
 
+def as_dense_sparse_adam(case):
+    """sparse_as_dense=True with SparseAdam (which refuses dense gradients) trains like
+    Horovod's definition: the gradient averaged densely over the ranks, then to_sparse() (so an
+    element whose average is exactly zero is left out: SparseAdam neither decays its moments
+    nor moves it).  Column 2 of the embedding gets exact-zero gradients from step 1 on (the
+    forward masks it), after a first step that gave it momentum: keeping those zeros in the
+    sparse gradient (row-wise sparse) would move it on, so the reference tells them apart."""
+    def mask(step):
+        return torch.tensor([1.0, 1.0, 1.0 if step == 0 else 0.0])
+
+    torch.manual_seed(7)
+    emb = nn.Embedding(V, D, sparse=True)
+    ref = nn.Embedding(V, D, sparse=False)
+    ref.load_state_dict(emb.state_dict())
+    init = emb.weight.detach().clone()
+    opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(list(emb.parameters()), lr=0.05),
+                                   named_parameters=emb.named_parameters(), sparse_as_dense=True)
+    ref_opt = torch.optim.SparseAdam(list(ref.parameters()), lr=0.05)
+    for step in range(STEPS):
+        idx, _, y = batch(case, step)
+        opt.zero_grad()
+        F.mse_loss(emb(shard(idx)).mean(1) * mask(step), shard(y)).backward()
+        g = emb.weight.grad
+        assert g.is_sparse and g.sparse_dim() == 2, f"step {step}: {g.layout}"
+        opt.step()
+        ref_opt.zero_grad()
+        sum(F.mse_loss(ref(shard(idx, k)).mean(1) * mask(step), shard(y, k))
+            for k in range(SIZE)).div(SIZE).backward()
+        ref.weight.grad = ref.weight.grad.to_sparse()   # Horovod: dense average, to_sparse()
+        ref_opt.step()
+    same_on_all_ranks(bits(emb.weight), "embedding")
+    assert not torch.equal(emb.weight, init)
+    torch.testing.assert_close(emb.weight.detach(), ref.weight.detach(), rtol=0, atol=2e-6)
+
+
 CASES = {}
 for name in SPARSE_CASES:
     parts = name.split(".")
@@ -468,6 +530,14 @@ CASES.update({
     "optimizer.embedding_used_staggered": staggered_embedding,
     "optimizer.zero_grad_keep_sparse": lambda c: standard(c, mixed=True, set_to_none=False),
     "optimizer.op_max_raises": op_max_raises,
+    "allreduce.handle_is_callable": handle_is_callable,
+    "optimizer.as_dense_sparse_adam": as_dense_sparse_adam,
+    # a rank without an embedding gradient gets a sparse one too (the ranks agreed on the
+    # layout): every rank's SparseAdam-ready gradient is checked in grads_are
+    "optimizer.as_dense_unused_embedding_on_rank0_first_step": lambda c: standard(
+        c, mixed=True, sparse=False, rank0_drops="first"),
+    "optimizer.as_dense_bpps2": lambda c: standard(
+        c, mixed=True, sparse=False, micro=2, dist_kwargs={"backward_passes_per_step": 2}),
 })
 assert sorted(CASES) == sorted(SPARSE_CASES), sorted(set(CASES) ^ set(SPARSE_CASES))
 for case in SPARSE_CASES:

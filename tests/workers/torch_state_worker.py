@@ -96,23 +96,37 @@ def pre_train(model, opt, steps, k):
         opt.step()
 
 
+def horovod_lazy_state(model, opt):
+    """What Horovod's broadcast_optimizer_state does to an optimizer without state: every
+    parameter gets a zero gradient, which stays, and the optimizer takes one step (weight decay
+    moves the parameters; they are not put back)."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+
+
 def reconstruct(kind, cond, root):
-    """Root's model and optimizer as they are just before the broadcast, rebuilt locally; if the
-    root had no optimizer state, the state it gets lazily (one step with zero gradients, the
-    parameters left where they were)."""
+    """Root's model and optimizer as they are right after the broadcast, rebuilt locally: if
+    the root had no optimizer state, the state (and the parameters) after its zero-gradient
+    step."""
     model = make_model(100 + root)
     opt = make_opt(kind, model, root)
     pre_train(model, opt, pre_steps(cond, root, root), root)
     if not opt.state:
-        saved = [p.detach().clone() for p in model.parameters()]
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p)
-        opt.step()
-        with torch.no_grad():
-            for p, v in zip(model.parameters(), saved):
-                p.copy_(v)
-        opt.zero_grad()
+        horovod_lazy_state(model, opt)
     return model, opt
+
+
+def own_params_after(kind, cond, root, had_state):
+    """This rank's parameters after broadcast_parameters(root) and broadcast_optimizer_state,
+    as in Horovod: the root's parameters, moved by this rank's own zero-gradient step (with
+    this rank's hyper-parameters) if its optimizer had no state.  (Adagrad creates its state
+    when it is built, so it never takes that step.)"""
+    model = make_model(100 + root)
+    pre_train(model, make_opt(kind, model, root), pre_steps(cond, root, root), root)
+    if not had_state:
+        horovod_lazy_state(model, make_opt(kind, model, RANK))
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def bits(t):
@@ -180,12 +194,14 @@ def state_case(case):
     if order == "wrapped":
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     params = list(model.parameters())
+    had_state = bool(opt.state)
 
     hvd.broadcast_parameters(model.state_dict(), root_rank=root)
     hvd.broadcast_optimizer_state(opt, root_rank=root)
     # Every collective first, every assertion last: a rank whose check fails must not skip
     # collectives the other ranks still run.
     after_params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    after_grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
     after_ids = [id(p) for p in model.parameters()]
     after_sd = copy.deepcopy(opt.state_dict())
     attached = all(bool(opt.state[p]) for p in model.parameters())
@@ -194,10 +210,13 @@ def state_case(case):
 
     # training continues identically on every rank (and like the root trained alone)
     ref_model, ref_opt = reconstruct(kind, cond, root)
-    expected_params = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
+    expected_params = own_params_after(kind, cond, root, had_state)
     expected_sd = copy.deepcopy(ref_opt.state_dict())
     if order == "plain":
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    # Ranks whose optimizer had no state took a zero-gradient step with their own weight decay,
+    # as in Horovod: broadcasting the parameters again (Horovod's remedy) makes them equal.
+    hvd.broadcast_parameters(model.state_dict(), root_rank=root)
     for step in range(3):
         x, y = global_batch(case, step)
         opt.zero_grad()
@@ -211,8 +230,14 @@ def state_case(case):
 
     assert after_ids == [id(p) for p in params], \
         "parameters were replaced instead of updated in place"
-    for name, value in expected_params.items():   # also: lazy state creation did not move them
-        assert bits(after_params[name]) == bits(value), f"parameter {name!r} != root's"
+    for name, value in expected_params.items():   # Horovod's zero step moved them (or not)
+        assert bits(after_params[name]) == bits(value), \
+            f"parameter {name!r} != Horovod's {value.flatten()[:4].tolist()}: " \
+            f"{after_params[name].flatten()[:4].tolist()}"
+    if not had_state:   # Horovod leaves the zero gradients in place
+        for i, g in enumerate(after_grads):
+            assert g is not None and g.layout == torch.strided and not g.any(), \
+                f"parameter {i}: .grad is {g} after broadcast_optimizer_state, not zeros"
     assert_state_equal(after_sd, expected_sd, "optimizer state")
     assert lrs == [0.01 * (root + 1), 0.005 * (root + 1)], lrs
     assert attached, "state not attached to the model's parameters"
@@ -336,6 +361,90 @@ def params_bad_input(case):
     assert t.tolist() == [float(SIZE - 1)] * 3
 
 
+# --- lazily created state (Horovod's zero-gradient step) ---------------------------------------
+class EmbedMLP(nn.Module):
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(6, 3, sparse=True)
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, idx):
+        return self.fc(self.emb(idx).mean(1))
+
+
+def lazy_sparse_adam(case):
+    """SparseAdam takes sparse gradients only: Horovod gives it sparse zero gradients, which
+    stay.  Its state (step 1, zero moments) then equals the root's."""
+    model = EmbedMLP(400 + RANK)
+    opt = torch.optim.SparseAdam(list(model.emb.parameters()), lr=0.01 * (RANK + 1))
+    hvd.broadcast_optimizer_state(opt, root_rank=SIZE - 1)
+    g = model.emb.weight.grad
+    assert g is not None and g.is_sparse and g._nnz() == 0, g
+    assert model.fc.weight.grad is None, "a parameter outside the optimizer got a gradient"
+    assert opt.param_groups[0]["lr"] == 0.01 * SIZE
+    state = opt.state[model.emb.weight]
+    assert int(state["step"]) == 1 and not state["exp_avg"].any(), state
+    assert not ranks_differing(opt.state_dict())
+
+
+def lazy_sgd_sparse_embedding(case):
+    """With model=, an SGD's sparse embedding parameters get sparse zero gradients (Horovod's
+    rule), the others dense ones; plain SGD has no state, the hyper-parameters still come from
+    the root."""
+    model = EmbedMLP(410 + RANK)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1 * (RANK + 1))
+    hvd.broadcast_optimizer_state(opt, root_rank=0, model=model)
+    assert model.emb.weight.grad.is_sparse and model.emb.weight.grad._nnz() == 0
+    for p in model.fc.parameters():
+        assert p.grad.layout == torch.strided and not p.grad.any()
+    assert opt.param_groups[0]["lr"] == 0.1
+    # without model= every zero gradient is dense
+    plain = EmbedMLP(410 + RANK)
+    hvd.broadcast_optimizer_state(torch.optim.SGD(plain.parameters(), lr=0.1), root_rank=0)
+    assert plain.emb.weight.grad.layout == torch.strided and not plain.emb.weight.grad.any()
+
+
+def lazy_existing_grads_replaced(case):
+    """Gradients computed before the call are replaced by zeros (Horovod sets every
+    parameter's .grad), and the zero step moves the parameters by weight decay only: SGD with
+    weight_decay=wd shrinks them by lr * wd, once."""
+    model = make_model(420 + RANK)
+    frozen = model.fc2.bias
+    frozen.requires_grad_(False)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    F.mse_loss(model(local_data(RANK, 0)[0]), local_data(RANK, 0)[1]).backward()
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=0.1),
+        named_parameters=model.named_parameters())
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    for name, p in model.named_parameters():
+        if p is frozen:
+            assert p.grad is None and torch.equal(p, start[name])
+            continue
+        assert p.grad is not None and not p.grad.any(), f"{name!r}: .grad is not zeros"
+        # momentum buffer = 0 + wd * p; p -= lr * buffer
+        assert torch.equal(p.detach(), start[name] - 0.5 * (0.1 * start[name])), name
+        buf = opt.state[p]["momentum_buffer"]
+        assert torch.equal(buf, 0.1 * start[name]) or RANK != 0, name
+    # training goes on from here: the next backward accumulates onto the zeros
+    opt.zero_grad()
+    F.mse_loss(model(local_data(RANK, 1)[0]), local_data(RANK, 1)[1]).backward()
+    opt.step()
+
+
+def lazy_stateless_sgd(case):
+    """Plain SGD stays without state after the zero step; the parameters do not move (no
+    weight decay) and the zero gradients stay."""
+    model = make_model(430 + RANK)
+    start = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert not opt.state
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), start))
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
 # --- objects -----------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Point:
@@ -435,6 +544,10 @@ OTHER = {
     "scheduler.made_before.restored": scheduler_made_before,
     "scheduler.made_before.plain_broadcast": scheduler_made_before,
     "params.noncontiguous_tensor": params_noncontiguous,
+    "lazy_state.sparse_adam": lazy_sparse_adam,
+    "lazy_state.sgd_sparse_embedding_model": lazy_sgd_sparse_embedding,
+    "lazy_state.existing_grads_replaced": lazy_existing_grads_replaced,
+    "lazy_state.stateless_sgd": lazy_stateless_sgd,
     "params.bad_input": params_bad_input,
     "object.broadcast_large": object_broadcast_large,
     "object.broadcast_none": object_broadcast_none,

@@ -129,7 +129,9 @@ ORDER_CASES = ["order.matmul_then_allreduce_out", "order.matmul_then_allreduce_i
                "order.kernel_then_allgather", "order.interleaved_kernels_and_async",
                "order.input_overwritten_after_wait", "order.grouped_after_kernels",
                "order.synchronize_and_the_device"]
-GRAD_CASES = ["grad.allreduce.Sum", "grad.allreduce.Average", "grad.allgather", "grad.broadcast"]
+GRAD_CASES = ["grad.allreduce.Sum", "grad.allreduce.Average", "grad.allgather", "grad.broadcast",
+              "grad.reducescatter.Sum", "grad.reducescatter.Average", "grad.grouped_allgather",
+              "grad.grouped_reducescatter.Sum"]
 DEVICE_CASES = ["device.backend_in_use", "device.build_flags", "device.outputs_on_device"]
 MISMATCH_CASES = ["mismatch.cpu_vs_cuda.allreduce", "mismatch.cpu_vs_cuda.allreduce_inplace",
                   "mismatch.cpu_vs_cuda.allgather", "mismatch.cpu_vs_cuda.broadcast",
@@ -1003,14 +1005,39 @@ def grad_case(case):
         y = hvd.allgather(x, name=case)
         (y * gpu(ws[RANK])).sum().backward()
         off = sum(k + 1 for k in range(RANK))
-        expected = sum(ws)[off:off + RANK + 1]
+        expected = (sum(ws) / SIZE)[off:off + RANK + 1]   # Horovod: averaged, then my rows
     elif what == "broadcast":
         root = SIZE - 1
         ws = [randn(case, k, (4,), extra=1) for k in range(SIZE)]
         x = gpu(randn(case, RANK, (4,))).requires_grad_()
         y = hvd.broadcast(x, root, name=case)
         (y * gpu(ws[RANK])).sum().backward()
-        expected = sum(ws) if RANK == root else torch.zeros(4, dtype=F64)
+        expected = sum(ws) / SIZE if RANK == root else torch.zeros(4, dtype=F64)
+    elif what.startswith("reducescatter."):
+        op = what.split(".")[1]
+        rows = [2 + (1 if k == 0 else 0) for k in range(SIZE)]   # 2 * SIZE + 1 rows
+        ws = [randn(case, k, (rows[k], 2), extra=1) for k in range(SIZE)]
+        x = gpu(randn(case, RANK, (sum(rows), 2))).requires_grad_()
+        y = hvd.reducescatter(x, op=OP[op], name=case, prescale_factor=2.0)
+        (y * gpu(ws[RANK])).sum().backward()
+        # Horovod: the gathered upstream rows, times size for Sum (no 1/size for Average)
+        expected = torch.cat(ws) * 2.0 * (SIZE if op == "Sum" else 1)
+    elif what == "grouped_allgather":
+        total = sum(k + 1 for k in range(SIZE))
+        ws = [randn(case, k, (total + 2 * SIZE, 2), extra=1) for k in range(SIZE)]
+        x = gpu(randn(case, RANK, (RANK + 1, 2))).requires_grad_()
+        ys = hvd.grouped_allgather([x, x[:1] * 3.0, x[:1]], name=case)
+        (torch.cat(ys[:2] + [ys[2]]) * gpu(ws[RANK])).sum().backward()
+        avg = sum(ws) / SIZE
+        off = sum(k + 1 for k in range(RANK))
+        expected = avg[off:off + RANK + 1].clone()
+        expected[0] += 3.0 * avg[total + RANK] + avg[total + SIZE + RANK]
+    elif what == "grouped_reducescatter.Sum":
+        ws = [randn(case, k, (2, 2), extra=1) for k in range(SIZE)]
+        x = gpu(randn(case, RANK, (SIZE, 2))).requires_grad_()
+        ys = hvd.grouped_reducescatter([x, x * 2.0], op=hvd.Sum, name=case)
+        (torch.cat(ys) * gpu(ws[RANK])).sum().backward()
+        expected = SIZE * (torch.cat([w[:1] for w in ws]) + 2.0 * torch.cat([w[1:] for w in ws]))
     else:
         raise ValueError(case)
     close(x.grad, expected, "x.grad")
