@@ -7,16 +7,17 @@ validation, every member fails with an error naming it.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
 from . import basics
 from .handle import GroupHandle
 from .messages import ALLGATHER, ALLREDUCE, REDUCESCATTER
-from .ops import _announce, _auto_name, _contiguous, make_entry
+from .ops import _NOTHING_TO_ANNOUNCE, _announce, _auto_name, _contiguous, make_entry
 from .process_sets import ProcessSet
 from .reduce_ops import ReduceOp, resolve_op
 
@@ -58,10 +59,10 @@ def _group_names(kind: str, name: str | None, set_id: int, n: int) -> tuple[str,
     return f"{base}.group{n}", members
 
 
-def _announcing_group(kind: str):
-    """:func:`hvdlite.common.ops.announcing` for grouped operations: an unnamed group that
-    fails before it is submitted takes the names the other ranks' group took, and fails there
-    as one unit."""
+def announcing_group(kind: str, items: str = "arrays"):
+    """:func:`hvdlite.common.ops.announcing` for grouped operations (``items``: the argument
+    holding the group's tensors): an unnamed group that fails before it is submitted takes the
+    names the other ranks' group took, and fails there as one unit."""
     def decorate(fn):
         signature = inspect.signature(fn)
 
@@ -71,28 +72,45 @@ def _announcing_group(kind: str):
                 return fn(*args, **kwargs)
             except Exception as exc:
                 if not getattr(exc, "_hvdlite_announced", False):
-                    _announce_group(kind, signature, args, kwargs, exc)
+                    try:
+                        bound = signature.bind(*args, **kwargs).arguments
+                        count = len(bound[items])
+                    except Exception:   # noqa: BLE001 - a malformed call: nothing to pair
+                        raise exc from None
+                    announce_group_failure(kind, bound.get("name"), bound.get("process_set"),
+                                           count, exc)
                 raise
         return call
     return decorate
 
 
-def _announce_group(kind: str, signature, args, kwargs, exc: Exception) -> None:
+@contextlib.contextmanager
+def announced_group(kind: str, name: str | None, process_set: ProcessSet | None,
+                    count: int) -> Iterator[None]:
+    """:func:`hvdlite.common.ops.announced` for a group of ``count`` tensors."""
     try:
-        bound = signature.bind(*args, **kwargs).arguments
-        n = len(bound["arrays"])
-        if bound.get("name") is not None or n == 0:
-            return
-        engine, members = basics.process_set_engine(bound.get("process_set"),
-                                                    f"grouped {kind}")
-        set_id = 0 if members is None else bound["process_set"].process_set_id
-    except Exception:   # noqa: BLE001 - malformed call, or nothing can be submitted here
+        yield
+    except Exception as exc:
+        announce_group_failure(kind, name, process_set, count, exc)
+        raise
+
+
+def announce_group_failure(kind: str, name: str | None, process_set: ProcessSet | None,
+                           count: int, exc: BaseException) -> None:
+    """:func:`hvdlite.common.ops.announce_failure` for an unnamed group of ``count`` tensors."""
+    if (name is not None or count == 0 or getattr(exc, "_hvdlite_announced", False)
+            or isinstance(exc, _NOTHING_TO_ANNOUNCE)):
         return
-    group, names = _group_names(kind, None, set_id, n)
+    try:
+        engine, members = basics.process_set_engine(process_set, f"grouped {kind}")
+        set_id = 0 if members is None else process_set.process_set_id
+    except Exception:   # noqa: BLE001 - nothing can be submitted here, so nothing is owed
+        return
+    group, names = _group_names(kind, None, set_id, count)
     _announce(engine, members, names, exc, group=group)
 
 
-@_announcing_group(ALLREDUCE)
+@announcing_group(ALLREDUCE)
 def grouped_allreduce_async(arrays, average: bool | None = None, name: str | None = None,
                             op: ReduceOp | None = None, prescale_factor: float = 1.0,
                             postscale_factor: float = 1.0,
@@ -103,7 +121,7 @@ def grouped_allreduce_async(arrays, average: bool | None = None, name: str | Non
                         postscale_factor=postscale_factor, process_set=process_set)
 
 
-@_announcing_group(ALLREDUCE)
+@announcing_group(ALLREDUCE)
 def grouped_allreduce_async_(arrays, average: bool | None = None, name: str | None = None,
                              op: ReduceOp | None = None, prescale_factor: float = 1.0,
                              postscale_factor: float = 1.0,
@@ -136,7 +154,7 @@ def grouped_allreduce_(arrays, average: bool | None = None, name: str | None = N
                                     postscale_factor, process_set).wait()
 
 
-@_announcing_group(ALLGATHER)
+@announcing_group(ALLGATHER)
 def grouped_allgather_async(arrays, name: str | None = None,
                             process_set: ProcessSet | None = None) -> GroupHandle:
     """Allgather a list of arrays as one unit; the handle yields a list of gathered arrays."""
@@ -153,7 +171,7 @@ def grouped_allgather(arrays, name: str | None = None,
     return grouped_allgather_async(arrays, name, process_set).wait()
 
 
-@_announcing_group(REDUCESCATTER)
+@announcing_group(REDUCESCATTER)
 def grouped_reducescatter_async(arrays, name: str | None = None, op: ReduceOp | None = None,
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                                 process_set: ProcessSet | None = None) -> GroupHandle:

@@ -7,17 +7,18 @@ same order when unnamed); results are identical on every rank.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
 import threading
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
 from . import basics
 from .dtypes import check_reduce_op, dtype_info
-from .errors import (DuplicateNameError, HvdliteError, ShutdownError,
+from .errors import (DuplicateNameError, HvdliteError, NotInitializedError, ShutdownError,
                      UnsupportedOperationError)
 from .handle import Entry, GroupHandle, Handle
 from .memory import result_empty
@@ -38,6 +39,8 @@ def _auto_name(kind: str, set_id: int = 0) -> str:
     return f"{kind}.noname.{n}" if set_id == 0 else f"{kind}.set{set_id}.noname.{n}"
 
 
+# Errors after which no stand-in can be submitted (nothing runs any more, or the name is busy).
+_NOTHING_TO_ANNOUNCE = (DuplicateNameError, ShutdownError, NotInitializedError)
 # The cause sent to the other ranks with a FAILED stand-in is cut to this many characters.
 _FAILURE_TEXT_LIMIT = 600
 
@@ -147,7 +150,8 @@ def announce_failure(kind: str, name: str | None, process_set: ProcessSet | None
     operation then completes with the retry), and a stand-in would occupy the name.  Nothing is
     announced where no operation could be submitted (not initialized, not a member of
     ``process_set``, shut down)."""
-    if name is not None or getattr(error, "_hvdlite_announced", False):
+    if (name is not None or getattr(error, "_hvdlite_announced", False)
+            or isinstance(error, _NOTHING_TO_ANNOUNCE)):
         return
     try:
         if process_set is None or process_set is global_process_set:
@@ -160,10 +164,22 @@ def announce_failure(kind: str, name: str | None, process_set: ProcessSet | None
     _announce(engine, members, [_auto_name(kind, set_id)], error)
 
 
+@contextlib.contextmanager
+def announced(kind: str, name: str | None, process_set: ProcessSet | None) -> Iterator[None]:
+    """Announce an error raised inside the block (an operation's checks before it is
+    submitted; see :func:`announce_failure`).  Never around a wait: an operation's own error,
+    raised when it is waited for, was submitted, and announcing it would shift the names."""
+    try:
+        yield
+    except Exception as exc:
+        announce_failure(kind, name, process_set, exc)
+        raise
+
+
 def announcing(kind: str) -> Callable[[Callable], Callable]:
-    """Decorator for a public operation taking ``name`` and ``process_set`` arguments: an
-    error it raises before the core took its submission is announced (see
-    :func:`announce_failure`), whichever check raised it."""
+    """Decorator for a public operation that returns a handle and takes ``name`` and
+    ``process_set`` arguments: an error it raises (always before its submission was taken) is
+    announced (see :func:`announce_failure`), whichever check raised it."""
     def decorate(fn: Callable) -> Callable:
         signature = inspect.signature(fn)
 
@@ -191,7 +207,7 @@ def _announce(engine, members: list[int] | None, names: list[str], error: BaseEx
         error._hvdlite_announced = True   # outer layers (see announcing) must not announce again
     except AttributeError:
         pass
-    if isinstance(error, (DuplicateNameError, ShutdownError)):
+    if isinstance(error, _NOTHING_TO_ANNOUNCE):
         return   # the name is busy here, or nothing runs any more: nothing can stand in
     failure = f"{type(error).__name__}: {error}"
     if len(failure) > _FAILURE_TEXT_LIMIT:

@@ -68,6 +68,7 @@ def _fast_allreduce(tensor, in_place: bool, name, reduce_op: ReduceOp, prescale_
     return handle.then((lambda _: tensor) if in_place else torch.from_numpy)
 
 
+@core.announcing(ALLREDUCE)
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                     op: ReduceOp | None = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0,
@@ -93,6 +94,7 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
                    process_set=process_set)
 
 
+@core.announcing(ALLREDUCE)
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: ReduceOp | None = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0,
@@ -151,8 +153,9 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     """Return ``tensor`` reduced across all ranks (default: averaged).  Differentiable: the
     gradient of an Average/Sum allreduce is the same allreduce of the incoming gradient.
     ``compression`` (e.g. ``Compression.fp16``) shrinks the data on the wire."""
-    op = resolve_op(op, average)
-    compressed, ctx = compression.compress(tensor)
+    with core.announced(ALLREDUCE, name, process_set):
+        op = resolve_op(op, average)
+        compressed, ctx = compression.compress(tensor)
     # Nothing to differentiate (metrics, say): skip autograd's ~10 us per call.  A non-tensor
     # takes the autograd path too, whose checks raise the TypeError for it.
     through_autograd = not isinstance(compressed, torch.Tensor) or (
@@ -172,6 +175,7 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
 
 
 # --- allgather -------------------------------------------------------------------------------
+@core.announcing(ALLGATHER)
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start concatenating every rank's ``tensor`` along dimension 0 (which may differ in size
@@ -229,6 +233,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
 
 
 # --- broadcast -------------------------------------------------------------------------------
+@core.announcing(BROADCAST)
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start broadcasting ``root_rank``'s ``tensor`` into a new tensor on every rank."""
@@ -239,6 +244,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
                    name=name, root_rank=root_rank, process_set=process_set)
 
 
+@core.announcing(BROADCAST)
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Handle:
     """In-place broadcast: non-root ranks' ``tensor`` is overwritten with the root's."""
@@ -276,6 +282,7 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 
 
 # --- alltoall --------------------------------------------------------------------------------
+@core.announcing(ALLTOALL)
 def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None,
                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start an alltoall: rows ``splits[j]`` of ``tensor`` (dimension 0, in order) go to rank
@@ -322,6 +329,7 @@ def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None,
 
 
 # --- reducescatter ---------------------------------------------------------------------------
+@core.announcing(REDUCESCATTER)
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
                         op: ReduceOp | None = ReduceOp.Average,
                         process_set: ProcessSet = global_process_set,
@@ -376,9 +384,11 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression=Com
     ``compression`` as for :func:`allreduce`.  Differentiable for Sum and Average, with
     Horovod's gradient: the allgather of the incoming gradients, times the set's size for Sum
     (and not divided by it for Average), times ``prescale_factor * postscale_factor``."""
-    compressed, cctx = compression.compress(tensor)
-    reduced = _Reducescatter.apply(compressed, name, resolve_op(op), prescale_factor,
-                                   postscale_factor, process_set)
+    with core.announced(REDUCESCATTER, name, process_set):
+        compressed, cctx = compression.compress(tensor)
+        op = resolve_op(op)
+    reduced = _Reducescatter.apply(compressed, name, op, prescale_factor, postscale_factor,
+                                   process_set)
     return compression.decompress(reduced, cctx)
 
 
@@ -402,6 +412,7 @@ def _group_views(tensors, what: str, in_place: bool = False):
     return srcs, arrays, dtypes
 
 
+@core_grouped.announcing_group(ALLREDUCE, "tensors")
 def grouped_allreduce_async(tensors, average: bool | None = None, name: str | None = None,
                             op: ReduceOp | None = None, prescale_factor: float = 1.0,
                             postscale_factor: float = 1.0,
@@ -417,6 +428,7 @@ def grouped_allreduce_async(tensors, average: bool | None = None, name: str | No
     return handle.then(lambda _: (srcs, outs)[1])
 
 
+@core_grouped.announcing_group(ALLREDUCE, "tensors")
 def grouped_allreduce_async_(tensors, average: bool | None = None, name: str | None = None,
                              op: ReduceOp | None = None, prescale_factor: float = 1.0,
                              postscale_factor: float = 1.0,
@@ -464,9 +476,11 @@ def grouped_allreduce(tensors, average: bool | None = None, name: str | None = N
     tensors = list(tensors)
     if not tensors:
         return []
-    compressed, ctxs = _compress_all(compression, tensors)
-    reduced = _GroupedAllreduce.apply(name, resolve_op(op, average), prescale_factor,
-                                      postscale_factor, process_set, *compressed)
+    with core_grouped.announced_group(ALLREDUCE, name, process_set, len(tensors)):
+        compressed, ctxs = _compress_all(compression, tensors)
+        op = resolve_op(op, average)
+    reduced = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, process_set,
+                                      *compressed)
     return [compression.decompress(t, c) for t, c in zip(reduced, ctxs)]
 
 
@@ -491,6 +505,7 @@ def _gather_views(tensors, what: str):
     return [_shape_later(t.reshape(1) if t.dim() == 0 else t) for t in tensors]
 
 
+@core_grouped.announcing_group(ALLGATHER, "tensors")
 def grouped_allgather_async(tensors, name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> GroupHandle:
     """Start allgathering a list of tensors as one unit."""
@@ -538,6 +553,7 @@ def grouped_allgather(tensors, name: str | None = None,
     return list(_GroupedAllgather.apply(name, process_set, *tensors))
 
 
+@core_grouped.announcing_group(REDUCESCATTER, "tensors")
 def grouped_reducescatter_async(tensors, name: str | None = None,
                                 op: ReduceOp | None = ReduceOp.Average,
                                 process_set: ProcessSet = global_process_set,
@@ -586,9 +602,11 @@ def grouped_reducescatter(tensors, name: str | None = None, compression=Compress
     tensors = list(tensors)
     if not tensors:   # (still validates process_set)
         return synchronize(grouped_reducescatter_async(tensors, name, op, process_set))
-    compressed, ctxs = _compress_all(compression, tensors)
-    reduced = _GroupedReducescatter.apply(name, resolve_op(op), prescale_factor,
-                                          postscale_factor, process_set, *compressed)
+    with core_grouped.announced_group(REDUCESCATTER, name, process_set, len(tensors)):
+        compressed, ctxs = _compress_all(compression, tensors)
+        op = resolve_op(op)
+    reduced = _GroupedReducescatter.apply(name, op, prescale_factor, postscale_factor,
+                                          process_set, *compressed)
     return [compression.decompress(t, c) for t, c in zip(reduced, ctxs)]
 
 

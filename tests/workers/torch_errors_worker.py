@@ -569,6 +569,61 @@ def o_sync_error_waits_for_rest(case):
     params_same_on_all_ranks(model)
 
 
+# --- an error on one rank before an unnamed op is submitted ------------------------------------
+LAST = SIZE - 1
+
+
+def unnamed_follow_ups():
+    """Unnamed ops of different shapes right after the error: with drifting automatic names
+    these would pair with the wrong tensors (a mismatch, or a hang)."""
+    for k in range(3):
+        got = hvd.allreduce(torch.arange(k + 2, dtype=torch.float64) * (RANK + 1), op=hvd.Sum)
+        want = torch.arange(k + 2, dtype=torch.float64) * sum(range(1, SIZE + 1))
+        assert torch.equal(got, want), (k, got, want)
+    res = hvd.grouped_allreduce([torch.ones(2) * RANK, torch.ones(3)], op=hvd.Sum)
+    assert res[0].tolist() == [float(sum(range(SIZE)))] * 2 and res[1].tolist() == [SIZE] * 3
+    follow_up("unnamed")
+
+
+def unnamed_one_rank(bad_call, good_call, local_cls, cause):
+    """Rank LAST raises ``local_cls`` from ``bad_call``; the others must get FailedOnRankError
+    from ``good_call`` (same kind, unnamed) naming rank LAST and ``cause``."""
+    if RANK == LAST:
+        expect(local_cls, bad_call)
+    else:
+        exc = expect(hvd.FailedOnRankError, good_call)
+        assert f"ranks [{LAST}]" in str(exc) and cause in str(exc), str(exc)
+    unnamed_follow_ups()
+
+
+def n_not_a_tensor(case):
+    unnamed_one_rank(lambda: hvd.allreduce([1.0, 2.0]), lambda: hvd.allreduce(torch.ones(2)),
+                     TypeError, "TypeError")
+
+
+def n_sparse_allgather_async(case):
+    sparse = torch.eye(3).to_sparse()
+    unnamed_one_rank(lambda: hvd.allgather_async(sparse).wait(),
+                     lambda: hvd.allgather_async(torch.ones(3, 3)).wait(), ValueError, "sparse")
+
+
+def n_average_and_op(case):   # resolve_op raises in the synchronous allreduce, before autograd
+    unnamed_one_rank(lambda: hvd.allreduce(torch.ones(2), average=True, op=hvd.Sum),
+                     lambda: hvd.allreduce(torch.ones(2)), ValueError, "ValueError")
+
+
+def n_grouped_member(case):
+    unnamed_one_rank(lambda: hvd.grouped_allreduce([torch.ones(2), "x"]),
+                     lambda: hvd.grouped_allreduce([torch.ones(2), torch.ones(1)]),
+                     TypeError, "TypeError")
+
+
+def n_reducescatter_adasum(case):
+    unnamed_one_rank(lambda: hvd.reducescatter(torch.ones(SIZE, 2), op=hvd.Adasum),
+                     lambda: hvd.reducescatter(torch.ones(SIZE, 2), op=hvd.Sum),
+                     hvd.UnsupportedOperationError, "Adasum")
+
+
 CASES = {
     "error_classes": error_classes,
     "mismatch.allreduce_shape": m_allreduce_shape,
@@ -621,6 +676,11 @@ CASES = {
     "horovod_class.adasum_ranks": h_adasum_ranks,
     "horovod_class.gradient_of_max": h_gradient_of_max,
     "horovod_class.poll_not_a_handle": h_poll_not_a_handle,
+    "unnamed.not_a_tensor": n_not_a_tensor,
+    "unnamed.sparse_allgather_async": n_sparse_allgather_async,
+    "unnamed.average_and_op": n_average_and_op,
+    "unnamed.grouped_member": n_grouped_member,
+    "unnamed.reducescatter_adasum": n_reducescatter_adasum,
 }
 assert list(CASES) == C.ERROR_CASES
 for case, fn in CASES.items():
