@@ -421,7 +421,7 @@ def bench_after_compute(args: argparse.Namespace, comm) -> AfterComputeResult:
 # --- environment and report --------------------------------------------------------------------
 def hvdlite_settings() -> dict:
     """hvdlite's effective engine settings (rank 0's environment, broadcast by ``hvd.init()``)."""
-    from hvdlite.common import basics
+    from hvdlite.common.runtime import basics
     from hvdlite.common.config import Config
     try:
         config = basics.engine().config

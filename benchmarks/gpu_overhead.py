@@ -56,7 +56,7 @@ def gpu_unavailable_reason() -> str | None:
         return ("no CUDA GPU is usable here: torch.cuda.is_available() is False (no GPU or "
                 "driver, or a CPU-only PyTorch build)")
     sys.path.insert(0, str(REPO))
-    from hvdlite.common import cuda
+    from hvdlite.common.gpu import cuda
     if cuda.cuda_device_count() == 0:
         why = cuda._import_cupy()[1]
         return ("hvdlite's GPU runtime sees no CUDA device ("
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
               "mpich wheel to this machine; see scripts/gpu_check.sh).", file=sys.stderr)
         return 2
     import torch
-    from hvdlite.common import cuda
+    from hvdlite.common.gpu import cuda
     nccl = cuda.nccl_version()
     hvd_env = {"HVDLITE_GPU_OPERATIONS": "nccl" if nccl else "mpi"}
     print(f"GPU: {torch.cuda.get_device_name(0)} ({torch.cuda.device_count()} visible), "

@@ -4,16 +4,17 @@
 ``hvdlite.tensorflow`` are the framework adapters with Horovod's names.
 """
 from .version import __version__
-from .common.public import *  # noqa: F401,F403 - lifecycle, topology, errors, ops
-from .common.handle import GroupHandle, Handle
-from .common.ops import (allreduce, allreduce_, allreduce_async, allreduce_async_, allgather,
-                         allgather_async, broadcast, broadcast_, broadcast_async,
-                         broadcast_async_, alltoall, alltoall_async, reducescatter,
-                         reducescatter_async, barrier, join, poll, synchronize)
-from .common.grouped import (grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
-                             grouped_allreduce_async_, grouped_allgather,
-                             grouped_allgather_async, grouped_reducescatter,
-                             grouped_reducescatter_async)
+from hvdlite.common.api.public import *  # noqa: F401,F403 - lifecycle, topology, errors, ops
+from hvdlite.common.engine.handle import GroupHandle, Handle
+from hvdlite.common.api.ops import (allreduce, allreduce_, allreduce_async, allreduce_async_,
+                                    allgather, allgather_async, broadcast, broadcast_,
+                                    broadcast_async, broadcast_async_, alltoall, alltoall_async,
+                                    reducescatter, reducescatter_async, barrier, join, poll,
+                                    synchronize)
+from hvdlite.common.api.grouped import (grouped_allreduce, grouped_allreduce_,
+                                        grouped_allreduce_async, grouped_allreduce_async_,
+                                        grouped_allgather, grouped_allgather_async,
+                                        grouped_reducescatter, grouped_reducescatter_async)
 
 
 def __getattr__(name: str):

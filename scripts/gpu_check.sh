@@ -103,7 +103,7 @@ def cupy_info():
     return (f"{cupy.__version__}, runtime {rt.runtimeGetVersion()}, driver {rt.driverGetVersion()}, "
             f"{rt.getDeviceCount()} device(s)")
 def nccl_info():
-    from hvdlite.common import cuda
+    from hvdlite.common.gpu import cuda
     from hvdlite.runner.check_build import nccl_version_string
     code = cuda.nccl_version()
     if not code:

@@ -6,9 +6,8 @@ import textwrap
 
 import pytest
 
-from hvdlite.common.child_process import RANK_PROCESS_VARIABLE, spawned_child_of_rank
-from tests.mpi_harness import (assert_case_passed, assert_every_case_reported, check_job,
-                               run_job)
+from hvdlite.common.runtime.child_process import RANK_PROCESS_VARIABLE, spawned_child_of_rank
+from tests.mpi_harness import assert_case_passed, assert_every_case_reported, check_job, run_job
 
 NP_VALUES = (2, 3)
 TIMEOUT = 300

@@ -6,16 +6,10 @@ count; each case is its own test here.
 import numpy as np
 import pytest
 
-from hvdlite.common.adasum import adasum_allreduce_, check_adasum_size
+from hvdlite.common.backends.adasum import adasum_allreduce_, check_adasum_size
 from tests.mpi_harness import assert_case_passed
-from tests.workers.core_adasum_kernel_worker import (
-    NP_BAD,
-    NP_POW2,
-    adasum_pair,
-    adasum_reference,
-    adasum_tree,
-    cases_for,
-)
+from tests.workers.core_adasum_kernel_worker import (NP_BAD, NP_POW2, adasum_pair, adasum_reference,
+                                                     adasum_tree, cases_for)
 
 rng = np.random.default_rng(7)
 

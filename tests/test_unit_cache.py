@@ -1,9 +1,10 @@
 """response_cache.ResponseCache (pure logic, no MPI)."""
 import pytest
 
-from hvdlite.common.messages import ALLGATHER, ALLREDUCE, ERROR_MISMATCH, Request, build_response
+from hvdlite.common.engine.messages import (ALLGATHER, ALLREDUCE, ERROR_MISMATCH, Request,
+                                            build_response)
 from hvdlite.common.reduce_ops import ReduceOp
-from hvdlite.common.response_cache import ResponseCache
+from hvdlite.common.engine.response_cache import ResponseCache
 
 
 def req(name, shape=(3,), dtype="float32", op=ReduceOp.Sum, cacheable=True):

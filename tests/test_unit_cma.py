@@ -1,4 +1,5 @@
-"""The cross-memory attach binding (hvdlite/common/cma.py) between two real processes: this
+"""The cross-memory attach binding (hvdlite/common/intranode/cma.py) between two real processes:
+this
 test and a child it starts (the multi-rank behaviour is tested under mpiexec in
 tests/test_core_cma.py and by steady.large_single)."""
 import errno
@@ -9,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from hvdlite.common import cma
+from hvdlite.common.intranode import cma
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="cross-memory attach is Linux's")
@@ -114,7 +115,7 @@ def test_allow_tracer_declares_or_says_why():
 # common parent (as each rank declares its launcher), and not one that did not.
 SIBLING = r"""
 import sys, numpy as np
-from hvdlite.common import cma
+from hvdlite.common.intranode import cma
 pid, address = map(int, sys.argv[1:3])
 got = np.empty(4, dtype=np.uint32)
 try:
@@ -179,7 +180,7 @@ def test_nearest_common_ancestor(lineages, common):
 def test_one_declaration_for_every_process_set(monkeypatch):
     """The bookkeeping behind each rank's prctl(PR_SET_PTRACER) (pure logic: the calls are
     recorded; tests/test_core_cma.py runs it under mpiexec)."""
-    from hvdlite.common import direct_allreduce as da
+    from hvdlite.common.intranode import direct as da
     calls = []
     monkeypatch.setattr(da.cma, "allow_tracer", calls.append)
     monkeypatch.setattr(da, "_launcher", None)

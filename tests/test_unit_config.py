@@ -6,7 +6,7 @@ import typing
 import pytest
 
 from hvdlite.common import config as config_module
-from hvdlite.common.basics import _settings_error
+from hvdlite.common.runtime.basics import _settings_error
 from hvdlite.common.config import KNOB_BY_NAME, KNOBS, OWN, RANK0, RECORDER, Config
 
 

@@ -4,7 +4,7 @@ import random
 import numpy as np
 import pytest
 
-from hvdlite.common.fusion import FusionBuffer, plan_batches
+from hvdlite.common.engine.fusion import FusionBuffer, plan_batches
 
 
 def plan(items, threshold):

@@ -16,15 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hvdlite.common import cuda
-from hvdlite.common.backend_nccl import NCCL_TYPES, nccl_reduce_check
-from hvdlite.common.backend_staged import HostStagedBackend
+from hvdlite.common.gpu import cuda
+from hvdlite.common.backends.nccl import NCCL_TYPES, nccl_reduce_check
+from hvdlite.common.backends.staged import HostStagedBackend
 from hvdlite.common.config import Config
 from hvdlite.common.errors import GpuUnavailableError, HvdliteError
-from hvdlite.common.gpu_completion import GpuCompletions
-from hvdlite.common.handle import Entry, Handle
-from hvdlite.common.messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER,
-                                     Request, Response)
+from hvdlite.common.gpu.completion import GpuCompletions
+from hvdlite.common.engine.handle import Entry, Handle
+from hvdlite.common.engine.messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST,
+                                            REDUCESCATTER, Request, Response)
 from hvdlite.common.reduce_ops import ReduceOp
 from tests.workers import gpu_loopback
 
@@ -299,7 +299,7 @@ def test_process_device_before_any_claim_asks_the_runtime(monkeypatch):
 
 def test_shutdown_forgets_the_gpu(monkeypatch):
     """basics.shutdown() resets the claim (a later init may use another GPU)."""
-    from hvdlite.common import basics
+    from hvdlite.common.runtime import basics
     cuda.claim_device(1, "x")
     monkeypatch.setattr(basics, "_state", None)
     basics.shutdown()   # not initialised: nothing to do
@@ -329,8 +329,9 @@ def test_importing_hvdlite_does_not_import_cupy(tmp_path):
         "import os, sys\n"
         "import numpy as np\n"
         "import hvdlite as hvd\n"
-        "import hvdlite.common.cuda, hvdlite.common.backend_nccl, hvdlite.common.backend_staged\n"
-        "import hvdlite.common.gpu_completion, hvdlite.common.engine, hvdlite.common.ops\n"
+        "import hvdlite.common.gpu.cuda, hvdlite.common.backends.nccl\n"
+        "import hvdlite.common.backends.staged, hvdlite.common.gpu.completion\n"
+        "import hvdlite.common.engine.thread, hvdlite.common.api.ops\n"
         "import importlib.util\n"
         "if importlib.util.find_spec('torch') is not None:\n"
         "    import hvdlite.torch\n"
@@ -360,7 +361,7 @@ def _engine(mode: str):
 
 
 def _entry(mode, kind, array, **kw):
-    from hvdlite.common.ops import make_entry
+    from hvdlite.common.api.ops import make_entry
     kw.setdefault("name", "t")
     return make_entry(_engine(mode), [0, 1], kind, array, **kw)
 
@@ -706,7 +707,7 @@ def test_handle_with_an_error_skips_the_handover():
 
 
 # --- NCCL's unique id and the communicator's bootstrap (MPI.COMM_SELF, fake binding) -------------
-from hvdlite.common.backend_nccl import (  # noqa: E402 - grouped with the tests that use them
+from hvdlite.common.backends.nccl import (  # noqa: E402 - grouped with the tests that use them
     NCCLBackend, unique_id_for_binding, unique_id_to_array)
 
 UID_BYTES = bytes((i * 37 + 11) % 256 for i in range(128))   # covers bytes >= 128

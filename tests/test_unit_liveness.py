@@ -1,4 +1,4 @@
-"""hvdlite.common.liveness: telling a vanished node-local peer from a live one (one process,
+"""hvdlite.common.runtime.liveness: telling a vanished node-local peer from a live one (one process,
 real child processes standing in for peers)."""
 import os
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from hvdlite.common import liveness
+from hvdlite.common.runtime import liveness
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,8 @@ import threading
 import numpy as np
 import pytest
 
-from hvdlite.common import memory, ops
+from hvdlite.common import memory
+from hvdlite.common.api import ops
 from hvdlite.common.dtypes import dtype_info
 from hvdlite.common.memory import (ALIGN_MIN_BYTES, ALIGNMENT, BufferPool, aligned_empty,
                                    fresh_block, result_empty, size_class)

@@ -1,8 +1,8 @@
 """build_response: cross-rank validation of one tensor's requests (pure logic, no MPI)."""
 import pytest
 
-from hvdlite.common.messages import (ALLGATHER, ALLREDUCE, BARRIER, BROADCAST, ERROR_MISMATCH,
-                                     Request, Response, build_response)
+from hvdlite.common.engine.messages import (ALLGATHER, ALLREDUCE, BARRIER, BROADCAST,
+                                            ERROR_MISMATCH, Request, Response, build_response)
 from hvdlite.common.reduce_ops import ReduceOp
 
 

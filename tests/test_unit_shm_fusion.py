@@ -5,10 +5,10 @@ tests/test_core_ops.py (steady.shared_fusion)."""
 import numpy as np
 import pytest
 
-from hvdlite.common.backend_mpi import _copy_out_pieces
+from hvdlite.common.backends.mpi import _copy_out_pieces
 from hvdlite.common.dtypes import dtype_info, numpy_reduce_ufunc
 from hvdlite.common.reduce_ops import ReduceOp
-from hvdlite.common.shm_fusion import SharedFusion
+from hvdlite.common.intranode.shm_window import SharedFusion
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 7, 8])

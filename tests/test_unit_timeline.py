@@ -1,4 +1,4 @@
-"""Timeline recording and file format (hvdlite/common/timeline.py), in one process: what the
+"""Timeline recording and file format (hvdlite/common/runtime/timeline.py), in one process: what the
 engine's calls turn into, the JSON written, and start/stop.  The multi-rank behaviour (rank 0
 only, real negotiation and backends) is tests/test_core_timeline.py."""
 import json
@@ -6,8 +6,8 @@ import json
 import pytest
 
 import hvdlite
-from hvdlite.common import timeline
-from hvdlite.common.public import __all__ as public_names
+from hvdlite.common.runtime import timeline
+from hvdlite.common.api.public import __all__ as public_names
 
 
 def read(path):

@@ -1,11 +1,11 @@
-"""Waiting helpers (hvdlite/common/waiting.py): what they return and when they call back; no
+"""Waiting helpers (hvdlite/common/runtime/waiting.py): what they return and when they call back; no
 timing is asserted."""
 import itertools
 
 import pytest
 
-from hvdlite.common import waiting
-from hvdlite.common.waiting import caller_blocked, poll_briefly, wait_until
+from hvdlite.common.runtime import waiting
+from hvdlite.common.runtime.waiting import caller_blocked, poll_briefly, wait_until
 
 
 def after(n):

@@ -11,8 +11,8 @@ from typing import Callable
 
 import numpy as np
 
-from .errors import UnsupportedDtypeError
-from .reduce_ops import ReduceOp
+from hvdlite.common.errors import UnsupportedDtypeError
+from hvdlite.common.reduce_ops import ReduceOp
 
 
 @dataclasses.dataclass(frozen=True)

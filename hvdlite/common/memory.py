@@ -33,7 +33,7 @@ import weakref
 
 import numpy as np
 
-from .config import DEFAULT_RESULT_POOL_MB
+from hvdlite.common.config import DEFAULT_RESULT_POOL_MB
 
 ALIGNMENT = 64
 ALIGN_MIN_BYTES = 64 * 1024           # smaller results are not aligned (see above)

@@ -100,8 +100,8 @@ def _features() -> dict[str, object]:
 
 def cma_line(yama_scope_file: str | None = None) -> str:
     """What this machine says about direct copies between ranks (cross-memory attach).  Only a
-    job can tell for sure: it tries them once (see hvdlite/common/direct_allreduce.py)."""
-    from hvdlite.common import cma
+    job can tell for sure: it tries them once (see hvdlite/common/intranode/direct.py)."""
+    from hvdlite.common.intranode import cma
     if cma.load() is None:
         return ("not available (Linux's process_vm_readv is missing): large allreduces use the "
                 "shared-memory window")
@@ -119,7 +119,7 @@ def cma_line(yama_scope_file: str | None = None) -> str:
 
 def _cuda_line() -> str:
     """What the GPU data path has here: CuPy's version and the CUDA devices it sees."""
-    from hvdlite.common import cuda
+    from hvdlite.common.gpu import cuda
     if not cuda.cupy_importable():
         return "not available (pip install 'hvdlite[nccl]' for CUDA tensors)"
     import cupy

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from hvdlite.common import basics
-from hvdlite.common.process_sets import ProcessSet, global_process_set
+from hvdlite.common.runtime import basics
+from hvdlite.common.runtime.process_sets import ProcessSet, global_process_set
 from hvdlite.common.reduce_ops import ReduceOp, resolve_op
 
 from . import grad_layouts as layouts

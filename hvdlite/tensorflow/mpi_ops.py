@@ -45,14 +45,14 @@ try:   # TensorFlow internals: tells whether a graph is being built for XLA
 except ImportError:   # moved in some release: XLA then reports it itself
     GraphOrParentsInXlaContext = None
 
-from hvdlite.common import basics
-from hvdlite.common import grouped as core_grouped
-from hvdlite.common import ops as core
+from hvdlite.common.runtime import basics
+from hvdlite.common.api import grouped as core_grouped
+from hvdlite.common.api import ops as core
 from hvdlite.common.dtypes import dtype_info
 from hvdlite.common.errors import TensorMismatchError
-from hvdlite.common.messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER,
-                                     split_rows)
-from hvdlite.common.process_sets import ProcessSet, global_process_set
+from hvdlite.common.engine.messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST,
+                                            REDUCESCATTER, split_rows)
+from hvdlite.common.runtime.process_sets import ProcessSet, global_process_set
 from hvdlite.common.reduce_ops import ReduceOp, resolve_op
 
 from .compression import Compression

@@ -13,7 +13,7 @@ import itertools
 import keras
 import tensorflow as tf
 
-from hvdlite.common import basics
+from hvdlite.common.runtime import basics
 from hvdlite.common.reduce_ops import ReduceOp
 
 from .mpi_ops import allreduce

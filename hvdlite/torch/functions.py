@@ -5,8 +5,8 @@ import collections.abc
 
 import torch
 
-from hvdlite.common.basics import rank
-from hvdlite.common.objects import allgather_object, broadcast_object
+from hvdlite.common.runtime.basics import rank
+from hvdlite.common.api.objects import allgather_object, broadcast_object
 
 from .mpi_ops import broadcast_async_, synchronize
 

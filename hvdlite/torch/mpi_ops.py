@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from hvdlite.common import grouped as core_grouped
-from hvdlite.common import ops as core
-from hvdlite.common.basics import rank, size
+from hvdlite.common.api import grouped as core_grouped
+from hvdlite.common.api import ops as core
+from hvdlite.common.runtime.basics import rank, size
 from hvdlite.common.errors import UnsupportedOperationError
-from hvdlite.common.handle import GroupHandle, Handle
-from hvdlite.common.messages import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER
-from hvdlite.common.process_sets import ProcessSet, global_process_set
+from hvdlite.common.engine.handle import GroupHandle, Handle
+from hvdlite.common.engine.messages import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER
+from hvdlite.common.runtime.process_sets import ProcessSet, global_process_set
 from hvdlite.common.reduce_ops import ReduceOp, resolve_op
 
 from .compression import Compression
@@ -641,7 +641,7 @@ def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
     if device < 0 and torch.cuda.is_available() and torch.cuda.is_initialized():
         device = torch.cuda.current_device()
     if device >= 0:
-        from hvdlite.common import cuda
+        from hvdlite.common.gpu import cuda
         cuda.claim_device(device, "join")
     return core.join(process_set)
 

@@ -17,11 +17,11 @@ import zlib
 import torch
 from torch.autograd import Variable
 
-from hvdlite.common import ops as core_ops
-from hvdlite.common.adasum import check_adasum_size
-from hvdlite.common.basics import process_set_engine, size
+from hvdlite.common.api import ops as core_ops
+from hvdlite.common.backends.adasum import check_adasum_size
+from hvdlite.common.runtime.basics import process_set_engine, size
 from hvdlite.common.errors import HvdliteError
-from hvdlite.common.process_sets import ProcessSet
+from hvdlite.common.runtime.process_sets import ProcessSet
 from hvdlite.common.reduce_ops import ReduceOp
 
 from . import param_owners

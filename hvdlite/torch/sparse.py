@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from hvdlite.common.basics import size
-from hvdlite.common.handle import Handle
+from hvdlite.common.runtime.basics import size
+from hvdlite.common.engine.handle import Handle
 from hvdlite.common.reduce_ops import ReduceOp, resolve_op
 
 from .mpi_ops import allgather_async, synchronize

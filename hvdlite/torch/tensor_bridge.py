@@ -2,7 +2,7 @@
 
 CPU tensors become numpy views; CUDA tensors become CuPy views of their memory, and hvdlite's stream
 is made to wait (on the device) for torch's current stream, which produced them: what a DLPack
-exchange does, without its host cost (see ``hvdlite.common.cuda``).  The first CUDA tensor
+exchange does, without its host cost (see ``hvdlite.common.gpu.cuda``).  The first CUDA tensor
 registers torch's current stream as the one that waits for GPU results."""
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def as_core_array(tensor: torch.Tensor) -> tuple[np.ndarray, str | None]:
     if view_as is not None:
         t = t.view(view_as[0])
     if t.is_cuda:
-        from hvdlite.common import cuda
+        from hvdlite.common.gpu import cuda
         if cuda._consumer_stream is not _current_stream:
             cuda.set_consumer_stream(_current_stream)
         device = t.get_device()
@@ -78,7 +78,8 @@ _raw_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 def _current_stream(device_id: int) -> int:
     """The calling thread's current torch stream on ``device_id`` (a raw ``cudaStream_t``):
     hvdlite's stream waits for it before reading a tensor, and it is made to wait for
-    hvdlite's work when a result is handed over (``hvdlite.common.cuda.wait_for_device_work``)."""
+    hvdlite's work when a result is handed over
+   (``hvdlite.common.gpu.cuda.wait_for_device_work``)."""
     if _raw_current_stream is not None:
         return _raw_current_stream(device_id)
     return torch.cuda.current_stream(device_id).cuda_stream

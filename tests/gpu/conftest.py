@@ -34,14 +34,14 @@ def gpu_probe() -> GpuProbe:
     if not torch.cuda.is_available():
         return GpuProbe("GPU tests need a CUDA GPU: torch.cuda.is_available() is False (no GPU "
                         "or driver here, or a CPU-only PyTorch build)", None, 0)
-    from hvdlite.common import cuda
+    from hvdlite.common.gpu import cuda
     devices = cuda.cuda_device_count()
     if devices == 0:
         why = cuda._import_cupy()[1]
         detail = (f"CuPy cannot be imported: {why}" if why
                   else "CuPy imports but sees no CUDA device")
         return GpuProbe(f"GPU tests need hvdlite's GPU runtime: "
-                        f"hvdlite.common.cuda.cuda_device_count() is 0 ({detail}); "
+                        f"hvdlite.common.gpu.cuda.cuda_device_count() is 0 ({detail}); "
                         f"{cuda.INSTALL_HINT}", None, 0)
     skip_nccl = None
     if cuda.nccl_version() == 0:

@@ -118,7 +118,7 @@ def test_gpu(mpi_job, job, case):
 def test_nccl_built_reports_the_version():
     import hvdlite
     import hvdlite.torch as hvd
-    from hvdlite.common import cuda
+    from hvdlite.common.gpu import cuda
     version = hvdlite.nccl_built()
     assert isinstance(version, int) and version > 0, f"nccl_built() = {version!r}"
     assert hvd.nccl_built() == version == cuda.nccl_version()
@@ -129,7 +129,7 @@ def test_nccl_built_reports_the_version():
 def test_check_build_shows_nccl():
     """``hvdlite run --check-build`` (run as a module: the console script may not be installed
     on the GPU machine) marks NCCL available with its 2.x.y version."""
-    from hvdlite.common import cuda
+    from hvdlite.common.gpu import cuda
     from hvdlite.runner.check_build import nccl_version_string
     env = base_env()
     proc = subprocess.run([sys.executable, "-m", "hvdlite.runner", "run", "--check-build"],

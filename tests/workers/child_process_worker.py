@@ -113,7 +113,7 @@ def fork_shutdown_then_init_refused():
 def fork_lock_held_at_fork():
     """Forking while another thread holds hvdlite's init/shutdown lock must not leave the
     child's init()/shutdown() blocked on a lock that nobody there will release."""
-    from hvdlite.common import basics
+    from hvdlite.common.runtime import basics
     held, release = threading.Event(), threading.Event()
 
     def hold():

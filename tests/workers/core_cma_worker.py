@@ -1,4 +1,4 @@
-"""Direct copies between ranks' memory (hvdlite/common/direct_allreduce.py) when they cannot be
+"""Direct copies between ranks' memory (hvdlite/common/intranode/direct.py) when they cannot be
 used or fail: the collective decision when one rank cannot make them, and a copy that fails in
 the middle of an allreduce.
 
@@ -27,7 +27,9 @@ import sys
 import numpy as np
 
 import hvdlite as hvd
-from hvdlite.common import basics, cma, direct_allreduce
+from hvdlite.common.runtime import basics
+from hvdlite.common.intranode import cma
+from hvdlite.common.intranode import direct as direct_allreduce
 from _report import Reporter
 
 MODE = sys.argv[1]

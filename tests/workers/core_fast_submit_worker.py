@@ -6,7 +6,7 @@ with the same errors) everything the general path rejects.
 import numpy as np
 
 import hvdlite as hvd
-from hvdlite.common import ops
+from hvdlite.common.api import ops
 from core_refs import allreduce_expected, attempt, check_array, check_exact, noncontiguous
 from _report import Reporter
 

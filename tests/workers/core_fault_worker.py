@@ -222,8 +222,8 @@ elif SCENARIO == "stall_mismatch":
     hvd.shutdown()
 
 elif SCENARIO in ("data_stall_warn", "data_stall_shutdown"):
-    from hvdlite.common.direct_allreduce import DirectAllreduce
-    from hvdlite.common.shm_fusion import SharedFusion
+    from hvdlite.common.intranode.direct import DirectAllreduce
+    from hvdlite.common.intranode.shm_window import SharedFusion
     # The background thread stops once, after negotiation agreed, at the first wait of the
     # data path: direct copies between the ranks (the first allgather), or with HVDLITE_CMA=0
     # the shared window (the first barrier).
@@ -276,7 +276,7 @@ elif SCENARIO in ("vanished", "vanished_late_waiter"):
         os.kill(os.getpid(), signal.SIGSTOP)   # the survivors' non-zero exit ends the job
         os._exit(0)
     import subprocess
-    from hvdlite.common import liveness
+    from hvdlite.common.runtime import liveness
     assert ODD in liveness._peers, f"rank {ODD} was not recorded at init: {liveness._peers}"
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     identity = (child.pid, liveness._start_time(child.pid))

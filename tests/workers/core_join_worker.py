@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # sibling helpe
 import numpy as np  # noqa: E402
 
 import hvdlite as hvd  # noqa: E402
-from hvdlite.common import basics  # noqa: E402
+from hvdlite.common.runtime import basics
 from _report import CaseRegistry, always, pow2  # noqa: E402
 import core_cases as cc  # noqa: E402
 from core_refs import Expected, allreduce_expected, attempt, check_array, check_exact  # noqa: E402

@@ -408,7 +408,7 @@ def case_grouped(case: str, ps) -> None:
         check_array(f"large grouped_allreduce[{i}]", got_big[i],
                     allreduce_expected([big[g][i] for g in M], "float32", "Sum", k))
     if k > 1:
-        from hvdlite.common.basics import process_set_engine
+        from hvdlite.common.runtime.basics import process_set_engine
         shared = process_set_engine(ps, "test")[0].backend.shared
         assert shared is not None and shared.batches > 0, \
             "the large group did not go through the set's shared-memory window"

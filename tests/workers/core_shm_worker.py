@@ -1,4 +1,5 @@
-"""The intra-node shared-memory fusion window's edge cases (see hvdlite/common/shm_fusion.py):
+"""The intra-node shared-memory fusion window's edge cases (see
+hvdlite/common/intranode/shm_window.py):
 too little free space in /dev/shm (a warning and a correct MPI fallback), and a window that is
 freed at shutdown and made anew after a second init().
 
@@ -11,7 +12,8 @@ import sys
 import numpy as np
 
 import hvdlite as hvd
-from hvdlite.common import basics, shm_fusion
+from hvdlite.common.runtime import basics
+from hvdlite.common.intranode import shm_window as shm_fusion
 from core_refs import allreduce_expected, check_array
 from _report import Reporter
 

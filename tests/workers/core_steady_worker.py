@@ -11,7 +11,8 @@ import sys
 import numpy as np
 
 import hvdlite as hvd
-from hvdlite.common import basics, direct_allreduce
+from hvdlite.common.runtime import basics
+from hvdlite.common.intranode import direct as direct_allreduce
 from hvdlite.common.memory import result_pool
 import core_cases as cc
 from core_refs import allreduce_expected, attempt, check_array, check_exact, noncontiguous

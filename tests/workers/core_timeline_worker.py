@@ -1,4 +1,4 @@
-"""Horovod Timeline (hvdlite/common/timeline.py) under real MPI launches.
+"""Horovod Timeline (hvdlite/common/runtime/timeline.py) under real MPI launches.
 
 argv[1]: "env"  -- HOROVOD_TIMELINE / HOROVOD_TIMELINE_MARK_CYCLES are set for every rank (the
                    test passes them); only rank 0 may write the file;
@@ -16,7 +16,8 @@ from collections import defaultdict
 import numpy as np
 
 import hvdlite as hvd
-from hvdlite.common import basics, timeline
+from hvdlite.common.runtime import basics
+from hvdlite.common.runtime import timeline
 from core_refs import attempt
 from core_cases import direct_copies_expected
 from _report import Reporter

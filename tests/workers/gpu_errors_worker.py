@@ -23,9 +23,12 @@ import numpy as np  # noqa: E402
 import hvdlite as hvd  # noqa: E402
 import gpu_loopback  # noqa: E402
 from core_refs import attempt, check_exact  # noqa: E402
-from hvdlite.common import basics, cuda, grouped, ops  # noqa: E402
+from hvdlite.common.runtime import basics
+from hvdlite.common.gpu import cuda
+from hvdlite.common.api import grouped
+from hvdlite.common.api import ops
 from hvdlite.common.errors import GpuUnavailableError  # noqa: E402
-from hvdlite.common.messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST,  # noqa: E402
+from hvdlite.common.engine.messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST,  # noqa: E402
                                      REDUCESCATTER)
 from hvdlite.common.reduce_ops import ReduceOp  # noqa: E402
 

@@ -2,9 +2,9 @@
 GPU data path's own logic (routing, host staging, fusion of device entries, completion through
 the GPU completion thread, submission checks) under real MPI.
 
-"Device arrays" are numpy arrays submitted with ``device=0`` through ``hvdlite.common.ops.submit``;
-copies to and from the "device" are real copies, and events fire when recorded unless a test
-holds them back (``hold_events``).  Device-side stream waits are recorded, not performed.  What it
+"Device arrays" are numpy arrays submitted with ``device=0`` through
+``hvdlite.common.api.ops.submit``; copies to and from the "device" are real copies, and events
+fire when recorded unless a test holds them back (``hold_events``).  Device-side stream waits are recorded, not performed.  What it
 cannot check (CUDA streams, DLPack, NCCL itself) is covered by tests/gpu/ on a GPU machine.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import types
 
 import numpy as np
 
-from hvdlite.common import cuda
+from hvdlite.common.gpu import cuda
 from hvdlite.common.dtypes import scale_in_place
 from hvdlite.common.errors import GpuUnavailableError
 

@@ -4,7 +4,7 @@ without a GPU: "device" arrays are numpy arrays handled by a loopback runtime (g
 Run under ``mpiexec`` at 2 and 3 ranks (tests/test_gpu_staged.py), which sets
 HVDLITE_GPU_OPERATIONS=mpi.  The loopback is installed before ``hvd.init()``; every rank's
 "GPU" is cuda:<rank> (different indices on different ranks, the normal one-GPU-per-rank layout),
-and arrays are submitted through ``hvdlite.common.ops.submit(..., device=0)`` (the device
+and arrays are submitted through ``hvdlite.common.api.ops.submit(..., device=0)`` (the device
 argument only says "on a GPU"; which one comes from the runtime).  bfloat16 travels as an int16
 view with ``dtype="bfloat16"``, as the torch bridge hands it over.
 
@@ -34,9 +34,13 @@ from _report import CaseRegistry, pow2  # noqa: E402
 import core_cases as cc  # noqa: E402
 import gpu_loopback  # noqa: E402
 from core_refs import Expected, allreduce_expected, attempt, check_array, check_exact  # noqa: E402
-from hvdlite.common import basics, cuda, grouped, ops  # noqa: E402
-from hvdlite.common.errors import GpuUnavailableError, HvdliteError, TensorMismatchError  # noqa: E402
-from hvdlite.common.messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST,  # noqa: E402
+from hvdlite.common.runtime import basics
+from hvdlite.common.gpu import cuda
+from hvdlite.common.api import grouped
+from hvdlite.common.api import ops
+from hvdlite.common.errors import (GpuUnavailableError, HvdliteError,  # noqa: E402
+                                   TensorMismatchError)
+from hvdlite.common.engine.messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST,  # noqa: E402
                                      REDUCESCATTER, split_rows)
 from hvdlite.common.reduce_ops import ReduceOp  # noqa: E402
 
@@ -552,7 +556,7 @@ GROUP_SPECS = [("float32", (3,)), ("int32", (2, 2)), ("float64", ()), ("bfloat16
 
 @case("grouped.allreduce")
 def grouped_allreduce():
-    """hvdlite.common.grouped.submit_group with device=0: the members are released together, so
+    """hvdlite.common.api.grouped.submit_group with device=0: the members are released together, so
     each dtype runs as one staged batch (one host synchronisation per dtype); in place and out of
     place, Sum and Average, twice under the same name (full negotiation, then the cache)."""
     assert_cache_has_room()

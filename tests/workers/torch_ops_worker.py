@@ -508,7 +508,7 @@ def fast_path_taken():
     dtype still reduces correctly in place, out of place (a new tensor, the input untouched)
     and async, with scale factors.  Tensors that need the general path (autograd, bfloat16,
     non-contiguous, a Parameter) are then shown to still get there."""
-    from hvdlite.common import ops as core_ops
+    from hvdlite.common.api import ops as core_ops
     from hvdlite.torch import mpi_ops
     fast = [dt for dt in C.DTYPES if dt != "bfloat16"]
     pairs = [(op, dt) for op in ("Sum", "Max", "Average") for dt in fast

@@ -348,7 +348,7 @@ def params_bad_input(case):
         else:
             raise AssertionError(f"broadcast_parameters({bad!r}) did not raise")
     # A tensor before the bad entry is not sent either: nothing is left in flight.
-    from hvdlite.common import basics
+    from hvdlite.common.runtime import basics
     try:
         hvd.broadcast_parameters([("first", torch.zeros(2)), ("bad", 1.5)], root_rank=0)
     except ValueError as exc:

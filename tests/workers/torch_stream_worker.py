@@ -14,7 +14,7 @@ import torch.nn as nn
 torch.set_num_threads(1)
 
 import hvdlite.torch as hvd  # noqa: E402
-from hvdlite.common import basics  # noqa: E402
+from hvdlite.common.runtime import basics
 from _report import Reporter  # noqa: E402
 
 hvd.init()

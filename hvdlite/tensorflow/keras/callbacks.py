@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import keras
 
-from hvdlite.common import basics
-from hvdlite.common import ops as core
+from hvdlite.common.runtime import basics
+from hvdlite.common.api import ops as core
 
 from ..gradient_tape import LocalVariables
 from ..mpi_ops import broadcast_variables

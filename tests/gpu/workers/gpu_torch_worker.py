@@ -724,7 +724,7 @@ def fused_large_and_small(case):
 def fused_path_taken(case):
     """White box: a grouped allreduce of small CUDA tensors goes through the fused device path
     (NCCLBackend._allreduce_fused; under host staging, the MPI backend's fused path)."""
-    from hvdlite.common import basics
+    from hvdlite.common.runtime import basics
     hvd.allreduce(gpu(torch.ones(1)), op=hvd.Sum, name=case + ".warm")   # backend exists now
     backend = basics.engine()._gpu
     assert backend is not None, "no GPU backend after a CUDA allreduce"
@@ -1047,7 +1047,7 @@ def grad_case(case):
 # the GPU path itself
 # =================================================================================================
 def device_case(case):
-    from hvdlite.common import basics
+    from hvdlite.common.runtime import basics
     what = case.split(".", 1)[1]
     if what == "backend_in_use":
         hvd.allreduce(gpu(torch.ones(2)), op=hvd.Sum, name=case)

@@ -36,11 +36,11 @@ from typing import Callable
 
 import numpy as np
 
-from . import cma
-from .dtypes import scale_into
-from .errors import HvdliteError
-from .shm_fusion import SharedFusion, all_on_one_node
-from .waiting import PEER_SPIN_SECONDS, wait_until
+from hvdlite.common.dtypes import scale_into
+from hvdlite.common.errors import HvdliteError
+from hvdlite.common.intranode import cma
+from hvdlite.common.intranode.shm_window import SharedFusion, all_on_one_node
+from hvdlite.common.runtime.waiting import PEER_SPIN_SECONDS, wait_until
 
 log = logging.getLogger("hvdlite")
 

@@ -7,8 +7,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .messages import Request
-from .waiting import caller_blocked, poll_briefly
+from hvdlite.common.engine.messages import Request
+from hvdlite.common.runtime.waiting import caller_blocked, poll_briefly
 
 # A small operation's result often arrives within a thread wake-up, so wait() polls this long
 # (yielding the core) before sleeping on the lock: a lone 4 KiB allreduce 0.13 ms instead of 0.16.
@@ -92,7 +92,7 @@ class Handle:
                 raise TimeoutError(f"hvdlite operation {self.name!r} did not finish "
                                    f"within {timeout} s.")
             if not self._engine_alive():
-                from .errors import ShutdownError
+                from hvdlite.common.errors import ShutdownError
                 raise ShutdownError(f"hvdlite's background thread is gone; operation "
                                     f"{self.name!r} can never finish.")
         self._lock.release()   # let other waiters of the same handle through

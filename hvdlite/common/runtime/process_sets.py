@@ -56,7 +56,7 @@ class ProcessSet:
     def rank(self) -> int:
         """This process's rank within the set (its index in ``ranks``)."""
         self._registered()
-        from .basics import rank
+        from hvdlite.common.runtime.basics import rank
         me = rank()
         if me not in self._ranks:
             raise ValueError(f"rank {me} is not a member of {self!r}.")
@@ -65,7 +65,7 @@ class ProcessSet:
     def included(self) -> bool:
         """True if this process is a member of the set."""
         self._registered()
-        from .basics import rank
+        from hvdlite.common.runtime.basics import rank
         return rank() in self._ranks
 
     def __eq__(self, other) -> bool:

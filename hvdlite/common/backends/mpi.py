@@ -6,17 +6,17 @@ from typing import Callable
 
 import numpy as np
 
-from . import timeline as _timeline
-from .direct_allreduce import DirectAllreduce
-from .dtypes import (dtype_info, mpi_datatype, mpi_reduce_op, numpy_reduce_ufunc,
-                     scale_in_place, scale_into)
-from .fusion import FusionBuffer
-from .handle import Entry
-from .messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCESCATTER,
-                       Response, split_rows)
-from .reduce_ops import ReduceOp
-from .shm_fusion import SharedFusion
-from .waiting import PEER_SPIN_SECONDS, wait_until
+from hvdlite.common.dtypes import (dtype_info, mpi_datatype, mpi_reduce_op, numpy_reduce_ufunc,
+                                   scale_in_place, scale_into)
+from hvdlite.common.engine.fusion import FusionBuffer
+from hvdlite.common.engine.handle import Entry
+from hvdlite.common.engine.messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST,
+                                            REDUCESCATTER, Response, split_rows)
+from hvdlite.common.intranode.direct import DirectAllreduce
+from hvdlite.common.intranode.shm_window import SharedFusion
+from hvdlite.common.reduce_ops import ReduceOp
+from hvdlite.common.runtime import timeline as _timeline
+from hvdlite.common.runtime.waiting import PEER_SPIN_SECONDS, wait_until
 
 # MPI allreduces up to this size are started non-blocking and waited for politely (yield, then
 # sleep): a blocking call busy-polls while the peer's background thread waits for a core, which
@@ -67,7 +67,7 @@ class MPIBackend:
     def _reduce(self, buf: np.ndarray, response: Response, info, segments=None) -> None:
         """In-place reduction of ``buf`` across the set (Adasum or an MPI reduction)."""
         if response.reduce_op == ReduceOp.Adasum:
-            from .adasum import adasum_allreduce_
+            from hvdlite.common.backends.adasum import adasum_allreduce_
             adasum_allreduce_(self.comm, buf, [buf.size] if segments is None else segments)
         else:
             self._allreduce(self._MPI.IN_PLACE, [buf, mpi_datatype(info)],

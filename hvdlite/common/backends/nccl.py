@@ -16,14 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from .backend_mpi import postscale_factor
-from .backend_staged import HostStagedBackend
-from .dtypes import dtype_info
-from .errors import GpuUnavailableError, HvdliteError
-from .handle import Entry
-from .messages import ALLGATHER, ALLREDUCE, BARRIER, BROADCAST, Response
-from .reduce_ops import ReduceOp
-from .waiting import wait_until
+from hvdlite.common.backends.mpi import postscale_factor
+from hvdlite.common.backends.staged import HostStagedBackend
+from hvdlite.common.dtypes import dtype_info
+from hvdlite.common.engine.handle import Entry
+from hvdlite.common.engine.messages import ALLGATHER, ALLREDUCE, BARRIER, BROADCAST, Response
+from hvdlite.common.errors import GpuUnavailableError, HvdliteError
+from hvdlite.common.reduce_ops import ReduceOp
+from hvdlite.common.runtime.waiting import wait_until
 
 # ncclDataType_t and ncclRedOp_t values (nccl.h; CuPy exposes the same numbers).
 NCCL_TYPES = {"int8": 0, "uint8": 1, "bool": 1, "int32": 2, "uint32": 3, "int64": 4,

@@ -7,7 +7,7 @@ request/response messages at all.
 """
 from __future__ import annotations
 
-from .messages import Request, Response
+from hvdlite.common.engine.messages import Request, Response
 
 
 class ResponseCache:

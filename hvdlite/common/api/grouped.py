@@ -14,12 +14,13 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from . import basics
-from .handle import GroupHandle
-from .messages import ALLGATHER, ALLREDUCE, REDUCESCATTER
-from .ops import _NOTHING_TO_ANNOUNCE, _announce, _auto_name, _contiguous, make_entry
-from .process_sets import ProcessSet
-from .reduce_ops import ReduceOp, resolve_op
+from hvdlite.common.api.ops import (_NOTHING_TO_ANNOUNCE, _announce, _auto_name, _contiguous,
+                                    make_entry)
+from hvdlite.common.engine.handle import GroupHandle
+from hvdlite.common.engine.messages import ALLGATHER, ALLREDUCE, REDUCESCATTER
+from hvdlite.common.reduce_ops import ReduceOp, resolve_op
+from hvdlite.common.runtime import basics
+from hvdlite.common.runtime.process_sets import ProcessSet
 
 
 def submit_group(kind: str, arrays: Sequence[np.ndarray], *, name: str | None = None,
@@ -27,7 +28,7 @@ def submit_group(kind: str, arrays: Sequence[np.ndarray], *, name: str | None = 
                  allocates: Sequence | None = None, dtypes: Sequence[str | None] | None = None,
                  process_set: ProcessSet | None = None, **kwargs) -> GroupHandle:
     """Submit ``arrays`` as one grouped ``kind`` operation (contiguous numpy views, as for
-    :func:`hvdlite.common.ops.submit`); the handle yields the list of results."""
+    :func:`hvdlite.common.api.ops.submit`); the handle yields the list of results."""
     engine, members = basics.process_set_engine(process_set, f"grouped {kind}")
     set_id = 0 if members is None else process_set.process_set_id
     n = len(arrays)
@@ -60,7 +61,7 @@ def _group_names(kind: str, name: str | None, set_id: int, n: int) -> tuple[str,
 
 
 def announcing_group(kind: str, items: str = "arrays"):
-    """:func:`hvdlite.common.ops.announcing` for grouped operations (``items``: the argument
+    """:func:`hvdlite.common.api.ops.announcing` for grouped operations (``items``: the argument
     holding the group's tensors): an unnamed group that fails before it is submitted takes the
     names the other ranks' group took, and fails there as one unit."""
     def decorate(fn):
@@ -87,7 +88,7 @@ def announcing_group(kind: str, items: str = "arrays"):
 @contextlib.contextmanager
 def announced_group(kind: str, name: str | None, process_set: ProcessSet | None,
                     count: int) -> Iterator[None]:
-    """:func:`hvdlite.common.ops.announced` for a group of ``count`` tensors."""
+    """:func:`hvdlite.common.api.ops.announced` for a group of ``count`` tensors."""
     try:
         yield
     except Exception as exc:
@@ -97,7 +98,7 @@ def announced_group(kind: str, name: str | None, process_set: ProcessSet | None,
 
 def announce_group_failure(kind: str, name: str | None, process_set: ProcessSet | None,
                            count: int, exc: BaseException) -> None:
-    """:func:`hvdlite.common.ops.announce_failure` for an unnamed group of ``count`` tensors."""
+    """:func:`hvdlite.common.api.ops.announce_failure` for an unnamed group of ``count`` tensors."""
     if (name is not None or count == 0 or getattr(exc, "_hvdlite_announced", False)
             or isinstance(exc, _NOTHING_TO_ANNOUNCE)):
         return
@@ -176,7 +177,7 @@ def grouped_reducescatter_async(arrays, name: str | None = None, op: ReduceOp | 
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                                 process_set: ProcessSet | None = None) -> GroupHandle:
     """Reducescatter a list of arrays as one unit (see
-    :func:`hvdlite.common.ops.reducescatter_async` for how rows are divided)."""
+    :func:`hvdlite.common.api.ops.reducescatter_async` for how rows are divided)."""
     return submit_group(REDUCESCATTER, [_contiguous(a) for a in arrays], name=name,
                         reduce_op=resolve_op(op), prescale_factor=prescale_factor,
                         postscale_factor=postscale_factor, process_set=process_set)

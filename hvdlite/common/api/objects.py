@@ -7,9 +7,10 @@ from typing import Any
 
 import numpy as np
 
-from . import basics, ops
-from .errors import HvdliteError
-from .process_sets import ProcessSet
+from hvdlite.common.api import ops
+from hvdlite.common.errors import HvdliteError
+from hvdlite.common.runtime import basics
+from hvdlite.common.runtime.process_sets import ProcessSet
 
 
 def _dumps(obj: Any) -> np.ndarray:

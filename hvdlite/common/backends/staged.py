@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from .backend_mpi import MPIBackend
-from .dtypes import dtype_info
-from .handle import Entry
-from .messages import Response
+from hvdlite.common.backends.mpi import MPIBackend
+from hvdlite.common.dtypes import dtype_info
+from hvdlite.common.engine.handle import Entry
+from hvdlite.common.engine.messages import Response
 
 
 def _host_allocate(shape: tuple, dtype: np.dtype) -> np.ndarray:

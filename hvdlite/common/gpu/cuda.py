@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from .errors import GpuUnavailableError, HvdliteError
+from hvdlite.common.errors import GpuUnavailableError, HvdliteError
 
 INSTALL_HINT = ("install CuPy with NCCL for your CUDA version: pip install 'hvdlite[nccl]' "
                 "(CUDA 13) or 'hvdlite[nccl-cuda12]' (CUDA 12)")

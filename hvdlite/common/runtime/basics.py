@@ -9,11 +9,12 @@ import sys
 import threading
 import time
 
-from . import child_process, liveness, timeline
-from .config import Config
-from .errors import NotInitializedError
-from .memory import result_pool
-from .process_sets import ProcessSet, check_ranks, global_process_set, resolve_ranks
+from hvdlite.common.config import Config
+from hvdlite.common.errors import NotInitializedError
+from hvdlite.common.memory import result_pool
+from hvdlite.common.runtime import child_process, liveness, timeline
+from hvdlite.common.runtime.process_sets import (ProcessSet, check_ranks, global_process_set,
+                                                 resolve_ranks)
 
 log = logging.getLogger("hvdlite")
 
@@ -107,7 +108,8 @@ def init(comm=None, process_sets=None) -> None:
         if _state is not None:
             return
         from mpi4py import MPI
-        from .engine import Engine
+
+        from hvdlite.common.engine.thread import Engine
 
         world = MPI.COMM_WORLD if comm is None else comm
         if isinstance(world, (list, tuple)):
@@ -198,8 +200,8 @@ def shutdown() -> None:
     if state is None or _forked_from is not None:
         return   # in a forked child the copied state is just dropped: MPI is the parent's
     timeline.stop()
-    from .cuda import reset_process_device
-    from .ops import reset_auto_names
+    from hvdlite.common.api.ops import reset_auto_names
+    from hvdlite.common.gpu.cuda import reset_process_device
     reset_process_device()
     result_pool().clear()
     reset_auto_names()   # every rank re-inits together, so unnamed ops restart in step
@@ -228,7 +230,8 @@ def _stop_set(ps: ProcessSet, set_engine) -> None:
 def _register(state: _State, process_set: ProcessSet) -> ProcessSet:
     """Collective over all ranks: give ``process_set`` an id, a communicator and an engine."""
     from mpi4py import MPI
-    from .engine import Engine
+
+    from hvdlite.common.engine.thread import Engine
     if process_set.process_set_id is not None:
         raise ValueError(f"{process_set!r} is already registered.")
     comm = process_set.mpi_comm
@@ -455,7 +458,7 @@ def gloo_enabled() -> bool:
 def nccl_built() -> int:
     """NCCL's version code (e.g. 22703 for 2.27.3, Horovod style) when the NCCL binding (CuPy's)
     loads, else 0.  Needs no GPU: it says whether GPU tensors can go through NCCL."""
-    from .cuda import nccl_version
+    from hvdlite.common.gpu.cuda import nccl_version
     return nccl_version()
 
 
@@ -469,7 +472,7 @@ def ccl_built() -> bool:
 
 def cuda_built() -> bool:
     """True when CuPy (hvdlite's CUDA runtime binding) imports, so CUDA tensors are accepted."""
-    from .cuda import cupy_importable
+    from hvdlite.common.gpu.cuda import cupy_importable
     return cupy_importable()
 
 

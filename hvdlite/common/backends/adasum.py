@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .errors import UnsupportedOperationError
+from hvdlite.common.errors import UnsupportedOperationError
 
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _TAG = 0x4144  # point-to-point tag for every message the kernel sends ("AD")

@@ -29,16 +29,16 @@ import time
 
 import numpy as np
 
-from . import liveness, timeline as _timeline
-from .config import Config
-from .errors import RankExitedError, StallError
-from .handle import Entry
-from .dtypes import dtype_info, reduction_identity
-from .messages import (ERROR_STALL, JOIN, SIGNATURE, Request, Response, build_response,
-                       runs_while_joined)
-from .reduce_ops import ReduceOp
-from .response_cache import ResponseCache
-from .waiting import wait_until
+from hvdlite.common.config import Config
+from hvdlite.common.dtypes import dtype_info, reduction_identity
+from hvdlite.common.engine.handle import Entry
+from hvdlite.common.engine.messages import (ERROR_STALL, JOIN, SIGNATURE, Request, Response,
+                                            build_response, runs_while_joined)
+from hvdlite.common.engine.response_cache import ResponseCache
+from hvdlite.common.errors import RankExitedError, StallError
+from hvdlite.common.reduce_ops import ReduceOp
+from hvdlite.common.runtime import liveness, timeline as _timeline
+from hvdlite.common.runtime.waiting import wait_until
 
 log = logging.getLogger("hvdlite")
 
@@ -104,7 +104,7 @@ class RoundOutcome:
 
 def _stand_in(response: Response) -> Entry:
     """What a joined rank contributes to a reduction it never submitted: the identity."""
-    from .handle import Handle
+    from hvdlite.common.engine.handle import Handle
     info = dtype_info(response.dtype)
     array = reduction_identity(info, ReduceOp(response.reduce_op), response.shape)
     request = Request(response.name, response.kind, response.dtype, response.shape,

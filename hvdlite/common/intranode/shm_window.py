@@ -34,8 +34,8 @@ from typing import Callable
 
 import numpy as np
 
-from .dtypes import scale_into
-from .waiting import PEER_SPIN_SECONDS, wait_until
+from hvdlite.common.dtypes import scale_into
+from hvdlite.common.runtime.waiting import PEER_SPIN_SECONDS, wait_until
 
 log = logging.getLogger("hvdlite")
 

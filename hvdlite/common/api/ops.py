@@ -16,16 +16,16 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from . import basics
-from .dtypes import check_reduce_op, dtype_info
-from .errors import (DuplicateNameError, HvdliteError, NotInitializedError, ShutdownError,
-                     UnsupportedOperationError)
-from .handle import Entry, GroupHandle, Handle
-from .memory import result_empty
-from .messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, FAILED, JOIN,
-                       REDUCESCATTER, Request)
-from .process_sets import ProcessSet, global_process_set
-from .reduce_ops import ReduceOp, resolve_op
+from hvdlite.common.dtypes import check_reduce_op, dtype_info
+from hvdlite.common.engine.handle import Entry, GroupHandle, Handle
+from hvdlite.common.engine.messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST,
+                                            FAILED, JOIN, REDUCESCATTER, Request)
+from hvdlite.common.errors import (DuplicateNameError, HvdliteError, NotInitializedError,
+                                   ShutdownError, UnsupportedOperationError)
+from hvdlite.common.memory import result_empty
+from hvdlite.common.reduce_ops import ReduceOp, resolve_op
+from hvdlite.common.runtime import basics
+from hvdlite.common.runtime.process_sets import ProcessSet, global_process_set
 
 _counter_lock = threading.Lock()
 _counters: dict[tuple[str, int], itertools.count] = {}
@@ -267,7 +267,7 @@ def make_entry(engine, members: list[int] | None, kind: str, array: np.ndarray |
                 and array_dtype == info.np_dtype and reduce_op != ReduceOp.Adasum):
             _checked_host_allreduce[(array_dtype, reduce_op)] = (info.name, int(reduce_op))
         if reduce_op == ReduceOp.Adasum:
-            from .adasum import check_adasum_size
+            from hvdlite.common.backends.adasum import check_adasum_size
             if kind == REDUCESCATTER:
                 raise UnsupportedOperationError(f"reducescatter of {name!r}: op=Adasum is not "
                                                 f"supported; use Sum or Average.")
@@ -311,7 +311,7 @@ def make_entry(engine, members: list[int] | None, kind: str, array: np.ndarray |
 def _check_gpu(engine, kind: str, info, reduce_op: ReduceOp, array, what: str) -> int:
     """Everything about a GPU tensor that can fail is checked here, before it is in flight:
     CuPy/NCCL present, one GPU per process, a dtype NCCL can reduce.  Returns the device."""
-    from . import cuda
+    from hvdlite.common.gpu import cuda
     runtime = cuda.runtime()
     runtime.require(what)
     device = runtime.device_of(array)
@@ -319,14 +319,14 @@ def _check_gpu(engine, kind: str, info, reduce_op: ReduceOp, array, what: str) -
     if engine.config.gpu_operations == "nccl":
         runtime.require_nccl(what)
         if kind == ALLREDUCE:
-            from .backend_nccl import nccl_reduce_check
+            from hvdlite.common.backends.nccl import nccl_reduce_check
             nccl_reduce_check(info.name, reduce_op, what)
     return device
 
 
 def _device_allocator(dtype, device: int) -> Callable[[tuple, np.dtype], object]:
     """Outputs on the input's GPU, in the input's (device) dtype: bfloat16 stays a 16-bit view."""
-    from . import cuda
+    from hvdlite.common.gpu import cuda
     runtime = cuda.runtime()
     return lambda shape, _dtype: runtime.empty(shape, dtype, device)
 

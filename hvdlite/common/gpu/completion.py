@@ -14,8 +14,8 @@ import queue
 import threading
 from typing import Any, Callable
 
-from .errors import HvdliteError
-from .handle import Entry
+from hvdlite.common.engine.handle import Entry
+from hvdlite.common.errors import HvdliteError
 
 log = logging.getLogger("hvdlite")
 

@@ -15,16 +15,16 @@ import time
 
 import numpy as np
 
-from . import timeline as _timeline
-from .backend_mpi import MPIBackend
-from .config import Config
-from .controller import Controller, IDLE_TICK_SECONDS
-from .errors import (DuplicateNameError, FailedOnRankError, HvdliteError, RankExitedError,
-                     ShutdownError, StallError, TensorMismatchError)
-from .fusion import plan_batches
-from .handle import Entry, Handle
-from .messages import ALLREDUCE, ERROR_FAILED_ON_RANK, ERROR_STALL, Response
-from .waiting import poll_briefly, wait_until
+from hvdlite.common.backends.mpi import MPIBackend
+from hvdlite.common.config import Config
+from hvdlite.common.engine.controller import IDLE_TICK_SECONDS, Controller
+from hvdlite.common.engine.fusion import plan_batches
+from hvdlite.common.engine.handle import Entry, Handle
+from hvdlite.common.engine.messages import ALLREDUCE, ERROR_FAILED_ON_RANK, ERROR_STALL, Response
+from hvdlite.common.errors import (DuplicateNameError, FailedOnRankError, HvdliteError,
+                                   RankExitedError, ShutdownError, StallError, TensorMismatchError)
+from hvdlite.common.runtime import timeline as _timeline
+from hvdlite.common.runtime.waiting import poll_briefly, wait_until
 
 log = logging.getLogger("hvdlite")
 
@@ -273,11 +273,11 @@ class Engine:
 
     def _execute_on_gpu(self, batch: list[tuple[Response, Entry]]) -> None:
         """Queue the batch's device work; its handles complete when the work has finished."""
-        from . import cuda
+        from hvdlite.common.gpu import cuda
         if self._gpu is None:
-            from .backend_nccl import NCCLBackend
-            from .backend_staged import HostStagedBackend
-            from .gpu_completion import GpuCompletions
+            from hvdlite.common.backends.nccl import NCCLBackend
+            from hvdlite.common.backends.staged import HostStagedBackend
+            from hvdlite.common.gpu.completion import GpuCompletions
             runtime = cuda.runtime()
             backend_cls = NCCLBackend if self.config.gpu_operations == "nccl" else \
                 HostStagedBackend

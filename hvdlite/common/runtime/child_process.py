@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Mapping
 
-from .errors import RankChildProcessError
+from hvdlite.common.errors import RankChildProcessError
 
 # Where MPI launchers put the rank of each process they start (Hydra/PMI, Open MPI, PMIx).
 LAUNCHER_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")

@@ -27,7 +27,7 @@ REDUCING_KINDS = (ALLREDUCE,)
 def runs_while_joined(kind: str, reduce_op: int) -> bool:
     """Whether an operation can run with joined ranks standing in with the op's identity
     (Adasum has no neutral contribution)."""
-    from .reduce_ops import ReduceOp
+    from hvdlite.common.reduce_ops import ReduceOp
     return kind in REDUCING_KINDS and reduce_op != ReduceOp.Adasum
 
 ERROR_MISMATCH = "mismatch"
@@ -135,7 +135,7 @@ def build_response(requests: Mapping[int, Request], joined: Iterable[int] = ()) 
     error = _first_mismatch(name, kind, requests, fields)
     if error is not None:
         if "reduce op" in error:
-            from .reduce_ops import ReduceOp
+            from hvdlite.common.reduce_ops import ReduceOp
             for op in ReduceOp:
                 error = error.replace(f"reduce op {int(op)!r}", f"reduce op {op.name}")
         return Response(name, kind, error=error, error_kind=ERROR_MISMATCH)
