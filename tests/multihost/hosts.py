@@ -46,7 +46,7 @@ ADDRESS_PREFIX = "127.0.2."
 # collectively (its peers shut down in a later negotiation round, which happens by chance at
 # the end of any job) aborts in MPI_Finalize ("OFI call fabricclose failed ... Device or
 # resource busy"), and Hydra then kills that host's other ranks.  hvdlite's windows are plain
-# shared memory and never need OFI RMA.  test_bed.py's strict xfail test shows the bug with
+# shared memory and never need OFI RMA.  test_shutdown.py's strict xfail test shows the bug with
 # RMA on; drop the setting here once it is fixed.
 JOB_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "lo",
            "MPIR_CVAR_CH4_OFI_ENABLE_RMA": "0"}
