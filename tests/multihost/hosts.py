@@ -93,8 +93,8 @@ class Host:
 
 @dataclasses.dataclass
 class MultiHostJob(JobResult):
-    # host -> command lines of the job's processes still running on it after the launch
-    # command ended (and SETTLE_SECONDS more); they were killed
+    # host -> command lines of the job's processes still running on it SETTLE_SECONDS after
+    # the launch command ended by itself; they were killed
     leftovers: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     # for a job that timed out: host -> command lines running on it when it was killed
     running_at_timeout: dict[str, list[str]] = dataclasses.field(default_factory=dict)
@@ -214,8 +214,15 @@ class HostBed:
         clean); the bed's directory is removed."""
         problems = []
         for host in self.hosts.values():
-            procs.kill([host.pid, host.unshare.pid])   # the kernel then kills the whole host
-            host.unshare.wait()
+            # Killing its first process makes the kernel kill the whole host; unshare, its
+            # parent, reaps it and exits (killing unshare first would leave the host's first
+            # process a zombie of whichever process adopts it, keeping the namespace alive).
+            procs.kill([host.pid])
+            try:
+                host.unshare.wait(SETTLE_SECONDS)
+            except subprocess.TimeoutExpired:
+                procs.kill([host.unshare.pid])
+                host.unshare.wait()
         deadline = time.monotonic() + SETTLE_SECONDS
         while True:
             alive = {h.name: self._inside(h) for h in self.hosts.values()}
@@ -251,25 +258,38 @@ class HostBed:
         return {name: cmds for name, cmds in found.items() if cmds}
 
     def settle(self, wait: float = SETTLE_SECONDS) -> dict[str, list[str]]:
-        """Wait up to ``wait`` seconds for the hosts to be empty; kill and return what is
-        still running then (host -> command lines)."""
+        """Wait up to ``wait`` seconds for the hosts to be empty; kill what is still running
+        then, wait for it to be gone, and return it (host -> command lines)."""
         deadline = time.monotonic() + wait
         while True:
             left = self.running()
             if not left or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        for host in self.hosts.values():
-            procs.kill(self._inside(host))
+        if left:
+            self.clear()
         return left
+
+    def clear(self) -> None:
+        """Kill every process on every host and wait until they are gone (a killed process
+        runs on for a moment, and one may have been starting while the others were killed)."""
+        deadline = time.monotonic() + SETTLE_SECONDS
+        while True:
+            pids = [pid for host in self.hosts.values() for pid in self._inside(host)]
+            if not pids:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"processes on the simulated hosts survive SIGKILL: "
+                                   f"{self.running()}")
+            procs.kill(pids)
+            time.sleep(0.05)
 
     def kill_everything(self, launch_pid: int | None = None) -> None:
         """Kill a launch (``launch_pid`` and every process below it, even in other sessions)
         and every process on every host."""
         if launch_pid is not None:
             procs.kill([launch_pid] + procs.descendants(launch_pid))
-        for host in self.hosts.values():
-            procs.kill(self._inside(host))
+        self.clear()
 
     # --- launching -------------------------------------------------------------------------
     @property
@@ -294,8 +314,9 @@ class HostBed:
         """Run the launch command ``cmd`` of an ``np``-rank job from the head and collect the
         ranks' reports (as :func:`tests.mpi_harness.run_command`; the report directory lies in
         the bed's directory, which every host sees).  On timeout everything the launch
-        started, on the head and on every host, is killed; after it, whatever the job left
-        running on the hosts is killed and listed in ``leftovers``."""
+        started, on the head and on every host, is killed (what ran on the hosts then is in
+        ``running_at_timeout``); after a job that ended by itself, whatever it left running on
+        the hosts is killed and listed in ``leftovers``."""
         at_timeout: dict[str, list[str]] = {}
 
         def on_timeout(pid: int) -> None:
@@ -305,7 +326,12 @@ class HostBed:
         job = run_command(self.head_command(cmd), np, timeout=timeout,
                           env={**self.launcher_env(), **(env or {})}, cwd=cwd,
                           out_parent=str(self.root / "jobs"), on_timeout=on_timeout)
-        leftovers = self.settle(0 if job.timed_out else SETTLE_SECONDS)
+        if job.timed_out:   # (a process that was starting during the kill is caught here)
+            time.sleep(0.5)
+            self.clear()
+            leftovers = {}
+        else:
+            leftovers = self.settle(SETTLE_SECONDS)
         return MultiHostJob(**dataclasses.asdict(job), leftovers=leftovers,
                             running_at_timeout=at_timeout)
 
