@@ -224,14 +224,15 @@ class HostBed:
                 procs.kill([host.unshare.pid])
                 host.unshare.wait()
         deadline = time.monotonic() + SETTLE_SECONDS
-        while True:
-            alive = {h.name: self._inside(h) for h in self.hosts.values()}
+        while True:   # zombies count: while one is left, its PID namespace lives on
+            alive = {h.name: [pid for pid in procs.pids() if procs.pid_ns(pid) == h.pid_ns]
+                     for h in self.hosts.values()}
             alive = {name: pids for name, pids in alive.items() if pids}
             if not alive or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
         if alive:
-            problems.append(f"processes still running in torn-down hosts: {alive}")
+            problems.append(f"processes (or zombies) left in torn-down hosts: {alive}")
         self.hosts.clear()
         if self._etc_hosts:
             with open("/etc/hosts", "rb") as f:
@@ -246,8 +247,8 @@ class HostBed:
 
     # --- processes on the hosts ------------------------------------------------------------
     def _inside(self, host: Host) -> list[int]:
-        """Every process of ``host`` but its first (pids as the real namespace numbers them,
-        so ``nsenter`` itself, which stays outside, is not among them)."""
+        """Every live process of ``host`` but its first (pids as the real namespace numbers
+        them, so ``nsenter`` itself, which stays outside, is not among them)."""
         return [pid for pid in procs.pids() if pid != host.pid
                 and procs.pid_ns(pid) == host.pid_ns and not procs.zombie(pid)]
 
