@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -66,15 +67,23 @@ class JobResult:
         return f"--- stdout ---\n{self.stdout[-6000:]}\n--- stderr ---\n{self.stderr[-6000:]}"
 
 
-def run_job(np: int, argv: list[str], timeout: float = 120, env: dict | None = None,
-            cwd: str | os.PathLike | None = None) -> JobResult:
-    """Run ``mpiexec -n np <argv>``; ``argv[0]`` may be a worker script name under
-    tests/workers (run with this Python)."""
-    out_dir = tempfile.mkdtemp(prefix="hvdlite-test-")
+def worker_argv(argv: list[str]) -> list[str]:
+    """``argv`` with a leading worker script name (under tests/workers) run by this Python."""
     first = argv[0]
     if first.endswith(".py") and not os.path.isabs(first) and (WORKERS / first).exists():
-        argv = [sys.executable, str(WORKERS / first)] + list(argv[1:])
-    cmd = [mpiexec_path(), "-n", str(np)] + list(argv)
+        return [sys.executable, str(WORKERS / first)] + list(argv[1:])
+    return list(argv)
+
+
+def run_command(cmd: list[str], np: int, timeout: float = 120, env: dict | None = None,
+                cwd: str | os.PathLike | None = None, out_parent: str | None = None,
+                on_timeout: Callable[[int], None] | None = None) -> JobResult:
+    """Run the launch command ``cmd`` (an ``mpiexec``, ``hvdlite run``, ...) of an ``np``-rank
+    job in its own process group, collecting the ranks' JSON reports.  The reports go to a new
+    directory under ``out_parent`` (default: the system's temporary directory), named to the
+    ranks as HVDLITE_TEST_OUT.  On timeout ``on_timeout(pid)`` runs first (to reach processes
+    outside the group), then the group is killed."""
+    out_dir = tempfile.mkdtemp(prefix="hvdlite-test-", dir=out_parent)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=base_env({"HVDLITE_TEST_OUT": out_dir, **(env or {})}),
                             cwd=cwd or REPO, start_new_session=True)
@@ -83,6 +92,8 @@ def run_job(np: int, argv: list[str], timeout: float = 120, env: dict | None = N
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         timed_out = True
+        if on_timeout is not None:
+            on_timeout(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
     results = []
@@ -92,6 +103,14 @@ def run_job(np: int, argv: list[str], timeout: float = 120, env: dict | None = N
             results.append(json.loads(path.read_text()))
     shutil.rmtree(out_dir, ignore_errors=True)
     return JobResult(None if timed_out else proc.returncode, stdout, stderr, timed_out, results)
+
+
+def run_job(np: int, argv: list[str], timeout: float = 120, env: dict | None = None,
+            cwd: str | os.PathLike | None = None) -> JobResult:
+    """Run ``mpiexec -n np <argv>``; ``argv[0]`` may be a worker script name under
+    tests/workers (run with this Python)."""
+    return run_command([mpiexec_path(), "-n", str(np)] + worker_argv(argv), np,
+                       timeout=timeout, env=env, cwd=cwd)
 
 
 def check_job(job: JobResult, np: int, expect_success: bool = True) -> None:

@@ -9,12 +9,14 @@ import gc
 import sys
 
 import numpy as np
+from mpi4py import MPI
 
 import hvdlite as hvd
 from hvdlite.common.runtime import basics
 from hvdlite.common.intranode import direct as direct_allreduce
 from hvdlite.common.memory import result_pool
 import core_cases as cc
+from nodes import host_of_rank, on_one_node
 from core_refs import allreduce_expected, attempt, check_array, check_exact, noncontiguous
 from _report import Reporter
 
@@ -22,6 +24,8 @@ CONFIG = sys.argv[1]
 hvd.init()
 RANK, SIZE = hvd.rank(), hvd.size()
 r = Reporter(RANK)
+# The intra-node paths serve the job only where all its ranks share a node (tests/multihost).
+ONE_NODE = on_one_node(host_of_rank(MPI.COMM_WORLD), range(SIZE))
 OP = {name: getattr(hvd, name) for name in cc.OPS}
 
 
@@ -305,6 +309,8 @@ def shared_fusion():
                          env.get("HOROVOD_FUSION_THRESHOLD", 128 * 1024 * 1024)))
     if float(env.get("HVDLITE_SHM_FUSION_MB", 64)) == 0:
         assert shared is None, "shared-memory fusion exists although HVDLITE_SHM_FUSION_MB=0"
+    elif not ONE_NODE:
+        assert shared.batches == before, "batches of ranks on several hosts used the window"
     elif fusion >= 1 << 20:
         assert shared.batches >= before + 3, \
             f"only {shared.batches - before} fused batches went through shared memory"
@@ -355,8 +361,11 @@ def large_single():
     assert (backend.direct is None) == (not cma_on), "HVDLITE_CMA decided nothing"
     if not shm_on:
         assert backend.shared is None, "a window exists although HVDLITE_SHM_FUSION_MB=0"
-    direct = cma_on and cc.direct_copies_expected(backend)
-    want = [expected if direct else 0, expected if shm_on and not direct else 0]
+    if cma_on and not ONE_NODE:
+        reason = backend.direct.unavailable_reason or ""
+        assert "not all on one node" in reason, f"direct copies across hosts: {reason!r}"
+    direct = cma_on and ONE_NODE and cc.direct_copies_expected(backend)
+    want = [expected if direct else 0, expected if shm_on and ONE_NODE and not direct else 0]
     got = [0 if c is None else c.singles - b for c, b in zip(counters, before)]
     assert got == want, (f"single tensors by direct copies / through the window: {got}, "
                          f"expected {want}")

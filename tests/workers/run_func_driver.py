@@ -43,6 +43,16 @@ def collectives(scale, offset=0):
     return [rank, size, summed.tolist(), gathered.tolist(), offset]
 
 
+def where(scale):
+    """Where the rank ran (tests/multihost): its place in the job, its host, and an allreduce."""
+    import socket
+    import hvdlite as hvd
+    hvd.init()
+    summed = hvd.allreduce(np.arange(3, dtype=np.int64) * (hvd.rank() + 1) * scale, op=hvd.Sum)
+    return [hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(),
+            hvd.cross_size(), socket.gethostname(), summed.tolist()]
+
+
 def raise_on_last_rank():
     """The last rank raises before a collective that the others then wait in."""
     import hvdlite as hvd
@@ -86,6 +96,8 @@ MODES = {
     "ssh_port": lambda np_: hvdlite.run(len, num_proc=np_, ssh_port=2222),
     "hosts_and_hostfile": lambda np_: hvdlite.run(len, hosts="a:1", hostfile="f"),
     "not_callable": lambda np_: hvdlite.run("train.py", num_proc=np_),
+    # argv[3]: the hosts, e.g. "node1:2,node2:2"
+    "on_hosts": lambda np_: hvdlite.run(where, args=(5,), num_proc=np_, hosts=sys.argv[3]),
 }
 
 if __name__ == "__main__":
