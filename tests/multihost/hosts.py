@@ -41,15 +41,8 @@ from tests.multihost import procs
 HERE = Path(__file__).resolve().parent
 ADDRESS_PREFIX = "127.0.2."
 # What every job across the hosts needs: UCX (MPICH's default) refuses loopback between
-# different host names; libfabric's TCP provider on lo works.  OFI RMA is off because of a
-# known hvdlite bug it exposes: a rank whose process set's shared-memory window was not freed
-# collectively (its peers shut down in a later negotiation round, which happens by chance at
-# the end of any job) aborts in MPI_Finalize ("OFI call fabricclose failed ... Device or
-# resource busy"), and Hydra then kills that host's other ranks.  hvdlite's windows are plain
-# shared memory and never need OFI RMA.  test_shutdown.py's strict xfail test shows the bug with
-# RMA on; drop the setting here once it is fixed.
-JOB_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "lo",
-           "MPIR_CVAR_CH4_OFI_ENABLE_RMA": "0"}
+# different host names; libfabric's TCP provider on lo works.
+JOB_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "lo"}
 START_TIMEOUT = 30.0    # seconds for one host to come up
 SETTLE_SECONDS = 10.0   # after a job, how long its processes on the hosts may take to go
 

@@ -7,7 +7,7 @@ import time
 import numpy as np
 
 import hvdlite as hvd
-from hvdlite.common import basics
+from hvdlite.common.runtime import basics
 from _report import Reporter
 
 HOST_SETS = [hvd.ProcessSet([0, 1]), hvd.ProcessSet([2, 3])]

@@ -21,7 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 import hvdlite as hvd
-from hvdlite.common import basics
+from hvdlite.common.runtime import basics
 import core_cases as cc
 from core_refs import allreduce_expected, check_array
 from _report import Reporter

@@ -221,7 +221,11 @@ class Engine:
                     everyone = len(outcome.shutdown_ranks) == self.controller.size
                     self._close_gpu(abort=self.rank not in outcome.shutdown_ranks
                                     or not everyone)
-                    self.backend.close(collective=everyone)
+                    # Every rank of the set takes this same round's outcome at the same point,
+                    # those that asked to shut down and those that did not: the collective
+                    # release of the shared window reaches all of them (freed locally, it left
+                    # MPI_Finalize to abort under MPICH's OFI netmod with RMA resources open).
+                    self.backend.close(collective=True)
                     self._stop_after_shutdown(outcome.shutdown_ranks)
                     return
                 # Everyone has work but nothing matched (tensors submitted in different orders):
