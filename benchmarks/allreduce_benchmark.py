@@ -421,10 +421,10 @@ def bench_after_compute(args: argparse.Namespace, comm) -> AfterComputeResult:
 # --- environment and report --------------------------------------------------------------------
 def hvdlite_settings() -> dict:
     """hvdlite's effective engine settings (rank 0's environment, broadcast by ``hvd.init()``)."""
-    from hvdlite.common.runtime import basics
+    from hvdlite.common.runtime import state
     from hvdlite.common.config import Config
     try:
-        config = basics.engine().config
+        config = state.engine().config
     except AttributeError:
         config = Config.from_env()
     return dataclasses.asdict(config)

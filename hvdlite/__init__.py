@@ -4,17 +4,15 @@
 ``hvdlite.tensorflow`` are the framework adapters with Horovod's names.
 """
 from .version import __version__
-from hvdlite.common.api.public import *  # noqa: F401,F403 - lifecycle, topology, errors, ops
-from hvdlite.common.engine.handle import GroupHandle, Handle
-from hvdlite.common.api.ops import (allreduce, allreduce_, allreduce_async, allreduce_async_,
-                                    allgather, allgather_async, broadcast, broadcast_,
-                                    broadcast_async, broadcast_async_, alltoall, alltoall_async,
-                                    reducescatter, reducescatter_async, barrier, join, poll,
-                                    synchronize)
-from hvdlite.common.api.grouped import (grouped_allreduce, grouped_allreduce_,
-                                        grouped_allreduce_async, grouped_allreduce_async_,
-                                        grouped_allgather, grouped_allgather_async,
-                                        grouped_reducescatter, grouped_reducescatter_async)
+from hvdlite.common.core import *  # noqa: F401,F403 - lifecycle, topology, errors, reduce ops
+from hvdlite.common.core import (GroupHandle, Handle, allgather, allgather_async, allreduce,
+                                 allreduce_, allreduce_async, allreduce_async_, alltoall,
+                                 alltoall_async, barrier, broadcast, broadcast_, broadcast_async,
+                                 broadcast_async_, grouped_allgather, grouped_allgather_async,
+                                 grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
+                                 grouped_allreduce_async_, grouped_reducescatter,
+                                 grouped_reducescatter_async, join, poll, reducescatter,
+                                 reducescatter_async, synchronize)
 
 
 def __getattr__(name: str):

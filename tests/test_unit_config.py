@@ -6,7 +6,7 @@ import typing
 import pytest
 
 from hvdlite.common import config as config_module
-from hvdlite.common.runtime.basics import _settings_error
+from hvdlite.common.runtime.lifecycle import settings_error as _settings_error
 from hvdlite.common.config import KNOB_BY_NAME, KNOBS, OWN, RANK0, RECORDER, Config
 
 
@@ -310,7 +310,7 @@ def test_a_knob_has_one_value_flag_or_on_off_flags():
 
 
 def test_whose_value_counts_is_as_init_uses_it():
-    """basics.init: rank 0's values everywhere, but each rank's own memory and log level; the
+    """init(): rank 0's values everywhere, but each rank's own memory and log level; the
     timeline is rank 0's alone (only rank 0 opens it)."""
     assert {k.name for k in KNOBS if k.agree == OWN} == {"LOG_LEVEL", "RESULT_POOL_MB"}
     assert {k.name for k in KNOBS if k.agree == RECORDER} == {"TIMELINE",

@@ -18,7 +18,7 @@ import pytest
 
 from hvdlite.common.gpu import cuda
 from hvdlite.common.backends.nccl import NCCL_TYPES, nccl_reduce_check
-from hvdlite.common.backends.staged import HostStagedBackend
+from hvdlite.common.backends.staged import StagedPath
 from hvdlite.common.config import Config
 from hvdlite.common.errors import GpuUnavailableError, HvdliteError
 from hvdlite.common.gpu.completion import GpuCompletions
@@ -298,18 +298,18 @@ def test_process_device_before_any_claim_asks_the_runtime(monkeypatch):
 
 
 def test_shutdown_forgets_the_gpu(monkeypatch):
-    """basics.shutdown() resets the claim (a later init may use another GPU)."""
-    from hvdlite.common.runtime import basics
+    """lifecycle.shutdown() resets the claim (a later init may use another GPU)."""
+    from hvdlite.common.runtime import lifecycle, state
     cuda.claim_device(1, "x")
-    monkeypatch.setattr(basics, "_state", None)
-    basics.shutdown()   # not initialised: nothing to do
+    monkeypatch.setattr(state, "current", None)
+    lifecycle.shutdown()   # not initialised: nothing to do
     assert cuda.process_device(0) == 1
     stopped = []
     engine = types.SimpleNamespace(shutdown=lambda: stopped.append(True),
                                    comm=types.SimpleNamespace(Free=lambda: None))
-    monkeypatch.setattr(basics, "_state", types.SimpleNamespace(
+    monkeypatch.setattr(state, "current", types.SimpleNamespace(
         sets={}, engine=engine, world=types.SimpleNamespace(Free=lambda: None)))
-    basics.shutdown()
+    lifecycle.shutdown()
     assert stopped == [True]
     cuda.claim_device(0, "y")   # no error: the claim was forgotten
     assert cuda.process_device(0) == 0
@@ -460,6 +460,9 @@ class _FakeMPI:
         self.rt = rt
         self.batches = []
 
+    def enabled(self, batch):
+        return True
+
     def execute(self, batch):
         assert self.rt.synchronize_calls == 1, "MPI ran before the host copies were waited for"
         self.batches.append(batch)
@@ -485,11 +488,11 @@ def _agree_alone(error):
 
 
 def _staged(rt):
-    backend = HostStagedBackend.__new__(HostStagedBackend)
-    backend._rt = rt
-    backend._mpi = _FakeMPI(rt)
-    backend._agree = _agree_alone
-    return backend
+    path = StagedPath.__new__(StagedPath)
+    path._runtime = rt
+    path._host_paths = [_FakeMPI(rt)]
+    path._agree = _agree_alone
+    return path
 
 
 def _item(kind, array, output, dtype=None, allocate=None, stand_in=False):
@@ -508,7 +511,7 @@ def test_staged_out_of_place_and_in_place():
     out = np.zeros(4, np.float32)
     y = np.arange(3, dtype=np.float32)
     backend = _staged(rt)
-    event, keep = backend.execute([_item(ALLREDUCE, x, out), _item(ALLREDUCE, y, y)], 0)
+    event, keep, _ = backend.execute_on([_item(ALLREDUCE, x, out), _item(ALLREDUCE, y, y)], 0)
     assert rt.event_done(event) and rt.records == 1
     np.testing.assert_array_equal(out, 2 * np.arange(4))
     np.testing.assert_array_equal(x, np.arange(4))     # the input is untouched
@@ -523,7 +526,7 @@ def test_staged_bfloat16_travels_as_int16_on_the_device():
     rt = gpu_loopback.LoopbackRuntime()
     values = np.array([1.5, -2.0, 0.25], dtype=ml_dtypes.bfloat16)
     x = values.view(np.int16).copy()
-    _staged(rt).execute([_item(ALLREDUCE, x, x, dtype="bfloat16")], 0)
+    _staged(rt).execute_on([_item(ALLREDUCE, x, x, dtype="bfloat16")], 0)
     assert x.dtype == np.int16
     np.testing.assert_array_equal(x.view(ml_dtypes.bfloat16), values * 2)
 
@@ -531,7 +534,7 @@ def test_staged_bfloat16_travels_as_int16_on_the_device():
 def test_staged_stand_in_stays_on_the_host():
     rt = gpu_loopback.LoopbackRuntime()
     identity = np.zeros(3, np.float32)
-    _staged(rt).execute([_item(ALLREDUCE, identity, identity, stand_in=True)], 0)
+    _staged(rt).execute_on([_item(ALLREDUCE, identity, identity, stand_in=True)], 0)
     assert rt.to_host_calls == 0 and rt.to_device_calls == 0
 
 
@@ -544,7 +547,7 @@ def test_staged_allocates_device_outputs_after_mpi():
         return np.full(shape, -1, np.int32)
     x = np.array([[7, 8]], np.int32)
     _, entry = item = _item(ALLGATHER, x, None, allocate=allocate)
-    _staged(rt).execute([item], 0)
+    _staged(rt).execute_on([item], 0)
     assert allocated == [((2, 2), np.dtype(np.int32))]
     np.testing.assert_array_equal(entry.output, [[7, 8], [7, 8]])
     assert rt.to_device_calls == 1
@@ -554,7 +557,7 @@ def test_staged_alltoall_keeps_received_splits():
     rt = gpu_loopback.LoopbackRuntime()
     x = np.arange(6, dtype=np.float64).reshape(3, 2)
     _, entry = item = _item(ALLTOALL, x, None)
-    _staged(rt).execute([item], 0)
+    _staged(rt).execute_on([item], 0)
     rows, splits = entry.output
     np.testing.assert_array_equal(rows, x[::-1])
     assert splits.tolist() == [1, 2]
@@ -708,7 +711,7 @@ def test_handle_with_an_error_skips_the_handover():
 
 # --- NCCL's unique id and the communicator's bootstrap (MPI.COMM_SELF, fake binding) -------------
 from hvdlite.common.backends.nccl import (  # noqa: E402 - grouped with the tests that use them
-    NCCLBackend, unique_id_for_binding, unique_id_to_array)
+    NCCLPath, unique_id_for_binding, unique_id_to_array)
 
 UID_BYTES = bytes((i * 37 + 11) % 256 for i in range(128))   # covers bytes >= 128
 UID_TUPLE = tuple(np.frombuffer(UID_BYTES, dtype=np.int8).tolist())   # older CuPy: signed ints
@@ -733,7 +736,7 @@ def test_unique_id_of_the_wrong_size_is_refused():
 
 
 class _FakeBinding:
-    """cupy.cuda.nccl as seen by NCCLBackend._communicator: records what it was given."""
+    """cupy.cuda.nccl as seen by NCCLPath._communicator: records what it was given."""
 
     def __init__(self, uid=UID_BYTES, uid_error=None):
         self.uid, self.uid_error, self.created = uid, uid_error, []
@@ -774,8 +777,12 @@ class _NullContext:
 
 def _backend(binding, cupy_version="14.2.0"):
     from mpi4py import MPI
-    return NCCLBackend(MPI.COMM_SELF, None, _BootstrapRuntime(binding, cupy_version),
-                       agree=lambda error: None)
+
+    from hvdlite.common.config import Config
+    from hvdlite.common.engine.data_paths import PathContext
+    context = PathContext(comm=MPI.COMM_SELF, global_ranks=[0], config=Config(), rank=0,
+                          max_sleep=1e-3, on_slow=lambda waited: None, agree=lambda error: None)
+    return NCCLPath(context, _BootstrapRuntime(binding, cupy_version))
 
 
 @pytest.mark.parametrize("cupy_version,uid,want", [("14.2.0", UID_BYTES, UID_BYTES),

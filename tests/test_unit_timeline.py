@@ -7,7 +7,7 @@ import pytest
 
 import hvdlite
 from hvdlite.common.runtime import timeline
-from hvdlite.common.api.public import __all__ as public_names
+from hvdlite.common.core import __all__ as public_names
 
 
 def read(path):

@@ -91,17 +91,18 @@ def _section(title: str, rows: Sequence[tuple[str, bool]]) -> list[str]:
 
 
 def _features() -> dict[str, object]:
-    import hvdlite
-    return {"version": hvdlite.__version__, "mpi": bool(hvdlite.mpi_built()),
-            "nccl": int(hvdlite.nccl_built() or 0), "gloo": bool(hvdlite.gloo_built()),
-            "ddl": bool(hvdlite.ddl_built()), "ccl": bool(hvdlite.ccl_built()),
+    from hvdlite.common import core
+    from hvdlite.version import __version__
+    return {"version": __version__, "mpi": bool(core.mpi_built()),
+            "nccl": int(core.nccl_built() or 0), "gloo": bool(core.gloo_built()),
+            "ddl": bool(core.ddl_built()), "ccl": bool(core.ccl_built()),
             "cuda": _cuda_line(), "cma": cma_line()}
 
 
 def cma_line(yama_scope_file: str | None = None) -> str:
     """What this machine says about direct copies between ranks (cross-memory attach).  Only a
     job can tell for sure: it tries them once (see hvdlite/common/intranode/direct.py)."""
-    from hvdlite.common.intranode import cma
+    from hvdlite.common.core import cma
     if cma.load() is None:
         return ("not available (Linux's process_vm_readv is missing): large allreduces use the "
                 "shared-memory window")
@@ -119,7 +120,7 @@ def cma_line(yama_scope_file: str | None = None) -> str:
 
 def _cuda_line() -> str:
     """What the GPU data path has here: CuPy's version and the CUDA devices it sees."""
-    from hvdlite.common.gpu import cuda
+    from hvdlite.common.core import cuda
     if not cuda.cupy_importable():
         return "not available (pip install 'hvdlite[nccl]' for CUDA tensors)"
     import cupy

@@ -233,7 +233,7 @@ def _collect(results: dict[int, tuple[bool, Any]], size: int, status: int) -> li
     if failed:
         errors = {rank: _exception(results[rank][1][1]) for rank in failed}
         # A rank that failed only because another one did (RankExitedError) is not the story.
-        from hvdlite.common.errors import RankExitedError
+        from hvdlite.common.core import RankExitedError
         first = next((rank for rank in failed if not isinstance(errors[rank], RankExitedError)),
                      failed[0])
         lines.append(f"func raised on rank(s) {failed}; rank {first}'s traceback:\n"

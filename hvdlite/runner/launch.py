@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable, Mapping, Sequence, TextIO, TypeVar
 
 from . import check_build, horovodrun_flags, mpi_flavor
-from hvdlite.common.config import KNOBS, Flag, Knob
+from hvdlite.common.core import KNOBS, Flag, Knob
 from ..version import __version__
 from .mpi_flavor import Host, HostfileError, JobSpec
 

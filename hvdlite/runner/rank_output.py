@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import BinaryIO, Mapping, Sequence
 
-from hvdlite.common.runtime.child_process import LAUNCHER_RANK_VARIABLES as RANK_VARIABLES
+from hvdlite.common.core import LAUNCHER_RANK_VARIABLES as RANK_VARIABLES
 _CHUNK = 1 << 16
 _PR_SET_PDEATHSIG = 1
 

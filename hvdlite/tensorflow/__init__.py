@@ -4,7 +4,7 @@ A Horovod TF2 script runs after changing ``import horovod.tensorflow as hvd`` to
 Ops work eagerly and inside ``tf.function`` (see :mod:`hvdlite.tensorflow.mpi_ops` for how
 unnamed ops are named in graphs).  Keras users import :mod:`hvdlite.tensorflow.keras`.
 """
-from hvdlite.common.api.public import *  # noqa: F401,F403 - the shared, framework-neutral API
+from hvdlite.common.core import *  # noqa: F401,F403 - the shared API
 
 from .compression import Compression
 from .mpi_ops import (allreduce, grouped_allreduce, allgather, grouped_allgather, broadcast,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from hvdlite.common.reduce_ops import ReduceOp
+from hvdlite.common.core import ReduceOp
 
 from .mpi_ops import allreduce
 

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from hvdlite.common.runtime import basics
-from hvdlite.common.runtime.process_sets import ProcessSet, global_process_set
-from hvdlite.common.reduce_ops import ReduceOp, resolve_op
+from hvdlite.common import core
+from hvdlite.common.core import global_process_set, ProcessSet, ReduceOp, resolve_op
 
 from . import grad_layouts as layouts
 from .compression import Compression
@@ -23,15 +22,15 @@ def _check_process_set(process_set) -> tuple[bool, int]:
     """(is this rank a member, the set's size) of ``process_set`` (None = all ranks)."""
     if process_set is None or (isinstance(process_set, ProcessSet)
                                and process_set.process_set_id == 0):
-        return True, basics.size()
+        return True, core.size()
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be a hvd.ProcessSet, got "
                         f"{type(process_set).__name__}.")
-    ranks = basics.get_process_set_ids_and_ranks().get(process_set.process_set_id)
+    ranks = core.get_process_set_ids_and_ranks().get(process_set.process_set_id)
     if process_set.process_set_id is None or ranks is None:
         raise ValueError(f"{process_set!r} is not registered; pass it to "
                          f"hvd.init(process_sets=[...]) or hvd.add_process_set() first.")
-    return basics.rank() in ranks, len(ranks)
+    return core.rank() in ranks, len(ranks)
 
 
 class LocalVariables:

@@ -45,15 +45,10 @@ try:   # TensorFlow internals: tells whether a graph is being built for XLA
 except ImportError:   # moved in some release: XLA then reports it itself
     GraphOrParentsInXlaContext = None
 
-from hvdlite.common.runtime import basics
-from hvdlite.common.api import grouped as core_grouped
-from hvdlite.common.api import ops as core
-from hvdlite.common.dtypes import dtype_info
-from hvdlite.common.errors import TensorMismatchError
-from hvdlite.common.engine.messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST,
-                                            REDUCESCATTER, split_rows)
-from hvdlite.common.runtime.process_sets import ProcessSet, global_process_set
-from hvdlite.common.reduce_ops import ReduceOp, resolve_op
+from hvdlite.common import core
+from hvdlite.common.core import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, dtype_info,
+                                 global_process_set, ProcessSet, ReduceOp, REDUCESCATTER,
+                                 resolve_op, split_rows, TensorMismatchError)
 
 from .compression import Compression
 
@@ -115,7 +110,7 @@ def _is_global(process_set) -> bool:
 def _members(process_set, what: str) -> list[int] | None:
     """Global ranks of ``process_set`` (None for the global set).  Raises the core's error
     if the set is not registered or this rank is not a member."""
-    return basics.process_set_engine(process_set, what)[1]
+    return core.process_set_engine(process_set, what)[1]
 
 
 def _set_id(process_set) -> int:
@@ -123,11 +118,11 @@ def _set_id(process_set) -> int:
 
 
 def _set_size(members: list[int] | None) -> int:
-    return basics.size() if members is None else len(members)
+    return core.size() if members is None else len(members)
 
 
 def _set_rank(members: list[int] | None) -> int:
-    return basics.rank() if members is None else members.index(basics.rank())
+    return core.rank() if members is None else members.index(core.rank())
 
 
 # --- names, dtypes and graph nodes ----------------------------------------------------------------
@@ -193,7 +188,7 @@ def _execute(kind: str, arrays, names, dtypes, kwargs: dict) -> list:
 
 def _execute_group(kind: str, arrays, name, dtypes, kwargs: dict) -> list:
     """Submit the arrays as one core group (negotiated and executed as a unit) and wait."""
-    return core_grouped.submit_group(kind, [_contiguous(a) for a in arrays], name=name,
+    return core.submit_group(kind, [_contiguous(a) for a in arrays], name=name,
                                      dtypes=list(dtypes), **kwargs).wait()
 
 
@@ -522,9 +517,9 @@ def _check_root(root_rank, members, what: str) -> int:
     except (TypeError, ValueError):
         raise TypeError(f"{what}: root_rank must be an int, got {root_rank!r}") from None
     if members is None:
-        if not 0 <= root < basics.size():
+        if not 0 <= root < core.size():
             raise ValueError(f"{what}: root_rank={root} is out of range for a job of "
-                             f"{basics.size()} ranks.")
+                             f"{core.size()} ranks.")
     elif root not in members:
         raise ValueError(f"{what}: root_rank={root} is not a member of the process set "
                          f"(global ranks {members}); root_rank is a global rank.")
@@ -550,7 +545,7 @@ def broadcast(tensor, root_rank: int, name: str | None = None, ignore_name_scope
     def backward(xs, ys, dys):
         summed = _allreduce_raw(dys, _sub_name(nm, "grad"), ReduceOp.Sum, 1.0, 1.0,
                                 process_set, grouped=False)[0]
-        return [summed if basics.rank() == root_rank else tf.zeros_like(summed)]
+        return [summed if core.rank() == root_rank else tf.zeros_like(summed)]
 
     return _custom_gradient(forward, backward, [tensor])[0]
 
@@ -849,7 +844,7 @@ def join(process_set: ProcessSet | None = global_process_set):
 
 
 def _set_ranks(process_set_id: int) -> list[int]:
-    found = basics.get_process_set_ids_and_ranks().get(int(process_set_id))
+    found = core.get_process_set_ids_and_ranks().get(int(process_set_id))
     if found is None:
         raise ValueError(f"process set {process_set_id} is not registered.")
     return found
@@ -858,31 +853,31 @@ def _set_ranks(process_set_id: int) -> list[int]:
 def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
     """Number of ranks in the process set ``process_set_id`` (default: the job), as an int32
     tensor."""
-    size = basics.size() if process_set_id == 0 else len(_set_ranks(process_set_id))
+    size = core.size() if process_set_id == 0 else len(_set_ranks(process_set_id))
     return tf.constant(size, dtype=tf.int32, name=name)
 
 
 def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
     """1 if this rank is a member of the process set ``process_set_id``, else 0 (int32)."""
-    included = process_set_id == 0 or basics.rank() in _set_ranks(process_set_id)
+    included = process_set_id == 0 or core.rank() in _set_ranks(process_set_id)
     return tf.constant(int(included), dtype=tf.int32, name=name)
 
 
 def rank_op(name: str | None = None) -> tf.Tensor:
-    return tf.constant(basics.rank(), dtype=tf.int32, name=name)
+    return tf.constant(core.rank(), dtype=tf.int32, name=name)
 
 
 def local_size_op(name: str | None = None) -> tf.Tensor:
-    return tf.constant(basics.local_size(), dtype=tf.int32, name=name)
+    return tf.constant(core.local_size(), dtype=tf.int32, name=name)
 
 
 def local_rank_op(name: str | None = None) -> tf.Tensor:
-    return tf.constant(basics.local_rank(), dtype=tf.int32, name=name)
+    return tf.constant(core.local_rank(), dtype=tf.int32, name=name)
 
 
 def cross_size_op(name: str | None = None) -> tf.Tensor:
-    return tf.constant(basics.cross_size(), dtype=tf.int32, name=name)
+    return tf.constant(core.cross_size(), dtype=tf.int32, name=name)
 
 
 def cross_rank_op(name: str | None = None) -> tf.Tensor:
-    return tf.constant(basics.cross_rank(), dtype=tf.int32, name=name)
+    return tf.constant(core.cross_rank(), dtype=tf.int32, name=name)

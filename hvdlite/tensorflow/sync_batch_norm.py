@@ -13,8 +13,8 @@ import itertools
 import keras
 import tensorflow as tf
 
-from hvdlite.common.runtime import basics
-from hvdlite.common.reduce_ops import ReduceOp
+from hvdlite.common import core
+from hvdlite.common.core import ReduceOp
 
 from .mpi_ops import allreduce
 
@@ -85,7 +85,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     def _moments(self, inputs, mask):
         """Mean and biased variance per channel over the reduction axes, over all ranks (Keras'
         hook for the training-mode statistics; ``inputs`` is already in the compute dtype)."""
-        if basics.size() == 1:
+        if core.size() == 1:
             return super()._moments(inputs, mask)
         return self._global_moments(inputs, mask)
 

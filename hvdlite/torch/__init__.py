@@ -2,7 +2,7 @@
 
 A Horovod script runs after changing ``import horovod.torch as hvd`` to this import.
 """
-from hvdlite.common.api.public import *  # noqa: F401,F403 - the shared, framework-neutral API
+from hvdlite.common.core import *  # noqa: F401,F403 - the shared, framework-neutral API
 
 from .compression import Compression
 from .mpi_ops import (allreduce, allreduce_, allreduce_async, allreduce_async_, allgather,

@@ -20,7 +20,7 @@ from typing import Hashable, Sequence
 
 import torch
 
-from hvdlite.common.engine.thread import FUSE_BELOW_BYTES
+from hvdlite.common.core import FUSE_BELOW_BYTES
 
 from .compression import BF16Compressor, FP16Compressor, NoneCompressor
 

@@ -5,10 +5,10 @@ import collections.abc
 
 import torch
 
-from hvdlite.common.runtime.basics import rank
-from hvdlite.common.api.objects import allgather_object, broadcast_object
+from hvdlite.common.core import allgather_object, broadcast_object, rank
 
 from .mpi_ops import broadcast_async_, synchronize
+from .state_dicts import load_state_keeping_groups
 
 
 def broadcast_parameters(params, root_rank: int = 0) -> None:
@@ -127,26 +127,6 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
         synchronize(handle)
     load_state_keeping_groups(optimizer, {"state": new_state,
                                           "param_groups": skeleton["param_groups"]})
-
-
-def load_state_keeping_groups(optimizer: torch.optim.Optimizer, state_dict: dict,
-                              load=None) -> None:
-    """``optimizer.load_state_dict(state_dict)`` (or ``load(state_dict)``), except that the
-    loaded hyper-parameters are written into the param-group dicts (and the list) that the
-    optimizer already has, where torch replaces them with new ones.  A learning-rate scheduler
-    made for the optimizer before it was wrapped or its state broadcast (Horovod's examples do
-    both) holds those dicts, directly or through the unwrapped optimizer, whose groups the
-    DistributedOptimizer shares: with new dicts it would go on scheduling a learning rate that
-    no optimizer steps with."""
-    groups = optimizer.param_groups
-    kept = list(groups)
-    (load or optimizer.load_state_dict)(state_dict)
-    for old, new in zip(kept, optimizer.param_groups):
-        if old is not new:
-            old.clear()
-            old.update(new)
-    groups[:] = kept
-    optimizer.param_groups = groups
 
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",

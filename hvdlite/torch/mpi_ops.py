@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from hvdlite.common.api import grouped as core_grouped
-from hvdlite.common.api import ops as core
-from hvdlite.common.runtime.basics import rank, size
-from hvdlite.common.errors import UnsupportedOperationError
-from hvdlite.common.engine.handle import GroupHandle, Handle
-from hvdlite.common.engine.messages import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER
-from hvdlite.common.runtime.process_sets import ProcessSet, global_process_set
-from hvdlite.common.reduce_ops import ReduceOp, resolve_op
+from hvdlite.common import core
+from hvdlite.common.core import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER,
+                                 GroupHandle, Handle, ProcessSet, ReduceOp,
+                                 UnsupportedOperationError, global_process_set, rank, resolve_op,
+                                 size)
 
 from .compression import Compression
 from .tensor_bridge import NUMPY_DTYPES, as_core_array, check_tensor, empty_core_backed
@@ -412,7 +409,7 @@ def _group_views(tensors, what: str, in_place: bool = False):
     return srcs, arrays, dtypes
 
 
-@core_grouped.announcing_group(ALLREDUCE, "tensors")
+@core.announcing_group(ALLREDUCE, "tensors")
 def grouped_allreduce_async(tensors, average: bool | None = None, name: str | None = None,
                             op: ReduceOp | None = None, prescale_factor: float = 1.0,
                             postscale_factor: float = 1.0,
@@ -421,14 +418,14 @@ def grouped_allreduce_async(tensors, average: bool | None = None, name: str | No
     possible); ``synchronize`` returns the list of reduced tensors."""
     srcs, arrays, dtypes = _group_views(tensors, f"grouped_allreduce {name or ''}".strip())
     outs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in srcs]
-    handle = core_grouped.submit_group(
+    handle = core.submit_group(
         ALLREDUCE, arrays, name=name, outputs=[as_core_array(o)[0] for o in outs], dtypes=dtypes,
         reduce_op=resolve_op(op, average), prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, process_set=process_set)
     return handle.then(lambda _: (srcs, outs)[1])
 
 
-@core_grouped.announcing_group(ALLREDUCE, "tensors")
+@core.announcing_group(ALLREDUCE, "tensors")
 def grouped_allreduce_async_(tensors, average: bool | None = None, name: str | None = None,
                              op: ReduceOp | None = None, prescale_factor: float = 1.0,
                              postscale_factor: float = 1.0,
@@ -437,7 +434,7 @@ def grouped_allreduce_async_(tensors, average: bool | None = None, name: str | N
     tensors = list(tensors)
     _, arrays, dtypes = _group_views(tensors, f"grouped_allreduce_ {name or ''}".strip(),
                                      in_place=True)
-    handle = core_grouped.submit_group(
+    handle = core.submit_group(
         ALLREDUCE, arrays, name=name, outputs=arrays, dtypes=dtypes,
         reduce_op=resolve_op(op, average), prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, process_set=process_set)
@@ -476,7 +473,7 @@ def grouped_allreduce(tensors, average: bool | None = None, name: str | None = N
     tensors = list(tensors)
     if not tensors:
         return []
-    with core_grouped.announced_group(ALLREDUCE, name, process_set, len(tensors)):
+    with core.announced_group(ALLREDUCE, name, process_set, len(tensors)):
         compressed, ctxs = _compress_all(compression, tensors)
         op = resolve_op(op, average)
     reduced = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, process_set,
@@ -505,12 +502,12 @@ def _gather_views(tensors, what: str):
     return [_shape_later(t.reshape(1) if t.dim() == 0 else t) for t in tensors]
 
 
-@core_grouped.announcing_group(ALLGATHER, "tensors")
+@core.announcing_group(ALLGATHER, "tensors")
 def grouped_allgather_async(tensors, name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> GroupHandle:
     """Start allgathering a list of tensors as one unit."""
     parts = _gather_views(tensors, f"grouped_allgather {name or ''}".strip())
-    handle = core_grouped.submit_group(
+    handle = core.submit_group(
         ALLGATHER, [p[1] for p in parts], name=name, allocates=[p[3] for p in parts],
         dtypes=[p[2] for p in parts], process_set=process_set)
     return handle.then(lambda _: [p[4][0] for p in parts])
@@ -553,7 +550,7 @@ def grouped_allgather(tensors, name: str | None = None,
     return list(_GroupedAllgather.apply(name, process_set, *tensors))
 
 
-@core_grouped.announcing_group(REDUCESCATTER, "tensors")
+@core.announcing_group(REDUCESCATTER, "tensors")
 def grouped_reducescatter_async(tensors, name: str | None = None,
                                 op: ReduceOp | None = ReduceOp.Average,
                                 process_set: ProcessSet = global_process_set,
@@ -563,7 +560,7 @@ def grouped_reducescatter_async(tensors, name: str | None = None,
     for t in tensors:
         check_tensor(t, f"grouped_reducescatter {name or ''}".strip())
     parts = [_shape_later(t) for t in tensors]
-    handle = core_grouped.submit_group(
+    handle = core.submit_group(
         REDUCESCATTER, [p[1] for p in parts], name=name, allocates=[p[3] for p in parts],
         dtypes=[p[2] for p in parts], reduce_op=resolve_op(op),
         prescale_factor=prescale_factor, postscale_factor=postscale_factor,
@@ -602,7 +599,7 @@ def grouped_reducescatter(tensors, name: str | None = None, compression=Compress
     tensors = list(tensors)
     if not tensors:   # (still validates process_set)
         return synchronize(grouped_reducescatter_async(tensors, name, op, process_set))
-    with core_grouped.announced_group(REDUCESCATTER, name, process_set, len(tensors)):
+    with core.announced_group(REDUCESCATTER, name, process_set, len(tensors)):
         compressed, ctxs = _compress_all(compression, tensors)
         op = resolve_op(op)
     reduced = _GroupedReducescatter.apply(name, op, prescale_factor, postscale_factor,
@@ -641,7 +638,7 @@ def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
     if device < 0 and torch.cuda.is_available() and torch.cuda.is_initialized():
         device = torch.cuda.current_device()
     if device >= 0:
-        from hvdlite.common.gpu import cuda
+        from hvdlite.common.core import cuda
         cuda.claim_device(device, "join")
     return core.join(process_set)
 

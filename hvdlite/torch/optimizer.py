@@ -17,17 +17,14 @@ import zlib
 import torch
 from torch.autograd import Variable
 
-from hvdlite.common.api import ops as core_ops
-from hvdlite.common.backends.adasum import check_adasum_size
-from hvdlite.common.runtime.basics import process_set_engine, size
-from hvdlite.common.errors import HvdliteError
-from hvdlite.common.runtime.process_sets import ProcessSet
-from hvdlite.common.reduce_ops import ReduceOp
+from hvdlite.common import core
+from hvdlite.common.core import (HvdliteError, ProcessSet, ReduceOp, check_adasum_size,
+                                 process_set_engine, size)
 
 from . import param_owners
 from .buckets import GradientBucket, alone_from, bucketable_compression, plan, wire_dtype
 from .compression import Compression
-from .functions import load_state_keeping_groups
+from .state_dicts import load_state_keeping_groups
 from .mpi_ops import allreduce, allreduce_async, allreduce_async_
 from .sparse import check_sparse_op, sparse_allreduce_async
 
@@ -61,7 +58,7 @@ def _after_join(process_set) -> None:
             optimizer._forget_first_step()
 
 
-core_ops.on_join(_after_join)
+core.on_join(_after_join)
 
 
 def _weak_hook(optimizer):

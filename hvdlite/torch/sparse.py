@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from hvdlite.common.runtime.basics import size
-from hvdlite.common.engine.handle import Handle
-from hvdlite.common.reduce_ops import ReduceOp, resolve_op
+from hvdlite.common.core import Handle, ReduceOp, resolve_op, size
 
 from .mpi_ops import allgather_async, synchronize
 from .tensor_bridge import check_tensor

@@ -11,8 +11,7 @@ import itertools
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from hvdlite.common.runtime.process_sets import global_process_set
-from hvdlite.common.reduce_ops import ReduceOp
+from hvdlite.common.core import ReduceOp, global_process_set
 
 from .mpi_ops import allreduce
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hvdlite.common.errors import UnsupportedDtypeError
+from hvdlite.common.core import UnsupportedDtypeError
 
 # torch dtypes numpy cannot represent travel as same-width integer views.
 _VIEW_AS = {torch.bfloat16: (torch.int16, "bfloat16")}
@@ -55,7 +55,7 @@ def as_core_array(tensor: torch.Tensor) -> tuple[np.ndarray, str | None]:
     if view_as is not None:
         t = t.view(view_as[0])
     if t.is_cuda:
-        from hvdlite.common.gpu import cuda
+        from hvdlite.common.core import cuda
         if cuda._consumer_stream is not _current_stream:
             cuda.set_consumer_stream(_current_stream)
         device = t.get_device()

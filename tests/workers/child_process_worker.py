@@ -113,11 +113,11 @@ def fork_shutdown_then_init_refused():
 def fork_lock_held_at_fork():
     """Forking while another thread holds hvdlite's init/shutdown lock must not leave the
     child's init()/shutdown() blocked on a lock that nobody there will release."""
-    from hvdlite.common.runtime import basics
+    from hvdlite.common.runtime import state
     held, release = threading.Event(), threading.Event()
 
     def hold():
-        with basics._lock:
+        with state.lock:
             held.set()
             release.wait(CHILD_TIMEOUT + 10)
 

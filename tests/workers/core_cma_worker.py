@@ -27,7 +27,8 @@ import sys
 import numpy as np
 
 import hvdlite as hvd
-from hvdlite.common.runtime import basics
+from nodes import intranode  # noqa: E402
+from hvdlite.common.runtime import state, registry
 from hvdlite.common.intranode import cma
 from hvdlite.common.intranode import direct as direct_allreduce
 from _report import Reporter
@@ -64,7 +65,7 @@ def refused():
     xs = inputs("refused")
     got = hvd.allreduce(xs[RANK], op=hvd.Sum, name="refused")
     np.testing.assert_array_equal(got, np.sum(xs, axis=0, dtype=np.float32))
-    backend = basics.engine().backend
+    backend = intranode(state.engine())
     assert not backend.direct.available and backend.direct.singles == 0
     assert backend.shared.singles == 1, "the refused tensor did not go through the window"
     reason = backend.direct.unavailable_reason
@@ -73,7 +74,7 @@ def refused():
     if RANK != 0:
         assert notes == [], "only rank 0 reports"
         return
-    want = logging.WARNING if basics.engine().config.cma == "on" else logging.INFO
+    want = logging.WARNING if state.engine().config.cma == "on" else logging.INFO
     assert [rec.levelno for rec in notes] == [want], [(rec.levelname, rec.getMessage())
                                                       for rec in notes]
     assert reason in notes[0].getMessage() and "ptrace_scope" in notes[0].getMessage()
@@ -83,7 +84,7 @@ def copy_fails(code=errno.EPERM):
     xs = inputs("first")
     got = hvd.allreduce(xs[RANK], op=hvd.Sum, name="first")   # works: the probe succeeded
     np.testing.assert_array_equal(got, np.sum(xs, axis=0, dtype=np.float32))
-    backend = basics.engine().backend
+    backend = intranode(state.engine())
     assert backend.direct.available and backend.direct.singles == 1
     if RANK == 1:
         real = backend.direct._copier.read
@@ -119,7 +120,7 @@ def reduce_once(tag):
     xs = inputs(tag)
     got = hvd.allreduce(xs[RANK], op=hvd.Sum, name=tag)
     np.testing.assert_array_equal(got, np.sum(xs, axis=0, dtype=np.float32))
-    return basics.engine().backend
+    return intranode(state.engine())
 
 
 def yama_prctl():
@@ -214,7 +215,7 @@ def yama_sets():
             xs = inputs(attempt)[:2]
             got = hvd.allreduce(xs[RANK], op=hvd.Sum, name=f"pair.{attempt}", process_set=pair)
             np.testing.assert_array_equal(got, xs[0] + xs[1])
-            direct = basics.process_set_engine(pair, "test")[0].backend.direct
+            direct = intranode(registry.process_set_engine(pair, "test")[0]).direct
             assert direct.available != fails, direct.unavailable_reason
         hvd.remove_process_set(pair)
         assert calls == [os.getppid()], (attempt, calls)   # nothing new, nothing withdrawn

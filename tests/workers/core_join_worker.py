@@ -26,7 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # sibling helpe
 import numpy as np  # noqa: E402
 
 import hvdlite as hvd  # noqa: E402
-from hvdlite.common.runtime import basics
+from nodes import intranode  # noqa: E402
+from hvdlite.common.runtime import state
 from _report import CaseRegistry, always, pow2  # noqa: E402
 import core_cases as cc  # noqa: E402
 from core_refs import Expected, allreduce_expected, attempt, check_array, check_exact  # noqa: E402
@@ -182,7 +183,7 @@ def large_case(name: str, op: str, count: int, path: str) -> None:
     if RANK == 0:
         check_join("join", attempt(hvd.join), LAST)
         return
-    backend = basics.engine().backend
+    backend = intranode(state.engine())
     counters = {"direct": backend.direct, "shared": backend.shared}
     before = {k: 0 if c is None else c.singles for k, c in counters.items()}
     kw = dict(op=OP[op], prescale_factor=2.0, postscale_factor=0.5)

@@ -89,7 +89,7 @@ if __name__ == "__main__":
 
     import hvdlite as hvd
     from core_refs import allreduce_expected, attempt, check_array, check_exact
-    from nodes import host_of_rank, on_one_node
+    from nodes import host_of_rank, intranode, on_one_node
     from _report import Reporter
 
     MODE = sys.argv[1]
@@ -411,8 +411,8 @@ def case_grouped(case: str, ps) -> None:
         check_array(f"large grouped_allreduce[{i}]", got_big[i],
                     allreduce_expected([big[g][i] for g in M], "float32", "Sum", k))
     if k > 1:
-        from hvdlite.common.runtime.basics import process_set_engine
-        shared = process_set_engine(ps, "test")[0].backend.shared
+        from hvdlite.common.runtime.registry import process_set_engine
+        shared = intranode(process_set_engine(ps, "test")[0]).shared
         if on_one_node(HOSTS, M):
             assert shared is not None and shared.batches > 0, \
                 "the large group did not go through the set's shared-memory window"

@@ -12,7 +12,8 @@ import sys
 import numpy as np
 
 import hvdlite as hvd
-from hvdlite.common.runtime import basics
+from nodes import intranode  # noqa: E402
+from hvdlite.common.runtime import state
 from hvdlite.common.intranode import shm_window as shm_fusion
 from core_refs import allreduce_expected, check_array
 from _report import Reporter
@@ -46,7 +47,7 @@ def big_group(tag, n=30000):
     got = hvd.grouped_allreduce([x[RANK] for x in xs], op=hvd.Sum, name=tag)
     for i, (x, g) in enumerate(zip(xs, got)):
         check_array(f"{tag}[{i}]", g, allreduce_expected(x, "float32", "Sum", SIZE))
-    return basics.engine().backend.shared
+    return intranode(state.engine()).shared
 
 
 def no_space_falls_back():

@@ -12,11 +12,11 @@ import numpy as np
 from mpi4py import MPI
 
 import hvdlite as hvd
-from hvdlite.common.runtime import basics
+from hvdlite.common.runtime import state
 from hvdlite.common.intranode import direct as direct_allreduce
 from hvdlite.common.memory import result_pool
 import core_cases as cc
-from nodes import host_of_rank, on_one_node
+from nodes import host_of_rank, intranode, on_one_node
 from core_refs import allreduce_expected, attempt, check_array, check_exact, noncontiguous
 from _report import Reporter
 
@@ -60,7 +60,7 @@ def run_allreduces(specs, step, in_place=False, order=None):
 
 
 def config_applied():
-    cfg = basics.engine().config
+    cfg = state.engine().config
     env = cc.STEADY_CONFIGS[CONFIG]
     want_fusion = int(env.get("HVDLITE_FUSION_THRESHOLD",
                               env.get("HOROVOD_FUSION_THRESHOLD", 128 * 1024 * 1024)))
@@ -273,7 +273,7 @@ def shared_fusion():
     the ranks' shares, scale factors, ranks arriving at different times, several batches back
     to back (the two slots alternate) and a window that grows between steps."""
     import time
-    shared = basics.engine().backend.shared
+    shared = intranode(state.engine()).shared
     before = 0 if shared is None else shared.batches
     # 79,490 elements: even a 1-byte dtype fuses to >= 64 KiB; no single output reaches 1 MiB
     shapes = [(1,), (33, 7), (9000,), (0,), (17, 3, 5), (70000,), (3,)]
@@ -327,7 +327,7 @@ def large_single():
     and op against numpy, in place and out of place, odd counts whose shares straddle cache
     lines and chunks, a 3-D shape, scale factors, and a late rank."""
     import time
-    backend = basics.engine().backend
+    backend = intranode(state.engine())
     env = cc.STEADY_CONFIGS[CONFIG]
     cma_on = env.get("HVDLITE_CMA", "auto") != "0"
     shm_on = float(env.get("HVDLITE_SHM_FUSION_MB", 64)) != 0

@@ -16,7 +16,8 @@ from collections import defaultdict
 import numpy as np
 
 import hvdlite as hvd
-from hvdlite.common.runtime import basics
+from nodes import intranode  # noqa: E402
+from hvdlite.common.runtime import state
 from hvdlite.common.runtime import timeline
 from core_refs import attempt
 from core_cases import direct_copies_expected
@@ -78,7 +79,7 @@ def run_env_mode() -> None:
             got = [h.wait() for h in hs]
             assert all(g[0] == sum(range(size)) + size * i for i, g in enumerate(got)), got
         assert hvd.allreduce(big, name="tl.big", op=hvd.Sum)[0] == sum(range(size))
-        seen_backend.append(basics.engine().backend)   # (checked after shutdown)
+        seen_backend.append(intranode(state.engine()))   # (checked after shutdown)
         assert hvd.allgather(np.arange(rank + 1), name="tl.gather").size == \
             size * (size + 1) // 2
         assert hvd.broadcast(np.full(3, rank), root_rank=0, name="tl.bcast")[0] == 0

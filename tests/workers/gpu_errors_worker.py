@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 import hvdlite as hvd  # noqa: E402
 import gpu_loopback  # noqa: E402
 from core_refs import attempt, check_exact  # noqa: E402
-from hvdlite.common.runtime import basics
+from hvdlite.common.runtime import state
 from hvdlite.common.gpu import cuda
 from hvdlite.common.api import grouped
 from hvdlite.common.api import ops
@@ -185,7 +185,7 @@ def real_runtime_cupy_missing() -> None:
 
 
 def config_default_is_nccl() -> None:
-    assert basics.engine().config.gpu_operations == "nccl", basics.engine().config
+    assert state.engine().config.gpu_operations == "nccl", state.engine().config
     assert cuda.runtime() is RT
 
 

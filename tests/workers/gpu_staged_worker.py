@@ -34,7 +34,7 @@ from _report import CaseRegistry, pow2  # noqa: E402
 import core_cases as cc  # noqa: E402
 import gpu_loopback  # noqa: E402
 from core_refs import Expected, allreduce_expected, attempt, check_array, check_exact  # noqa: E402
-from hvdlite.common.runtime import basics
+from hvdlite.common.runtime import state
 from hvdlite.common.gpu import cuda
 from hvdlite.common.api import grouped
 from hvdlite.common.api import ops
@@ -73,7 +73,7 @@ def cases_for(size: int) -> list[str]:
 
 def assert_cache_has_room() -> None:
     """The premise of a cache case: the names it repeats can still be cached."""
-    cache = basics.engine().controller.cache
+    cache = state.engine().controller.cache
     assert len(cache) < cache.capacity - 64, (
         f"response cache nearly full ({len(cache)} of {cache.capacity}): this case would not "
         f"exercise it; run it earlier")
@@ -246,7 +246,7 @@ register("join.before_any_device_tensor",
 
 @case("config.gpu_operations_is_mpi")
 def config_is_mpi():
-    assert basics.engine().config.gpu_operations == "mpi", basics.engine().config
+    assert state.engine().config.gpu_operations == "mpi", state.engine().config
     assert cuda.runtime() is RT, cuda.runtime()
 
 
@@ -815,7 +815,7 @@ def staged_on_own_gpu():
 
 # --- completion: asynchronous (the default), or after the host saw the device finish -------------
 def async_completion() -> bool:
-    return basics.engine().config.gpu_async_completion
+    return state.engine().config.gpu_async_completion
 
 
 def wait_for(ready, what: str, seconds: float = 30.0) -> None:
@@ -829,7 +829,7 @@ def wait_for(ready, what: str, seconds: float = 30.0) -> None:
 @case("completion.mode_from_environment")
 def completion_mode():
     raw = os.environ.get("HVDLITE_ENABLE_ASYNC_COMPLETION", "1")
-    assert async_completion() is (raw != "0"), (raw, basics.engine().config)
+    assert async_completion() is (raw != "0"), (raw, state.engine().config)
 
 
 @case("completion.handle_versus_device_event")

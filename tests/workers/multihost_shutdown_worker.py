@@ -7,7 +7,8 @@ import time
 import numpy as np
 
 import hvdlite as hvd
-from hvdlite.common.runtime import basics
+from nodes import intranode  # noqa: E402
+from hvdlite.common.runtime import registry
 from _report import Reporter
 
 HOST_SETS = [hvd.ProcessSet([0, 1]), hvd.ProcessSet([2, 3])]
@@ -20,7 +21,7 @@ mine = HOST_SETS[RANK // 2]
 def window_used():
     hvd.grouped_allreduce([np.ones(30000, np.float32)] * 3, op=hvd.Sum, name="late",
                           process_set=mine)
-    shared = basics.process_set_engine(mine, "test")[0].backend.shared
+    shared = intranode(registry.process_set_engine(mine, "test")[0]).shared
     assert shared.batches == 1, f"the host's window reduced {shared.batches} batches, not 1"
 
 

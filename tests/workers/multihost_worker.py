@@ -21,7 +21,8 @@ import numpy as np
 from mpi4py import MPI
 
 import hvdlite as hvd
-from hvdlite.common.runtime import basics
+from nodes import intranode  # noqa: E402
+from hvdlite.common.runtime import registry
 import core_cases as cc
 from core_refs import allreduce_expected, check_array
 from _report import Reporter
@@ -58,7 +59,7 @@ def values(tag: str, rank: int, n: int) -> np.ndarray:
 def paths(name: str) -> None:
     ranks, one_host = EXPECT["sets"][name]
     ps = SETS[name]
-    backend = basics.process_set_engine(ps, "test")[0].backend
+    backend = intranode(registry.process_set_engine(ps, "test")[0])
     shared, direct = backend.shared, backend.direct
     before = (shared.batches, shared.singles, direct.singles)
     tag = f"paths.{name}"

@@ -16,3 +16,18 @@ def host_of_rank(comm) -> list[str]:
 def on_one_node(hosts: list[str], ranks: Iterable[int]) -> bool:
     """Whether the ``ranks`` (indices into ``hosts``) all run on one host."""
     return len({hosts[rank] for rank in ranks}) == 1
+
+
+class IntranodePaths:
+    """An engine's two intra-node data paths' mechanisms, as the workers inspect them:
+    ``shared`` (the shared-memory window, or None) and ``direct`` (the direct-copy allreduce,
+    or None)."""
+
+    def __init__(self, engine) -> None:
+        self.shared = engine.path("shared_window").window
+        self.direct = engine.path("direct_copies").direct
+
+
+def intranode(engine) -> IntranodePaths:
+    """The intra-node paths of ``engine`` (an hvdlite engine, e.g. ``state.engine()``)."""
+    return IntranodePaths(engine)

@@ -19,7 +19,7 @@ torch.set_num_threads(1)
 
 import hvdlite.torch as hvd  # noqa: E402
 import torch_cases as C  # noqa: E402
-from hvdlite.common.runtime.basics import process_set_engine  # noqa: E402
+from hvdlite.common.runtime.registry import process_set_engine  # noqa: E402
 from hvdlite.torch import optimizer as optimizer_module  # noqa: E402
 
 hvd.init()

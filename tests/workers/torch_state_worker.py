@@ -348,14 +348,14 @@ def params_bad_input(case):
         else:
             raise AssertionError(f"broadcast_parameters({bad!r}) did not raise")
     # A tensor before the bad entry is not sent either: nothing is left in flight.
-    from hvdlite.common.runtime import basics
+    from hvdlite.common.runtime import state
     try:
         hvd.broadcast_parameters([("first", torch.zeros(2)), ("bad", 1.5)], root_rank=0)
     except ValueError as exc:
         assert "'bad' is a float" in str(exc), str(exc)
     else:
         raise AssertionError("a float among the parameters did not raise")
-    assert not basics.engine()._in_flight, list(basics.engine()._in_flight)
+    assert not state.engine()._in_flight, list(state.engine()._in_flight)
     t = torch.full((3,), float(RANK))
     hvd.broadcast_parameters({"ok": t, "first": t + 1}, root_rank=SIZE - 1)
     assert t.tolist() == [float(SIZE - 1)] * 3

@@ -14,7 +14,7 @@ import torch.nn as nn
 torch.set_num_threads(1)
 
 import hvdlite.torch as hvd  # noqa: E402
-from hvdlite.common.runtime import basics
+from hvdlite.common.runtime import state
 from _report import Reporter  # noqa: E402
 
 hvd.init()
@@ -33,7 +33,7 @@ def train_and_count():
     opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.01),
                                    named_parameters=named)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    engine = basics.engine()
+    engine = state.engine()
     before = engine.rounds_with_work
     for step in range(STEPS):
         x = torch.randn(512, 64, generator=torch.Generator().manual_seed(RANK * 100 + step))
@@ -65,7 +65,7 @@ def zero_grad_closes_an_unfinished_stream():
         (f"never.{n}", p) for n, p in never.named_parameters()]
     opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.01),
                                    named_parameters=named, backward_passes_per_step=2)
-    engine = basics.engine()
+    engine = state.engine()
     model(torch.ones(2, 8)).sum().backward()
     assert engine._streams == 1, engine._streams
     opt.zero_grad()

@@ -19,7 +19,7 @@ from hvdlite.common.api.ops import (_NOTHING_TO_ANNOUNCE, _announce, _auto_name,
 from hvdlite.common.engine.handle import GroupHandle
 from hvdlite.common.engine.messages import ALLGATHER, ALLREDUCE, REDUCESCATTER
 from hvdlite.common.reduce_ops import ReduceOp, resolve_op
-from hvdlite.common.runtime import basics
+from hvdlite.common.runtime import registry
 from hvdlite.common.runtime.process_sets import ProcessSet
 
 
@@ -29,7 +29,7 @@ def submit_group(kind: str, arrays: Sequence[np.ndarray], *, name: str | None = 
                  process_set: ProcessSet | None = None, **kwargs) -> GroupHandle:
     """Submit ``arrays`` as one grouped ``kind`` operation (contiguous numpy views, as for
     :func:`hvdlite.common.api.ops.submit`); the handle yields the list of results."""
-    engine, members = basics.process_set_engine(process_set, f"grouped {kind}")
+    engine, members = registry.process_set_engine(process_set, f"grouped {kind}")
     set_id = 0 if members is None else process_set.process_set_id
     n = len(arrays)
     if n == 0:
@@ -103,7 +103,7 @@ def announce_group_failure(kind: str, name: str | None, process_set: ProcessSet 
             or isinstance(exc, _NOTHING_TO_ANNOUNCE)):
         return
     try:
-        engine, members = basics.process_set_engine(process_set, f"grouped {kind}")
+        engine, members = registry.process_set_engine(process_set, f"grouped {kind}")
         set_id = 0 if members is None else process_set.process_set_id
     except Exception:   # noqa: BLE001 - nothing can be submitted here, so nothing is owed
         return

@@ -9,7 +9,7 @@ import numpy as np
 
 from hvdlite.common.api import ops
 from hvdlite.common.errors import HvdliteError
-from hvdlite.common.runtime import basics
+from hvdlite.common.runtime import state
 from hvdlite.common.runtime.process_sets import ProcessSet
 
 
@@ -52,7 +52,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     the set, as in :func:`hvdlite.broadcast`.  If the root's object cannot be pickled, every
     rank raises :class:`HvdliteError` saying why (the root's chained to the pickling error)."""
     base = "broadcast_object" if name is None else f"broadcast_object.{name}"
-    is_root = basics.rank() == root_rank
+    is_root = state.rank() == root_rank
     payload, failure = _try_dumps(obj) if is_root else (np.empty(0, dtype=np.uint8), None)
     # [0]: 1 if the root's object could not be pickled (then the data is the error's text)
     header = ops.broadcast(np.array([failure is not None, payload.size], dtype=np.int64),
@@ -77,7 +77,7 @@ def allgather_object(obj: Any, name: str | None = None,
     headers = ops.allgather(np.array([[failure is not None, payload.size]], dtype=np.int64),
                             name=f"{base}.len", process_set=process_set)
     data = ops.allgather(payload, name=f"{base}.data", process_set=process_set).tobytes()
-    ranks = list(range(basics.size())) if process_set is None else process_set.ranks
+    ranks = list(range(state.size())) if process_set is None else process_set.ranks
     out, failed, offset = [], {}, 0
     for rank, (bad, n) in zip(ranks, headers.tolist()):
         piece = data[offset:offset + n]

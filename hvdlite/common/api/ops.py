@@ -24,7 +24,7 @@ from hvdlite.common.errors import (DuplicateNameError, HvdliteError, NotInitiali
                                    ShutdownError, UnsupportedOperationError)
 from hvdlite.common.memory import result_empty
 from hvdlite.common.reduce_ops import ReduceOp, resolve_op
-from hvdlite.common.runtime import basics
+from hvdlite.common.runtime import lifecycle, registry, state
 from hvdlite.common.runtime.process_sets import ProcessSet, global_process_set
 
 _counter_lock = threading.Lock()
@@ -49,6 +49,10 @@ def reset_auto_names() -> None:
     """Restart the unnamed-op counters (at shutdown: process set ids restart with a new init)."""
     with _counter_lock:
         _counters.clear()
+
+
+# Every rank re-initializes together after a shutdown, so unnamed operations restart in step.
+lifecycle.on_shutdown(reset_auto_names)
 
 
 def _contiguous(x) -> np.ndarray:
@@ -88,7 +92,7 @@ def fast_host_allreduce(array, output, name, reduce_op, prescale_factor, postsca
     flags = array.flags
     if not flags.c_contiguous or (output is array and not flags.writeable):
         return None
-    engine = basics.engine()
+    engine = state.engine()
     shape = array.shape
     if output is None:
         output = result_empty(shape, array.dtype)
@@ -118,9 +122,9 @@ def submit(kind: str, array: np.ndarray | None, *, name: str | None = None,
                                          postscale_factor, None)
             if handle is not None:
                 return handle
-        engine, members, set_id = basics.engine(), None, 0
+        engine, members, set_id = state.engine(), None, 0
     else:
-        engine, members = basics.process_set_engine(process_set,
+        engine, members = registry.process_set_engine(process_set,
                                                     f"{kind} of {name or 'a tensor'}")
         set_id = 0 if members is None else process_set.process_set_id
     auto_named = name is None
@@ -155,9 +159,9 @@ def announce_failure(kind: str, name: str | None, process_set: ProcessSet | None
         return
     try:
         if process_set is None or process_set is global_process_set:
-            engine, members, set_id = basics.engine(), None, 0
+            engine, members, set_id = state.engine(), None, 0
         else:
-            engine, members = basics.process_set_engine(process_set, f"{kind} of a tensor")
+            engine, members = registry.process_set_engine(process_set, f"{kind} of a tensor")
             set_id = 0 if members is None else process_set.process_set_id
     except Exception:   # noqa: BLE001 - nothing can be submitted here, so nothing is owed
         return
@@ -332,7 +336,7 @@ def _device_allocator(dtype, device: int) -> Callable[[tuple, np.dtype], object]
 
 
 def _set_size(members: list[int] | None) -> int:
-    return basics.size() if members is None else len(members)
+    return state.size() if members is None else len(members)
 
 
 def _check_splits(name: str, splits, rows: int, set_size: int) -> tuple:

@@ -27,7 +27,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from hvdlite.common.backends.base import DataPath
+from hvdlite.common.backends.mpi import copy_out_pieces, flat, pack, phase, postscale_factor
+from hvdlite.common.dtypes import dtype_info, scale_in_place
+from hvdlite.common.engine.data_paths import Batch
+from hvdlite.common.engine.fusion import FusionBuffer
+from hvdlite.common.engine.messages import ALLREDUCE
 from hvdlite.common.errors import UnsupportedOperationError
+from hvdlite.common.reduce_ops import ReduceOp
 
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _TAG = 0x4144  # point-to-point tag for every message the kernel sends ("AD")
@@ -148,3 +155,42 @@ def _group_sum(comm, rank: int, d: int, stats: np.ndarray) -> np.ndarray:
         stats = stats + other
         e *= 2
     return stats
+
+
+class AdasumPath(DataPath):
+    """Host allreduces with ``op=Adasum`` (at two ranks or more; one rank's Adasum is its input,
+    which the MPI path copies): one tensor in place, or a fused batch whose tensors keep their
+    own dot products and norms (segments)."""
+
+    name = "adasum"
+
+    def __init__(self, context) -> None:
+        super().__init__(context)
+        self._fusion = FusionBuffer()
+
+    def enabled(self, batch: Batch) -> bool:
+        response = batch[0][0]
+        return (response.device < 0 and response.reduce_op == ReduceOp.Adasum
+                and response.kind == ALLREDUCE and self.size > 1)
+
+    def execute(self, batch: Batch) -> None:
+        response, entry = batch[0]
+        phase(batch, "ADASUM_ALLREDUCE")
+        if len(batch) == 1:
+            out = entry.output.reshape(-1)
+            if entry.output is not entry.array:
+                np.copyto(out, entry.array.reshape(-1))
+            if not entry.stand_in:   # a joined rank's identity stays neutral
+                scale_in_place(out, response.prescale)
+            adasum_allreduce_(self.comm, out, [out.size])
+            scale_in_place(out, postscale_factor(response, self.size))
+            return
+        sizes = [e.array.size for _, e in batch]
+        count = sum(sizes)
+        info = dtype_info(response.dtype)
+        buf = self._fusion.view(count * info.itemsize, info.np_dtype)
+        pack(batch, buf, sizes, response.prescale)
+        adasum_allreduce_(self.comm, buf, sizes)
+        phase(batch, "MEMCPY_OUT_FUSION_BUFFER")
+        copy_out_pieces([flat(e.output) for _, e in batch], sizes, [(0, count, buf)],
+                        postscale_factor(response, self.size))

@@ -1,19 +1,24 @@
-"""The MPI data mover for host buffers: executes negotiated responses on numpy views."""
+"""The MPI data path for host buffers: every operation, on numpy views, through MPI calls.
+
+The fallback of the host paths (it serves any batch): allreduce (one tensor in place, or a fused
+batch through the host fusion buffer; at one rank only the copy and the scaling), allgather,
+broadcast, alltoall, reducescatter and barrier.  The intra-node paths (direct copies, the
+shared-memory window) and Adasum come before it in the engine's list.
+"""
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import numpy as np
 
-from hvdlite.common.dtypes import (dtype_info, mpi_datatype, mpi_reduce_op, numpy_reduce_ufunc,
-                                   scale_in_place, scale_into)
+from hvdlite.common.backends.base import DataPath
+from hvdlite.common.dtypes import (dtype_info, mpi_datatype, mpi_reduce_op, scale_in_place,
+                                   scale_into)
+from hvdlite.common.engine.data_paths import Batch, PathContext
 from hvdlite.common.engine.fusion import FusionBuffer
 from hvdlite.common.engine.handle import Entry
 from hvdlite.common.engine.messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST,
                                             REDUCESCATTER, Response, split_rows)
-from hvdlite.common.intranode.direct import DirectAllreduce
-from hvdlite.common.intranode.shm_window import SharedFusion
 from hvdlite.common.reduce_ops import ReduceOp
 from hvdlite.common.runtime import timeline as _timeline
 from hvdlite.common.runtime.waiting import PEER_SPIN_SECONDS, wait_until
@@ -35,43 +40,31 @@ def postscale_factor(response: Response, size: int) -> float:
     return factor
 
 
-class MPIBackend:
-    def __init__(self, comm, global_ranks: list[int] | None = None,
-                 shm_fusion_bytes: int = 0, max_sleep: float = 1e-3,
-                 on_slow: Callable[[float], None] | None = None, cma: str = "off") -> None:
-        """``shm_fusion_bytes``: allreduces up to this size are reduced through an intra-node
-        shared-memory window when all ranks share a node (0: always MPI).  ``cma``: "auto" or
-        "on" reduces single large tensors by direct copies between the ranks' memory where the
-        kernel allows it (``Config.cma``), "off" never.  ``max_sleep``: the
-        longest sleep between two checks while waiting for peers (``Config.wait_sleep_cap``).
-        ``on_slow(waited_seconds)``: called about every second of such a wait (stall checks;
-        it may raise to abandon the wait)."""
+class MPIPath(DataPath):
+    """Every host operation through MPI (see the module's docstring)."""
+
+    name = "mpi"
+
+    def __init__(self, context: PathContext) -> None:
+        super().__init__(context)
         from mpi4py import MPI
         self._MPI = MPI
-        self.comm = comm
-        self.size = comm.Get_size()
-        self.rank = comm.Get_rank()
         # Roots arrive as global ranks; MPI wants the rank in this process set's communicator.
-        self._local_rank_of = {g: i for i, g in enumerate(global_ranks or range(self.size))}
+        self._local_rank_of = {g: i for i, g in enumerate(context.global_ranks)}
         self._fusion = FusionBuffer()
-        self._max_sleep = max_sleep
-        self._on_slow = on_slow
-        self.shared = (SharedFusion(comm, shm_fusion_bytes, max_sleep, on_slow)
-                       if shm_fusion_bytes > 0 else None)
-        self.direct = (DirectAllreduce(comm, max_sleep, on_slow, required=cma == "on")
-                       if cma != "off" and self.size > 1 else None)
+        self._max_sleep = context.max_sleep
+        self._on_slow = context.on_slow
+
+    def enabled(self, batch: Batch) -> bool:
+        return batch[0][0].device < 0
 
     def _postscale(self, response: Response) -> float:
         return postscale_factor(response, self.size)
 
-    def _reduce(self, buf: np.ndarray, response: Response, info, segments=None) -> None:
-        """In-place reduction of ``buf`` across the set (Adasum or an MPI reduction)."""
-        if response.reduce_op == ReduceOp.Adasum:
-            from hvdlite.common.backends.adasum import adasum_allreduce_
-            adasum_allreduce_(self.comm, buf, [buf.size] if segments is None else segments)
-        else:
-            self._allreduce(self._MPI.IN_PLACE, [buf, mpi_datatype(info)],
-                            mpi_reduce_op(info, ReduceOp(response.reduce_op)), buf.nbytes)
+    def _reduce(self, buf: np.ndarray, response: Response, info) -> None:
+        """In-place MPI reduction of ``buf`` across the set."""
+        self._allreduce(self._MPI.IN_PLACE, [buf, mpi_datatype(info)],
+                        mpi_reduce_op(info, ReduceOp(response.reduce_op)), buf.nbytes)
 
     def _allreduce(self, send, recv, op, nbytes: int) -> None:
         if nbytes > POLITE_MAX_BYTES:
@@ -80,12 +73,12 @@ class MPIBackend:
             wait_until(self.comm.Iallreduce(send, recv, op=op).Test, self._max_sleep,
                        on_slow=self._on_slow, spin_seconds=PEER_SPIN_SECONDS)
 
-    def execute(self, batch: list[tuple[Response, Entry]]) -> None:
+    def execute(self, batch: Batch) -> None:
         """Run one planned batch; on return every entry's ``output`` holds its result."""
         response, entry = batch[0]
         if response.kind == ALLREDUCE and self.size == 1:
             for response, entry in batch:   # nothing to exchange: copy (if needed) and scale
-                self._allreduce_alone(response, entry)
+                allreduce_alone(response, entry, self.size)
         elif response.kind == ALLREDUCE:
             if len(batch) == 1:
                 self._allreduce_one(response, entry)
@@ -104,39 +97,16 @@ class MPIBackend:
         else:
             raise ValueError(f"unknown operation {response.kind!r}")
 
-    def _allreduce_alone(self, response: Response, entry: Entry) -> None:
-        if entry.output is not entry.array:
-            np.copyto(entry.output.reshape(-1), entry.array.reshape(-1))
-        out = entry.output.reshape(-1)
-        if dtype_info(response.dtype).is_bool:
-            return
-        scale_in_place(out, response.prescale)
-        scale_in_place(out, self._postscale(response))
-
     def _allreduce_one(self, response: Response, entry: Entry) -> None:
         info = dtype_info(response.dtype)
         src = entry.array.reshape(-1)
         out = entry.output.reshape(-1)
-        if response.reduce_op != ReduceOp.Adasum:   # the intra-node paths, best first
-            args = (src, out, numpy_reduce_ufunc(info, ReduceOp(response.reduce_op)),
-                    1.0 if entry.stand_in else response.prescale,   # the identity stays neutral
-                    self._postscale(response))
-            direct, shared = self.direct, self.shared
-            if direct is not None and direct.usable(src.nbytes):
-                _phase(((response, entry),), "CMA_ALLREDUCE")
-                direct.allreduce_one(*args, name=response.name)
-                return
-            if shared is not None and shared.usable(src.nbytes, single=True):
-                _phase(((response, entry),), "SHM_ALLREDUCE")
-                shared.allreduce_one(*args)
-                return
-        _phase(((response, entry),), "ADASUM_ALLREDUCE"
-               if response.reduce_op == ReduceOp.Adasum else "MPI_ALLREDUCE")
+        phase(((response, entry),), "MPI_ALLREDUCE")
         if entry.output is entry.array:   # in place: no copy at all
             if not entry.stand_in:        # the identity must stay neutral
                 scale_in_place(out, response.prescale)
             self._reduce(out, response, info)
-        elif response.prescale == 1.0 and response.reduce_op != ReduceOp.Adasum:
+        elif response.prescale == 1.0:
             op = mpi_reduce_op(info, ReduceOp(response.reduce_op))
             mpi_type = mpi_datatype(info)
             self._allreduce([src, mpi_type], [out, mpi_type], op, out.nbytes)
@@ -146,66 +116,28 @@ class MPIBackend:
             self._reduce(out, response, info)
         scale_in_place(out, self._postscale(response))
 
-    def _allreduce_fused(self, batch: list[tuple[Response, Entry]]) -> None:
+    def _allreduce_fused(self, batch: Batch) -> None:
         response = batch[0][0]
         info = dtype_info(response.dtype)
         sizes = [e.array.size for _, e in batch]
         count = sum(sizes)
-        shared = self.shared
-        if shared is not None and (response.reduce_op == ReduceOp.Adasum
-                                   or not shared.usable(count * info.itemsize)):
-            shared = None
-        buf = (shared.pack_buffer(count, info.np_dtype) if shared is not None
-               else self._fusion.view(count * info.itemsize, info.np_dtype))
-        _phase(batch, "MEMCPY_IN_FUSION_BUFFER")
-        # One C-level pass packs every input (axis=None: each one flattened, without a view).
-        np.concatenate([e.array for _, e in batch], axis=None, out=buf)
-        if response.prescale != 1.0 and any(e.stand_in for _, e in batch):
-            offset = 0   # a joined rank: scale the real inputs, keep the identities neutral
-            for (_, entry), n in zip(batch, sizes):
-                if not entry.stand_in:
-                    scale_in_place(buf[offset:offset + n], response.prescale)
-                offset += n
-        else:
-            scale_in_place(buf, response.prescale)
-        if shared is None:
-            _phase(batch, "ADASUM_ALLREDUCE" if response.reduce_op == ReduceOp.Adasum
-                   else "MPI_ALLREDUCE")
-            self._reduce(buf, response, info, segments=sizes)
-            pieces = [(0, count, buf)]
-        elif shared.size == 2:
-            _phase(batch, "SHM_ALLREDUCE")
-            in_place = None
-            if response.prescale == 1.0:   # then every input is exactly what was packed
-                in_place = [entry.output is entry.array for _, entry in batch]
-            shared.reduce_pair_into(count, info.np_dtype,
-                                    numpy_reduce_ufunc(info, ReduceOp(response.reduce_op)),
-                                    [_flat(entry.output) for _, entry in batch], sizes,
-                                    self._postscale(response), in_place)
-            return
-        else:
-            _phase(batch, "SHM_ALLREDUCE")
-            pieces = shared.reduce(count, info.np_dtype,
-                                   numpy_reduce_ufunc(info, ReduceOp(response.reduce_op)))
-        # The postscale rides along with the copy-out.
-        _phase(batch, "MEMCPY_OUT_FUSION_BUFFER")
-        _copy_out_pieces([_flat(entry.output) for _, entry in batch], sizes, pieces,
-                         self._postscale(response))
-
-    def close(self, collective: bool) -> None:
-        """Release shared resources; ``collective`` when every rank of the set calls it."""
-        if self.shared is not None:
-            self.shared.close(collective)
+        buf = self._fusion.view(count * info.itemsize, info.np_dtype)
+        pack(batch, buf, sizes, response.prescale)
+        phase(batch, "MPI_ALLREDUCE")
+        self._reduce(buf, response, info)
+        phase(batch, "MEMCPY_OUT_FUSION_BUFFER")
+        copy_out_pieces([flat(entry.output) for _, entry in batch], sizes, [(0, count, buf)],
+                        self._postscale(response))
 
     def _allgather(self, response: Response, entry: Entry) -> None:
         info = dtype_info(response.dtype)
-        row_shape, row = _row_layout(response.shape)
+        row_shape, row = row_layout(response.shape)
         out_shape = (sum(response.first_dims),) + row_shape
         entry.output = entry.allocate(out_shape, info.np_dtype)
         counts = [d * row for d in response.first_dims]
         mpi_type = mpi_datatype(info)
         self.comm.Allgatherv([entry.array.reshape(-1), mpi_type],
-                             [entry.output.reshape(-1), (counts, _displacements(counts)),
+                             [entry.output.reshape(-1), (counts, displacements(counts)),
                               mpi_type])
 
     def _broadcast(self, response: Response, entry: Entry) -> None:
@@ -220,23 +152,23 @@ class MPIBackend:
         """Rows ``splits[r][j]`` of rank r go to rank j; the result is the received rows in
         rank order, plus how many came from each rank."""
         info = dtype_info(response.dtype)
-        row_shape, row = _row_layout(response.shape)
+        row_shape, row = row_layout(response.shape)
         mine = response.splits[self.rank]
         received = [splits[self.rank] for splits in response.splits]
         out = entry.allocate((sum(received),) + row_shape, info.np_dtype)
         send_counts = [n * row for n in mine]
         recv_counts = [n * row for n in received]
         mpi_type = mpi_datatype(info)
-        self.comm.Alltoallv([entry.array.reshape(-1), (send_counts, _displacements(send_counts)),
+        self.comm.Alltoallv([entry.array.reshape(-1), (send_counts, displacements(send_counts)),
                              mpi_type],
-                            [out.reshape(-1), (recv_counts, _displacements(recv_counts)),
+                            [out.reshape(-1), (recv_counts, displacements(recv_counts)),
                              mpi_type])
         entry.output = (out, np.array(received, dtype=np.int32))
 
     def _reducescatter(self, response: Response, entry: Entry) -> None:
         """Reduce across ranks; rank r keeps its share of the rows (see ``split_rows``)."""
         info = dtype_info(response.dtype)
-        row_shape, row = _row_layout(response.shape)
+        row_shape, row = row_layout(response.shape)
         rows = split_rows(response.shape[0], self.size)
         out = entry.allocate((rows[self.rank],) + row_shape, info.np_dtype)
         src = entry.array.reshape(-1)
@@ -255,12 +187,40 @@ class MPIBackend:
         entry.output = out
 
 
-def _flat(array: np.ndarray) -> np.ndarray:
+
+def allreduce_alone(response: Response, entry: Entry, size: int) -> None:
+    """A reduction at one rank: the result is the input, copied (out of place) and scaled."""
+    if entry.output is not entry.array:
+        np.copyto(entry.output.reshape(-1), entry.array.reshape(-1))
+    out = entry.output.reshape(-1)
+    if dtype_info(response.dtype).is_bool:
+        return
+    scale_in_place(out, response.prescale)
+    scale_in_place(out, postscale_factor(response, size))
+
+
+def pack(batch: Batch, buf: np.ndarray, sizes: list[int], prescale: float) -> None:
+    """Pack the batch's inputs back to back into ``buf`` and apply the prescale factor (not to a
+    joined rank's stand-in identities, which must stay neutral)."""
+    phase(batch, "MEMCPY_IN_FUSION_BUFFER")
+    # One C-level pass packs every input (axis=None: each one flattened, without a view).
+    np.concatenate([e.array for _, e in batch], axis=None, out=buf)
+    if prescale != 1.0 and any(e.stand_in for _, e in batch):
+        offset = 0
+        for (_, entry), n in zip(batch, sizes):
+            if not entry.stand_in:
+                scale_in_place(buf[offset:offset + n], prescale)
+            offset += n
+    else:
+        scale_in_place(buf, prescale)
+
+
+def flat(array: np.ndarray) -> np.ndarray:
     """A contiguous array as 1-D (itself if it already is: no new view per tensor)."""
     return array if array.ndim == 1 else array.reshape(-1)
 
 
-def _phase(batch, activity: str) -> None:
+def phase(batch, activity: str) -> None:
     """Mark the batch's tensors ((response, entry) pairs) as being in ``activity`` on the
     timeline, if one is recording (the names are only collected then)."""
     tl = _timeline.ACTIVE
@@ -268,7 +228,7 @@ def _phase(batch, activity: str) -> None:
         tl.activity([response.name for response, _ in batch], activity)
 
 
-def _copy_out_pieces(outputs: list[np.ndarray], sizes: list[int],
+def copy_out_pieces(outputs: list[np.ndarray], sizes: list[int],
                      pieces: list[tuple[int, int, np.ndarray]], factor: float) -> None:
     """Scatter a result held as consecutive pieces ``(start, stop, elements)`` into the flat
     outputs (``sizes[i]`` elements each, back to back), multiplying by ``factor``."""
@@ -296,13 +256,13 @@ def _copy_out_pieces(outputs: list[np.ndarray], sizes: list[int],
         offset = end
 
 
-def _row_layout(shape: tuple) -> tuple[tuple, int]:
+def row_layout(shape: tuple) -> tuple[tuple, int]:
     """Shape of one row (everything after dimension 0) and its number of elements."""
     row_shape = tuple(shape[1:])
     return row_shape, math.prod(row_shape)
 
 
-def _displacements(counts: list[int]) -> list[int]:
+def displacements(counts: list[int]) -> list[int]:
     out, total = [], 0
     for n in counts:
         out.append(total)

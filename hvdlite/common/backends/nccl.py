@@ -1,4 +1,4 @@
-"""The NCCL data mover for GPU buffers (CuPy's NCCL binding), one communicator per process set.
+"""The NCCL data path for GPU buffers (CuPy's NCCL binding), one communicator per process set.
 
 The communicator is created the first time a set runs a GPU operation: rank 0 of the set makes an
 NCCL unique id and the set's MPI communicator broadcasts it.  Every rank executes the same
@@ -8,7 +8,7 @@ queued on hvdlite's stream of the process's GPU; :meth:`execute` returns an even
 Small allreduces are packed into a persistent device fusion buffer (one device-to-device copy
 each), reduced with one NCCL call and unpacked the same way; a lone tensor is reduced in place.
 Allgather and broadcast move bytes, so they take every dtype.  Operations NCCL has no direct
-form for (alltoall, reducescatter, Adasum) go through the host-staged MPI path.
+form for (alltoall, reducescatter, Adasum) are left to the staged path next in the engine's list.
 """
 from __future__ import annotations
 
@@ -16,12 +16,14 @@ from typing import Any
 
 import numpy as np
 
+from hvdlite.common.backends.base import DataPath
 from hvdlite.common.backends.mpi import postscale_factor
-from hvdlite.common.backends.staged import HostStagedBackend
 from hvdlite.common.dtypes import dtype_info
+from hvdlite.common.engine.data_paths import Batch, DeviceWork, PathContext
 from hvdlite.common.engine.handle import Entry
 from hvdlite.common.engine.messages import ALLGATHER, ALLREDUCE, BARRIER, BROADCAST, Response
 from hvdlite.common.errors import GpuUnavailableError, HvdliteError
+from hvdlite.common.gpu import cuda
 from hvdlite.common.reduce_ops import ReduceOp
 from hvdlite.common.runtime.waiting import wait_until
 
@@ -69,17 +71,30 @@ def nccl_reduce_check(dtype_name: str, op: ReduceOp, what: str) -> None:
             f"or set HVDLITE_GPU_OPERATIONS=mpi to reduce GPU tensors through host memory.")
 
 
-class NCCLBackend:
-    def __init__(self, comm, global_ranks: list[int] | None, runtime, agree) -> None:
-        self._agree = agree   # see HostStagedBackend: every rank prepared, or all fail
-        self.comm = comm
-        self.size = comm.Get_size()
-        self.rank = comm.Get_rank()
-        self._rt = runtime
-        self._local_rank_of = {g: i for i, g in enumerate(global_ranks or range(self.size))}
-        self._staged = HostStagedBackend(comm, global_ranks, runtime, agree)
+class NCCLPath(DataPath):
+    """Allreduce (but Adasum), allgather, broadcast and barrier of GPU tensors through NCCL,
+    when ``HVDLITE_GPU_OPERATIONS=nccl`` (the default)."""
+
+    name = "nccl"
+    device = True
+
+    def __init__(self, context: PathContext, runtime=None) -> None:
+        super().__init__(context)
+        self._agree = context.agree   # every rank prepared its part, or all fail
+        self._runtime = runtime       # None: the process's GPU runtime, looked up when used
+        self._local_rank_of = {g: i for i, g in enumerate(context.global_ranks)}
         self._nccl_comm = None
         self._fusion: Any = None   # device uint8 buffer, grown on demand, never shrunk
+
+    @property
+    def _rt(self):
+        return self._runtime if self._runtime is not None else cuda.runtime()
+
+    def enabled(self, batch: Batch) -> bool:
+        response = batch[0][0]
+        return (response.device >= 0 and self.context.config.gpu_operations == "nccl"
+                and response.kind in (ALLREDUCE, ALLGATHER, BROADCAST, BARRIER)
+                and response.reduce_op != ReduceOp.Adasum)
 
     # --- communicator -----------------------------------------------------------------------
     def _communicator(self, device_id: int):
@@ -125,7 +140,7 @@ class NCCLBackend:
             raise HvdliteError("creating the NCCL communicator: rank 0's unique id did not "
                                "arrive within 120 s.")
 
-    def close(self, abort: bool = False) -> None:
+    def close(self, collective: bool = False, abort: bool = False) -> None:
         """Destroy the communicator (abort it instead when peers may be gone: that unblocks
         kernels still waiting for them)."""
         comm, self._nccl_comm = self._nccl_comm, None
@@ -134,11 +149,9 @@ class NCCLBackend:
         self._fusion = None
 
     # --- execution ----------------------------------------------------------------------------
-    def execute(self, batch: list[tuple[Response, Entry]], device_id: int) -> tuple[Any, list]:
+    def execute(self, batch: Batch) -> DeviceWork:
+        device_id = cuda.process_device(self.context.rank)
         response = batch[0][0]
-        if response.kind not in (ALLREDUCE, ALLGATHER, BROADCAST, BARRIER) or \
-                response.reduce_op == ReduceOp.Adasum:
-            return self._staged.execute(batch, device_id)
         nccl_comm = self._communicator(device_id)
         rt = self._rt
         keep: list = []
@@ -160,7 +173,7 @@ class NCCLBackend:
             if call is not None:
                 call()   # the NCCL collective and the local work after it
             event = rt.record(device_id)
-        return event, keep
+        return DeviceWork(event, keep, device_id)
 
     def _on_device(self, entry: Entry, keep: list) -> Entry:
         """A joined rank's identity is made on the host; give NCCL a device copy of it."""

@@ -1,40 +1,57 @@
 """GPU tensors through host memory (``HVDLITE_GPU_OPERATIONS=mpi``).
 
 Each input is copied from the device into pinned host memory on hvdlite's stream, the host copies
-go through the ordinary MPI backend (so every operation, fusion and reduce op behaves exactly as
-for CPU tensors), and the results are copied back on the same stream.  This is the path for ranks
-that share one GPU (NCCL refuses two ranks on one device) and for machines without NCCL; the NCCL
-backend also uses it for the operations NCCL has no direct form for (alltoall, reducescatter,
-Adasum).
+go through the host paths (so every operation, fusion and reduce op behaves exactly as for CPU
+tensors), and the results are copied back on the same stream.  This is the path for ranks that
+share one GPU (NCCL refuses two ranks on one device) and for machines without NCCL; it also
+serves the operations the NCCL path leaves (alltoall, reducescatter, Adasum).
 """
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
-from hvdlite.common.backends.mpi import MPIBackend
+from hvdlite.common.backends.adasum import AdasumPath
+from hvdlite.common.backends.base import DataPath
+from hvdlite.common.backends.mpi import MPIPath
 from hvdlite.common.dtypes import dtype_info
+from hvdlite.common.engine.data_paths import Batch, DeviceWork, PathContext, select
 from hvdlite.common.engine.handle import Entry
-from hvdlite.common.engine.messages import Response
+from hvdlite.common.gpu import cuda
 
 
 def _host_allocate(shape: tuple, dtype: np.dtype) -> np.ndarray:
     return np.empty(shape, dtype=dtype)
 
 
-class HostStagedBackend:
-    """``agree(error)`` is the engine's check that every rank prepared its part of a batch: it
-    raises on every rank if any rank failed, so no rank is left alone inside a collective."""
+class StagedPath(DataPath):
+    """Any GPU batch, through host memory and the host paths (Adasum, MPI).  The engine's
+    ``agree`` check (every rank prepared its part, or all fail) runs before the collective, so
+    no rank is left alone inside it."""
 
-    def __init__(self, comm, global_ranks: list[int] | None, runtime, agree) -> None:
-        self._mpi = MPIBackend(comm, global_ranks)
-        self._rt = runtime
-        self._agree = agree
+    name = "staged"
+    device = True
 
-    def execute(self, batch: list[tuple[Response, Entry]], device_id: int) -> tuple[Any, list]:
-        """Run ``batch`` (device entries); returns the event that fires once every result is
-        back on the device, and the host buffers that must live until then."""
+    def __init__(self, context: PathContext, runtime=None) -> None:
+        super().__init__(context)
+        self._runtime = runtime   # None: the process's GPU runtime, looked up when used
+        self._agree = context.agree
+        # plain MPI on the host copies (no shared window, no direct copies: staging dominates)
+        self._host_paths = [AdasumPath(context), MPIPath(context)]
+
+    @property
+    def _rt(self):
+        return self._runtime if self._runtime is not None else cuda.runtime()
+
+    def enabled(self, batch: Batch) -> bool:
+        return batch[0][0].device >= 0
+
+    def execute(self, batch: Batch) -> DeviceWork:
+        """Run ``batch`` (device entries); returns the work whose event fires once every result
+        is back on the device, holding the host buffers that must live until then."""
+        device_id = cuda.process_device(self.context.rank)
+        return self.execute_on(batch, device_id)
+
+    def execute_on(self, batch: Batch, device_id: int) -> DeviceWork:
         rt = self._rt
         info = dtype_info(batch[0][0].dtype)
         with rt.on(device_id):
@@ -48,12 +65,12 @@ class HostStagedBackend:
                                                                    info.np_dtype))
                     staged = Entry(entry.request, host_in, host_out, _host_allocate, None)
                     staged.stand_in = entry.stand_in
-                    host_batch.append((response, staged))
+                    host_batch.append((response._replace(device=-1), staged))   # on the host now
                 rt.synchronize(device_id)   # MPI reads host memory: the copies must have landed
             except Exception as exc:   # noqa: BLE001 - reported to every rank by agree()
                 error = exc
             self._agree(error)
-            self._mpi.execute(host_batch)
+            select(self._host_paths, host_batch).execute(host_batch)
             for (_, entry), (_, staged) in zip(batch, host_batch):
                 if entry.stand_in:
                     continue   # a joined rank's identity: nobody reads its result
@@ -68,7 +85,7 @@ class HostStagedBackend:
                 rt.to_device(result.view(device_dtype) if result.dtype != device_dtype
                              else result, device_out)
             event = rt.record(device_id)
-        return event, host_batch
+        return DeviceWork(event, host_batch, device_id)
 
     def _to_host(self, array, info) -> np.ndarray:
         host = self._rt.to_host(array)

@@ -12,17 +12,20 @@ import operator
 import queue
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 
-from hvdlite.common.backends.mpi import MPIBackend
 from hvdlite.common.config import Config
 from hvdlite.common.engine.controller import IDLE_TICK_SECONDS, Controller
+from hvdlite.common.engine.data_paths import PathContext, select
 from hvdlite.common.engine.fusion import plan_batches
 from hvdlite.common.engine.handle import Entry, Handle
 from hvdlite.common.engine.messages import ALLREDUCE, ERROR_FAILED_ON_RANK, ERROR_STALL, Response
 from hvdlite.common.errors import (DuplicateNameError, FailedOnRankError, HvdliteError,
                                    RankExitedError, ShutdownError, StallError, TensorMismatchError)
+from hvdlite.common.gpu import cuda
+from hvdlite.common.gpu.completion import GpuCompletions
 from hvdlite.common.runtime import timeline as _timeline
 from hvdlite.common.runtime.waiting import poll_briefly, wait_until
 
@@ -63,18 +66,19 @@ class Engine:
     """One background thread serving one process set (the global set, or a subset of ranks
     with its own communicator), so that disjoint sets never wait on each other."""
 
-    def __init__(self, comm, config: Config, global_ranks: list[int] | None = None) -> None:
+    def __init__(self, comm, config: Config, global_ranks: list[int] | None,
+                 make_paths: Callable[[PathContext], list]) -> None:
+        """``make_paths(context)``: the data paths this engine asks, in order, which one serves
+        a batch (see :mod:`.data_paths`)."""
         self.comm = comm
         self.config = config
         self.controller = Controller(comm, config, global_ranks)
         self.rank = self.controller.label   # global rank, for messages
-        self.backend = MPIBackend(comm, self.controller.global_ranks,
-                                  shm_fusion_bytes=config.shm_fusion_bytes,
-                                  cma=config.cma,
-                                  max_sleep=self.controller.max_sleep,
-                                  on_slow=self._data_stall)
-        self._gpu = None          # GPU backend and its completion thread, made on first use
-        self._gpu_completions = None
+        self.paths = make_paths(PathContext(
+            comm=comm, global_ranks=self.controller.global_ranks, config=config,
+            rank=self.rank, max_sleep=self.controller.max_sleep, on_slow=self._data_stall,
+            agree=self._agree_prepared))
+        self._gpu_completions = None   # the GPU completion thread, made on first use
         self._lock = threading.Lock()              # guards _in_flight and the stop state
         self._queue: queue.SimpleQueue = queue.SimpleQueue()   # entries (or None = wake up)
         self._in_flight: dict[str, Entry] = {}   # submitted, not completed
@@ -219,13 +223,13 @@ class Engine:
                     self._complete(join_entry, last_rank)
                 if outcome.shutdown_ranks:
                     everyone = len(outcome.shutdown_ranks) == self.controller.size
-                    self._close_gpu(abort=self.rank not in outcome.shutdown_ranks
-                                    or not everyone)
                     # Every rank of the set takes this same round's outcome at the same point,
-                    # those that asked to shut down and those that did not: the collective
-                    # release of the shared window reaches all of them (freed locally, it left
+                    # those that asked to shut down and those that did not: collective releases
+                    # (the shared window) reach all of them (a window freed locally left
                     # MPI_Finalize to abort under MPICH's OFI netmod with RMA resources open).
-                    self.backend.close(collective=True)
+                    self._close_paths(collective=True,
+                                      abort=self.rank not in outcome.shutdown_ranks
+                                      or not everyone)
                     self._stop_after_shutdown(outcome.shutdown_ranks)
                     return
                 # Everyone has work but nothing matched (tensors submitted in different orders):
@@ -240,16 +244,14 @@ class Engine:
                 log.exception("hvdlite background thread failed")
                 reason = f"hvdlite's background thread failed: {type(exc).__name__}: {exc}"
                 error = HvdliteError(reason)
-            self._close_gpu(abort=True)
+            self._close_device_work(abort=True)
             per_entry = None
             if isinstance(error, RankExitedError):   # name each waiter's tensor, as at shutdown
                 per_entry = lambda e: RankExitedError(   # noqa: E731
                     f"Tensor {e.name!r} was still pending on rank {self.rank}: {reason}")
             self._fail_everything(error, reason, per_entry=per_entry)
-            try:   # after the waiters are told: a broken MPI must not keep them waiting
-                self.backend.close(collective=False)
-            except Exception:   # noqa: BLE001 - teardown must not mask the original failure
-                log.exception("hvdlite: releasing the shared fusion window failed")
+            # after the waiters are told: a broken MPI must not keep them waiting
+            self._close_paths(collective=False, abort=True)
 
     def _execute(self, ready: list[tuple[Response, Entry | None]]) -> None:
         tl = _timeline.ACTIVE
@@ -267,36 +269,32 @@ class Engine:
                 else:
                     runnable.append((response, entry))
         for batch in plan_batches(runnable, _fusion_key, _nbytes, self.config.fusion_threshold):
-            if batch[0][0].device >= 0:
-                self._execute_on_gpu(batch)
+            path = select(self.paths, batch)
+            if path.device:
+                self._execute_on_device(path, batch)
                 continue
-            if tl is not None and batch[0][0].kind != ALLREDUCE:   # the backend marks those
+            if tl is not None and batch[0][0].kind != ALLREDUCE:   # the paths mark those
                 tl.activity([r.name for r, _ in batch], f"MPI_{batch[0][0].kind.upper()}")
-            self.backend.execute(batch)
+            path.execute(batch)
             self._complete_batch([entry for _, entry in batch])
 
-    def _execute_on_gpu(self, batch: list[tuple[Response, Entry]]) -> None:
-        """Queue the batch's device work; its handles complete when the work has finished."""
-        from hvdlite.common.gpu import cuda
-        if self._gpu is None:
-            from hvdlite.common.backends.nccl import NCCLBackend
-            from hvdlite.common.backends.staged import HostStagedBackend
-            from hvdlite.common.gpu.completion import GpuCompletions
-            runtime = cuda.runtime()
-            backend_cls = NCCLBackend if self.config.gpu_operations == "nccl" else \
-                HostStagedBackend
-            self._gpu = backend_cls(self.comm, self.controller.global_ranks, runtime,
-                                    self._agree_prepared)
-            self._gpu_completions = GpuCompletions(runtime, self._complete_batch,
+    def path(self, name: str):
+        """This engine's data path called ``name`` (tests and benchmarks look inside)."""
+        return next(p for p in self.paths if p.name == name)
+
+    def _execute_on_device(self, path, batch: list[tuple[Response, Entry]]) -> None:
+        """Queue the batch's device work; its handles complete when the work has finished (or,
+        under asynchronous completion, now: their wait() orders the caller's stream after it)."""
+        if self._gpu_completions is None:
+            self._gpu_completions = GpuCompletions(cuda.runtime(), self._complete_batch,
                                                    lambda e, err: self._complete(e, error=err))
         entries = [entry for _, entry in batch]
         tl = _timeline.ACTIVE
         if tl is not None:
-            via = "NCCL" if self.config.gpu_operations == "nccl" else "STAGED"
-            tl.activity([e.name for e in entries], f"{via}_{batch[0][0].kind.upper()}")
+            tl.activity([e.name for e in entries],
+                        f"{path.name.upper()}_{batch[0][0].kind.upper()}")
         try:
-            device = cuda.process_device(self.rank)
-            event, keep_alive = self._gpu.execute(batch, device)
+            work = path.execute(batch)
         except Exception as exc:   # noqa: BLE001 - a CUDA/NCCL failure fails this batch only
             error = exc if isinstance(exc, HvdliteError) else HvdliteError(
                 f"GPU operation on {[e.name for e in entries]} failed on rank {self.rank}: "
@@ -307,13 +305,13 @@ class Engine:
         if self.config.gpu_async_completion:
             # Complete now; each handle's wait() makes the framework's stream wait for the
             # event, so the host never waits for the GPU (a sync per step idles the device).
-            ready = functools.partial(cuda.wait_for_device_work, event, device)
+            ready = functools.partial(cuda.wait_for_device_work, work.event, work.device)
             for entry in entries:
                 entry.handle._device_ready = ready
             self._complete_batch(entries)
-            self._gpu_completions.put(event, entries, keep_alive, completed=True)
+            self._gpu_completions.put(work.event, entries, work.keep, completed=True)
             return
-        self._gpu_completions.put(event, entries, keep_alive)
+        self._gpu_completions.put(work.event, entries, work.keep)
 
     def _agree_prepared(self, error: BaseException | None) -> None:
         """Before a GPU batch's collective: did every rank prepare its part (device copies,
@@ -336,20 +334,32 @@ class Engine:
         raise HvdliteError(f"GPU operation failed on rank(s) {failed} before its collective, so "
                            f"no rank ran it; their output says why.")
 
-    def _close_gpu(self, abort: bool) -> None:
-        """Let queued device work finish (or abort NCCL when peers are gone), then tear down."""
-        gpu, completions = self._gpu, self._gpu_completions
-        self._gpu = self._gpu_completions = None
-        if completions is not None and not abort:
-            completions.close()
-        close = getattr(gpu, "close", None)
-        if close is not None:
+    def _close_paths(self, collective: bool, abort: bool) -> None:
+        """Let queued device work finish (unless ``abort``: peers may be gone), then release
+        every path's resources (``collective``: every rank of the set is here too)."""
+        self._close_device_work(abort)
+        for path in self.paths:
             try:
-                close(abort=abort)
+                path.close(collective=collective, abort=abort)
             except Exception:   # noqa: BLE001 - teardown must not mask the original outcome
-                log.exception("hvdlite: closing the GPU backend failed")
-        if completions is not None and abort:
-            completions.close(timeout=5.0)
+                log.exception("hvdlite: closing the %s data path failed", path.name)
+
+    def _close_device_work(self, abort: bool) -> None:
+        """Stop the GPU completion thread: after the queued device work finished, or, when
+        ``abort``, after aborting the device paths (NCCL kernels may wait for gone peers)."""
+        completions, self._gpu_completions = self._gpu_completions, None
+        if completions is None:
+            return
+        if not abort:
+            completions.close()
+            return
+        for path in self.paths:
+            if path.device:
+                try:
+                    path.close(collective=False, abort=True)
+                except Exception:   # noqa: BLE001 - teardown must not mask the original outcome
+                    log.exception("hvdlite: closing the %s data path failed", path.name)
+        completions.close(timeout=5.0)
 
     def _complete_batch(self, entries: list[Entry]) -> None:
         """Complete successful entries with one lock round-trip for the whole batch."""

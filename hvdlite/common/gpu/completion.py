@@ -14,15 +14,14 @@ import queue
 import threading
 from typing import Any, Callable
 
-from hvdlite.common.engine.handle import Entry
 from hvdlite.common.errors import HvdliteError
 
 log = logging.getLogger("hvdlite")
 
 
 class GpuCompletions:
-    def __init__(self, runtime, complete: Callable[[list[Entry]], None],
-                 fail: Callable[[Entry, BaseException], None]) -> None:
+    def __init__(self, runtime, complete: Callable[[list], None],
+                 fail: Callable[[object, BaseException], None]) -> None:
         self._rt = runtime
         self._complete = complete
         self._fail = fail
@@ -31,7 +30,7 @@ class GpuCompletions:
                                         daemon=True)
         self._thread.start()
 
-    def put(self, event: Any, entries: list[Entry], keep_alive: Any,
+    def put(self, event: Any, entries: list, keep_alive: Any,
             completed: bool = False) -> None:
         """``keep_alive`` (staging buffers, device copies) and the entries' arrays are held
         until ``event`` fires; then the entries complete, unless they were ``completed``

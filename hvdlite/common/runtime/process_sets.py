@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+from hvdlite.common.runtime import state
+
 
 class ProcessSet:
     """A subset of the job's ranks, identified by ``process_set_id`` once registered.
@@ -56,8 +58,7 @@ class ProcessSet:
     def rank(self) -> int:
         """This process's rank within the set (its index in ``ranks``)."""
         self._registered()
-        from hvdlite.common.runtime.basics import rank
-        me = rank()
+        me = state.rank()
         if me not in self._ranks:
             raise ValueError(f"rank {me} is not a member of {self!r}.")
         return self._ranks.index(me)
@@ -65,8 +66,7 @@ class ProcessSet:
     def included(self) -> bool:
         """True if this process is a member of the set."""
         self._registered()
-        from hvdlite.common.runtime.basics import rank
-        return rank() in self._ranks
+        return state.rank() in self._ranks
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, ProcessSet):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from hvdlite.common.api.public import *  # noqa: F401,F403 - the shared, framework-neutral API
+from hvdlite.common.core import *  # noqa: F401,F403 - the shared API
 
 from ..compression import Compression
 from ..gradient_tape import (LocalVariables, _check_process_set, local_layer_variables,

@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import keras
 
-from hvdlite.common.runtime import basics
-from hvdlite.common.api import ops as core
+from hvdlite.common import core
 
 from ..gradient_tape import LocalVariables
 from ..mpi_ops import broadcast_variables
@@ -177,7 +176,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         def multiplier(epoch):
             # Shift so the rate reaches round values at the end of each epoch, as Horovod does.
             epoch += 1.0 / self.steps_per_epoch
-            return 1.0 / basics.size() * (epoch * (basics.size() - 1) / warmup_epochs + 1)
+            return 1.0 / core.size() * (epoch * (core.size() - 1) / warmup_epochs + 1)
 
         super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs,
                          staircase=False, momentum_correction=momentum_correction,
@@ -186,7 +185,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     def on_epoch_end(self, epoch, logs=None):
         super().on_epoch_end(epoch, logs)
-        if epoch == self.end_epoch - 1 and self.verbose > 0 and basics.rank() == 0:
+        if epoch == self.end_epoch - 1 and self.verbose > 0 and core.rank() == 0:
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
                   f"{float(self._lr_variable().numpy()):g}.")
 
@@ -203,7 +202,7 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
     def __init__(self, monitor="val_loss", verbose=0, mode="auto", save_freq="epoch",
                  filepath=None):
         super().__init__(filepath="unset.keras" if filepath is None else filepath,
-                         monitor=monitor, verbose=verbose if basics.rank() == 0 else 0,
+                         monitor=monitor, verbose=verbose if core.rank() == 0 else 0,
                          save_best_only=True, save_weights_only=False, mode=mode,
                          save_freq=save_freq)
         if filepath is None:
@@ -218,5 +217,5 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
         super().on_train_begin(logs)
 
     def _save_model(self, epoch, batch, logs):
-        if basics.rank() == 0:   # other ranks hold the same weights; one writer
+        if core.rank() == 0:   # other ranks hold the same weights; one writer
             super()._save_model(epoch, batch, logs)

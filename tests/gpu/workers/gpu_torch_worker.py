@@ -723,12 +723,14 @@ def fused_large_and_small(case):
 
 def fused_path_taken(case):
     """White box: a grouped allreduce of small CUDA tensors goes through the fused device path
-    (NCCLBackend._allreduce_fused; under host staging, the MPI backend's fused path)."""
-    from hvdlite.common.runtime import basics
-    hvd.allreduce(gpu(torch.ones(1)), op=hvd.Sum, name=case + ".warm")   # backend exists now
-    backend = basics.engine()._gpu
-    assert backend is not None, "no GPU backend after a CUDA allreduce"
-    target = backend if BACKEND == "nccl" else backend._mpi
+    (NCCLPath._allreduce_fused; under host staging, the host MPI path's fused path)."""
+    from hvdlite.common.runtime import state
+    hvd.allreduce(gpu(torch.ones(1)), op=hvd.Sum, name=case + ".warm")
+    engine = state.engine()
+    if BACKEND == "nccl":
+        target = engine.path("nccl")
+    else:
+        target = next(p for p in engine.path("staged")._host_paths if p.name == "mpi")
     original = target._allreduce_fused
     sizes = []
 
@@ -1047,14 +1049,21 @@ def grad_case(case):
 # the GPU path itself
 # =================================================================================================
 def device_case(case):
-    from hvdlite.common.runtime import basics
+    from hvdlite.common.runtime import state
     what = case.split(".", 1)[1]
     if what == "backend_in_use":
-        hvd.allreduce(gpu(torch.ones(2)), op=hvd.Sum, name=case)
-        backend = basics.engine()._gpu
-        expected = "NCCLBackend" if BACKEND == "nccl" else "HostStagedBackend"
-        assert type(backend).__name__ == expected, \
-            f"CUDA tensors went through {type(backend).__name__}, expected {expected}"
+        used = []
+        device_paths = [p for p in state.engine().paths if p.device]
+        for path in device_paths:   # record which device path serves the allreduce
+            path.execute = (lambda run, name: lambda batch: (used.append(name), run(batch))[1])(
+                path.execute, path.name)
+        try:
+            hvd.allreduce(gpu(torch.ones(2)), op=hvd.Sum, name=case)
+        finally:
+            for path in device_paths:
+                del path.execute   # back to the class's method
+        expected = "nccl" if BACKEND == "nccl" else "staged"
+        assert used == [expected], f"CUDA tensors went through {used}, expected [{expected!r}]"
     elif what == "build_flags":
         assert hvd.cuda_built() is True, "cuda_built() is not True on a GPU machine"
         version = hvd.nccl_built()

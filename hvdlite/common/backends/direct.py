@@ -1,0 +1,39 @@
+"""Single large allreduces of ranks that share one node, by direct copies between their memory
+(see :mod:`hvdlite.common.intranode.direct`; ``HVDLITE_CMA``)."""
+from __future__ import annotations
+
+from hvdlite.common.backends.base import DataPath
+from hvdlite.common.backends.mpi import phase, postscale_factor
+from hvdlite.common.dtypes import dtype_info, numpy_reduce_ufunc
+from hvdlite.common.engine.data_paths import Batch, PathContext
+from hvdlite.common.engine.messages import ALLREDUCE
+from hvdlite.common.intranode.direct import DirectAllreduce
+from hvdlite.common.reduce_ops import ReduceOp
+
+
+class DirectCopyPath(DataPath):
+    """``direct`` is the copier (None when ``HVDLITE_CMA=0`` or at one rank)."""
+
+    name = "direct_copies"
+
+    def __init__(self, context: PathContext) -> None:
+        super().__init__(context)
+        cma = context.config.cma
+        self.direct = (DirectAllreduce(context.comm, context.max_sleep, context.on_slow,
+                                       required=cma == "on")
+                       if cma != "off" and self.size > 1 else None)
+
+    def enabled(self, batch: Batch) -> bool:
+        response, entry = batch[0]
+        return (self.direct is not None and len(batch) == 1 and response.kind == ALLREDUCE
+                and response.device < 0 and response.reduce_op != ReduceOp.Adasum
+                and self.direct.usable(entry.array.nbytes))   # collective: every rank
+
+    def execute(self, batch: Batch) -> None:
+        response, entry = batch[0]
+        info = dtype_info(response.dtype)
+        phase(batch, "CMA_ALLREDUCE")
+        self.direct.allreduce_one(entry.array.reshape(-1), entry.output.reshape(-1),
+                                  numpy_reduce_ufunc(info, ReduceOp(response.reduce_op)),
+                                  1.0 if entry.stand_in else response.prescale,
+                                  postscale_factor(response, self.size), name=response.name)

@@ -1,0 +1,24 @@
+"""The data paths an engine asks, in order, which one serves a batch.  Adding a path: write
+its class (a :class:`~hvdlite.common.backends.base.DataPath`) and put it in this list where it
+should be preferred."""
+from __future__ import annotations
+
+from hvdlite.common.backends.adasum import AdasumPath
+from hvdlite.common.backends.base import DataPath
+from hvdlite.common.backends.direct import DirectCopyPath
+from hvdlite.common.backends.mpi import MPIPath
+from hvdlite.common.backends.nccl import NCCLPath
+from hvdlite.common.backends.shared_window import SharedWindowPath
+from hvdlite.common.backends.staged import StagedPath
+from hvdlite.common.engine.data_paths import PathContext
+
+# GPU batches: NCCL where it can, else through host memory.  Host batches: the intra-node
+# paths first (direct copies for one large tensor, then the shared-memory window), Adasum,
+# and MPI, which serves everything.
+PATHS: list[type[DataPath]] = [NCCLPath, StagedPath,
+                               DirectCopyPath, SharedWindowPath, AdasumPath, MPIPath]
+
+
+def standard_paths(context: PathContext) -> list[DataPath]:
+    """One instance of every registered path, in order, for one engine."""
+    return [cls(context) for cls in PATHS]

@@ -1,0 +1,192 @@
+"""``init()`` and ``shutdown()``: the communicators, the topology, the agreed settings, the
+global process set's engine (made by the factory the caller passes, so the runtime does not
+depend on what an engine is), the timeline, and the end of the job at interpreter exit."""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import sys
+import time
+from typing import Callable
+
+from hvdlite.common.config import Config
+from hvdlite.common.gpu.cuda import reset_process_device
+from hvdlite.common.memory import result_pool
+from hvdlite.common.runtime import child_process, liveness, registry, state as _state, timeline
+from hvdlite.common.runtime.process_sets import ProcessSet, global_process_set
+from hvdlite.common.runtime.state import EngineFactory, ProcessState
+from hvdlite.common.runtime.topology import discover
+
+log = logging.getLogger("hvdlite")
+
+_atexit_registered = False
+# Called after every shutdown, on this rank (e.g. the operations' automatic-name counters).
+_shutdown_listeners: list[Callable[[], None]] = []
+
+
+def on_shutdown(listener: Callable[[], None]) -> None:
+    """Have ``listener()`` called at the end of every :func:`shutdown` (every rank shuts down
+    and re-initializes together, so per-job counters restart in step)."""
+    _shutdown_listeners.append(listener)
+
+
+def _configure_logging(level: str, rank: int) -> None:
+    if any(getattr(h, "_hvdlite", False) for h in log.handlers):
+        log.setLevel(level)
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler._hvdlite = True  # type: ignore[attr-defined]
+    handler.setFormatter(logging.Formatter(f"[hvdlite rank {rank}] %(levelname)s: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(level)
+    log.propagate = False
+
+
+def settings_error(problems: tuple[str | None, ...], rank: int) -> str:
+    """``init()``'s error when some ranks' ``HVDLITE_*``/``HOROVOD_*`` settings are invalid."""
+    bad = [r for r, problem in enumerate(problems) if problem]
+    mine = problems[rank] and problems[rank].rstrip(".")
+    what = (f"{mine} (rank {rank})" if mine else
+            f"rank {bad[0]}'s settings are invalid: {problems[bad[0]].rstrip('.')}")
+    return (f"hvd.init(): {what}. Invalid settings on ranks {bad}, so every rank stops here; "
+            f"correct the environment variable (every rank's, e.g. hvdlite run -x or mpiexec "
+            f"-genv) and start the job again.")
+
+
+def init(comm=None, process_sets=None, *, make_engine: EngineFactory) -> None:
+    """Initialize: communicators, topology, settings agreed by every rank, and the global set's
+    engine from ``make_engine(comm, config, None)`` (started).  See the public ``hvd.init``
+    for ``comm`` and ``process_sets``.  A second call while initialized does nothing."""
+    global _atexit_registered
+    dynamic = isinstance(process_sets, str)
+    if dynamic and process_sets != "dynamic":
+        raise ValueError(f"init(process_sets={process_sets!r}): pass a list of ProcessSet "
+                         f"objects or the string 'dynamic'.")
+    static = [] if dynamic or process_sets is None else list(process_sets)
+    if any(not isinstance(ps, ProcessSet) for ps in static):
+        raise TypeError("init(process_sets=...) expects ProcessSet objects, e.g. "
+                        "[hvd.ProcessSet([0, 1])].")
+    if _state.current is None:   # Horovod's no-op repeat stays one, even in a forked child
+        _state.refuse_in_forked_child("hvd.init()")
+        child_process.refuse_spawned_child()
+    with _state.lock:
+        if _state.current is not None:
+            return
+        from mpi4py import MPI
+
+        world = MPI.COMM_WORLD if comm is None else comm
+        if isinstance(world, (list, tuple)):
+            group = MPI.COMM_WORLD.Get_group().Incl(list(world))
+            world = MPI.COMM_WORLD.Create(group)
+            if world == MPI.COMM_NULL:
+                raise ValueError(f"hvd.init(comm={list(comm)}) called on rank "
+                                 f"{MPI.COMM_WORLD.Get_rank()}, which is not in that list.")
+        world = world.Dup()  # hvdlite's own communicators never collide with the user's
+        rank = world.Get_rank()
+        topology = discover(world)
+        # Every rank reads its settings before any rank relies on them: a bad value raises on
+        # every rank (none is left waiting in a collective for one that gave up).
+        # The timeline file is opened here too, on rank 0 (the one that records), so that a path
+        # it cannot write fails init() on every rank instead of rank 0 alone.
+        try:
+            own, problem = Config.from_env(), None
+            if own.timeline_filename and rank == 0:
+                timeline.start(own.timeline_filename, mark_cycles=own.timeline_mark_cycles)
+        except ValueError as exc:
+            own, problem = None, str(exc)
+        local_sizes, problems = zip(*world.allgather((topology.local_size, problem)))
+        if any(problems):
+            timeline.stop()
+            world.Free()
+            raise ValueError(settings_error(problems, rank))
+        topology = dataclasses.replace(topology, homogeneous=len(set(local_sizes)) == 1)
+        # rank 0's settings, but this rank's own for the knobs that are each rank's (config.KNOBS)
+        config = own.with_rank0(world.bcast(own if rank == 0 else None, root=0))
+        if dynamic and not config.dynamic_process_sets:
+            config = dataclasses.replace(config, dynamic_process_sets=True)
+        result_pool().max_idle_bytes = config.result_pool_bytes
+        _configure_logging(config.log_level, rank)
+        if own != config and rank != 0:
+            log.info("using rank 0's settings %s (this rank's environment says %s)", config, own)
+        engine = make_engine(world.Dup(), config, None)
+        global_process_set._ranks = list(range(world.Get_size()))
+        state = ProcessState(world, engine, config, topology,
+                             MPI.Query_thread() == MPI.THREAD_MULTIPLE, make_engine,
+                             global_process_set)
+        _state.current = state
+        if not _atexit_registered:   # before anything else can raise: exit must shut down
+            atexit.register(_at_exit)
+            _atexit_registered = True
+        for ps in static:
+            registry.register(state, ps)
+        child_process.mark_rank_process(rank)
+
+
+# Before aborting a job whose peer vanished, the other survivors get this long to notice it
+# themselves (a wait checks the peers after about a second) and report their own errors; an
+# immediate abort killed a survivor that was a moment behind before it said anything.
+ABORT_GRACE_SECONDS = 3.0
+
+
+def _at_exit() -> None:
+    """At interpreter exit: shut down; and if a node-local peer vanished during the job, abort
+    it, because MPI_Finalize (which runs next) would wait for that peer for ever."""
+    if _state.forked_from is not None:
+        return   # a forked child: the job is its parent's to end
+    shutdown()
+    gone = liveness.vanished_seen()
+    if gone:
+        from mpi4py import MPI
+        log.error("hvdlite: rank(s) %s exited without shutting down; aborting the job in %g s "
+                  "so that no rank waits for them in MPI_Finalize.", gone, ABORT_GRACE_SECONDS)
+        sys.stderr.flush()
+        time.sleep(ABORT_GRACE_SECONDS)
+        MPI.COMM_WORLD.Abort(1)
+
+
+def shutdown() -> None:
+    """Stop the background thread after telling the other ranks; pending operations fail.
+
+    Called automatically at interpreter exit, so a rank whose script ends (or dies with an
+    exception) while others still wait on it makes them raise instead of hanging.
+    """
+    with _state.lock:
+        state, _state.current = _state.current, None
+    if state is None or _state.forked_from is not None:
+        return   # in a forked child the copied state is just dropped: MPI is the parent's
+    timeline.stop()
+    reset_process_device()
+    result_pool().clear()
+    for listener in _shutdown_listeners:
+        listener()
+    for set_id, (ps, set_engine) in sorted(state.sets.items(), reverse=True):
+        if set_id != 0:
+            registry.stop(ps, set_engine)
+    state.engine.shutdown()
+    try:
+        state.engine.comm.Free()
+        state.world.Free()
+    except Exception:  # noqa: BLE001 - MPI may already be finalized at interpreter exit
+        pass
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start recording a Horovod Timeline (Chrome tracing JSON; open it in chrome://tracing or
+    https://ui.perfetto.dev) to ``file_path``, as ``HVDLITE_TIMELINE`` / ``HOROVOD_TIMELINE``
+    does from ``init()``.  As in Horovod only rank 0 records (it sees every rank's readiness);
+    on other ranks this checks the arguments and does nothing.  ``mark_cycles`` marks every
+    negotiation round.  A timeline already running is closed and replaced.  Raises
+    ``ValueError`` before ``init()`` or if the file cannot be written."""
+    state: ProcessState = _state.get("hvd.start_timeline()")
+    if not isinstance(file_path, str) or not file_path:
+        raise ValueError(f"start_timeline needs a file path, got {file_path!r}.")
+    if state.rank == 0:
+        timeline.start(file_path, mark_cycles=bool(mark_cycles))
+
+
+def stop_timeline() -> None:
+    """Stop recording the timeline and close its file (a complete JSON array).  Nothing happens
+    if none is running; ``shutdown()`` stops it too."""
+    _state.get("hvd.stop_timeline()")
+    timeline.stop()
