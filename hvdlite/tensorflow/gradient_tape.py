@@ -148,8 +148,10 @@ def make_allreduce_grads_fn(name: str, compression=Compression.none, sparse_as_d
                     out[i] = compression.decompress(r, ctx)
         for i, k in enumerate(kinds):
             if k in (layouts.SPARSE32, layouts.SPARSE64):
-                out[i] = allreduce(grads[i], op=op, prescale_factor=prescale,
-                                   postscale_factor=postscale, name=f"{name}.sparse.{i}",
+                # Without the predivide split (prescale * postscale == 1): allreduce refuses
+                # scale factors for tf.IndexedSlices, as Horovod's does, where Horovod's tape
+                # then fails.
+                out[i] = allreduce(grads[i], op=op, name=f"{name}.sparse.{i}",
                                    compression=compression, process_set=process_set)
         return out
 
