@@ -4,7 +4,10 @@ A Horovod TF2 script runs after changing ``import horovod.tensorflow as hvd`` to
 Ops work eagerly and inside ``tf.function`` (see :mod:`hvdlite.tensorflow.mpi_ops` for how
 unnamed ops are named in graphs).  Keras users import :mod:`hvdlite.tensorflow.keras`.
 """
+import tensorflow as _tf
+
 from hvdlite.common.public import *  # noqa: F401,F403 - the shared, framework-neutral API
+from hvdlite.common.reduce_ops import resolve_op
 
 from .compression import Compression
 from .mpi_ops import (allreduce, grouped_allreduce, allgather, grouped_allgather, broadcast,
@@ -21,8 +24,14 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
                          average_aggregated_gradients=False, num_groups=0, groups=None,
                          process_set=global_process_set, scale_local_gradients=True):
-    """Wrap a Keras optimizer (TF2 has no other kind) so that gradients are averaged across
-    ranks before they are applied; see :func:`hvdlite.tensorflow.keras.DistributedOptimizer`."""
+    """Wrap an optimizer so that gradients are averaged across ranks before they are applied:
+    a Keras optimizer (see :func:`hvdlite.tensorflow.keras.DistributedOptimizer`) or, as in
+    Horovod, a TF1-style ``tf.compat.v1.train.Optimizer`` (its ``compute_gradients``, which
+    ``minimize`` calls, returns the averaged gradients; in TF1 graphs and eagerly)."""
+    if isinstance(optimizer, _tf.compat.v1.train.Optimizer):
+        return _legacy_optimizer(optimizer, name, use_locking, compression, sparse_as_dense,
+                                 backward_passes_per_step, op, gradient_predivide_factor,
+                                 num_groups, groups, process_set, scale_local_gradients)
     from .keras import DistributedOptimizer as _keras_distributed
     return _keras_distributed(optimizer, name=name, device_dense=device_dense,
                               device_sparse=device_sparse, compression=compression,
@@ -34,10 +43,39 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
                               scale_local_gradients=scale_local_gradients)
 
 
+def _legacy_optimizer(optimizer, name, use_locking, compression, sparse_as_dense,
+                      backward_passes_per_step, op, gradient_predivide_factor, num_groups,
+                      groups, process_set, scale_local_gradients):
+    from .gradient_tape import _check_groups, _check_process_set, make_allreduce_grads_fn
+    from .legacy_optimizer import DistributedLegacyOptimizer
+    _check_groups(num_groups, groups)
+    _check_process_set(process_set)
+    if resolve_op(op) == Adasum:
+        raise NotImplementedError("hvdlite: op=Adasum with a tf.compat.v1.train.Optimizer "
+                                  "(Horovod's delta-based Adasum optimizer) is not supported; "
+                                  "use op=Average or Sum.")
+    if backward_passes_per_step != 1:
+        if _tf.executing_eagerly():   # Horovod's check and class
+            raise ValueError("backward_passes_per_step > 1 is not yet supported for "
+                             "_LegacyOptimizer with eager execution.")
+        raise NotImplementedError("hvdlite: backward_passes_per_step > 1 with a "
+                                  "tf.compat.v1.train.Optimizer is not supported; accumulate "
+                                  "the gradients yourself, or use a Keras optimizer.")
+    label = name or f"Distributed{type(optimizer).__name__}"
+    allreduce_grads = make_allreduce_grads_fn(f"DistributedOptimizer.{label}", compression,
+                                              sparse_as_dense, op, gradient_predivide_factor,
+                                              process_set, scale_local_gradients)
+    return DistributedLegacyOptimizer(optimizer, name, use_locking, allreduce_grads)
+
+
 def broadcast_global_variables(root_rank):
-    """TF1 graph-mode API: not available in TF2 eager execution (same as Horovod)."""
-    raise RuntimeError("hvd.broadcast_global_variables() does not support eager execution; use "
-                       "hvd.broadcast_variables(model.variables, root_rank) instead.")
+    """Broadcast every global variable (``tf.compat.v1.global_variables()``) from
+    ``root_rank``: a TF1 graph-mode API that returns the broadcast op; eagerly it raises
+    RuntimeError, as Horovod's does."""
+    if _tf.executing_eagerly():
+        raise RuntimeError("hvd.broadcast_global_variables() does not support eager execution; "
+                           "use hvd.broadcast_variables(model.variables, root_rank) instead.")
+    return broadcast_variables(_tf.compat.v1.global_variables(), root_rank)
 
 
 def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global_process_set):

@@ -30,8 +30,11 @@ OTHER_CASES = [
     "ops.process_set_codes",
     "session.broadcast_inplace",
     "session.broadcast_variables_after_train_op",
+    "session.legacy_optimizer",
+    "eager.legacy_optimizer",
     "nonmember.tape",
     "nonmember.keras",
+    "nonmember.legacy_optimizer",
 ]
 
 CASES = ([f"{c}.{m}" for m in MODES for c in PER_MODE]

@@ -627,8 +627,9 @@ def session_broadcast_variables_after_train_op():
     """Horovod's TF1 recipe: build the training step (fed by a placeholder), then the broadcast
     of the variables; running the broadcast must not need the step's feed (hvdlite used to
     chain every collective of a TF1 graph after the previous one, so it ran the step's gradient
-    allreduce too)."""
-    for use_global in (False,):
+    allreduce too).  broadcast_global_variables builds the same op in a TF1 graph, and raises
+    RuntimeError eagerly, as Horovod's."""
+    for use_global in (False, True):
         graph = tf.Graph()
         with graph.as_default():
             x = tf.compat.v1.placeholder(tf.float64, [2])
@@ -646,6 +647,56 @@ def session_broadcast_variables_after_train_op():
                 xs = [np.array([q + 1.0, 2.0]) for q in range(SIZE)]
                 got = sess.run(step, {x: xs[RANK]})
                 close(got, 1.0 - 0.25 * np.mean([2 * xq for xq in xs], 0))
+    raises([RuntimeError], lambda: hvd.broadcast_global_variables(0), "eager")
+
+
+def _legacy_expectations(lr, members, coef):
+    """w after one SGD step from 1.0 on loss_q = coef(q) * sum(w * w) + sum(gather(emb, q)),
+    gradients averaged over ``members`` (a rank outside them uses its own)."""
+    group = members if RANK in members else [RANK]
+    dense = 1.0 - lr * np.mean([2.0 * coef(q) for q in group])
+    emb = np.ones((SIZE + 1, 2))
+    for q in group:
+        emb[q] -= lr / len(group)
+    return dense, emb
+
+
+def _legacy_loss(w, emb):
+    return (RANK + 1.0) * tf.reduce_sum(w * w) + tf.reduce_sum(tf.gather(emb, [RANK]))
+
+
+def session_legacy_optimizer(process_set=hvd.global_process_set, members=None):
+    """hvd.DistributedOptimizer(tf.compat.v1.train.Optimizer) as in Horovod: minimize() averages
+    the gradients (dense and tf.IndexedSlices) before applying them."""
+    members = list(range(SIZE)) if members is None else members
+    graph = tf.Graph()
+    with graph.as_default():
+        w = tf.compat.v1.Variable(np.ones(3))
+        emb = tf.compat.v1.Variable(np.ones((SIZE + 1, 2)))
+        opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.5),
+                                       process_set=process_set)
+        train = opt.minimize(_legacy_loss(w, emb))
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(train)
+            got_w, got_emb = sess.run([w, emb])
+    dense, emb_want = _legacy_expectations(0.5, members, lambda q: q + 1.0)
+    close(got_w, np.full(3, dense))
+    close(got_emb, emb_want)
+
+
+def eager_legacy_optimizer(process_set=hvd.global_process_set, members=None):
+    members = list(range(SIZE)) if members is None else members
+    w = tf.Variable(np.ones(3))
+    emb = tf.Variable(np.ones((SIZE + 1, 2)))
+    opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.5),
+                                   process_set=process_set)
+    opt.minimize(lambda: _legacy_loss(w, emb), var_list=[w, emb])
+    dense, emb_want = _legacy_expectations(0.5, members, lambda q: q + 1.0)
+    close(w.numpy(), np.full(3, dense))
+    close(emb.numpy(), emb_want)
+    raises([ValueError], lambda: hvd.DistributedOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.5), backward_passes_per_step=2))
 
 
 # --- process-set non-members (item 5) ----------------------------------------------------------
@@ -705,6 +756,11 @@ def nonmember_keras():
     np.testing.assert_allclose(np.asarray(model.layers[0].kernel.numpy()), [[want]], rtol=1e-6)
 
 
+def nonmember_legacy_optimizer():
+    session_legacy_optimizer(EVEN, EVEN.ranks)
+    eager_legacy_optimizer(EVEN, EVEN.ranks)
+
+
 # --- run: graph modes first, eager last ----------------------------------------------------------
 for mode in MODES:
     for c in GRAD_CASES:
@@ -720,8 +776,11 @@ r.case("errors.graph_run_time", errors_graph_run_time)
 r.case("ops.process_set_codes", process_set_codes)
 r.case("session.broadcast_inplace", session_broadcast_inplace)
 r.case("session.broadcast_variables_after_train_op", session_broadcast_variables_after_train_op)
+r.case("session.legacy_optimizer", session_legacy_optimizer)
+r.case("eager.legacy_optimizer", eager_legacy_optimizer)
 r.case("nonmember.tape", nonmember_tape)
 r.case("nonmember.keras", nonmember_keras)
+r.case("nonmember.legacy_optimizer", nonmember_legacy_optimizer)
 
 missing = sorted(set(CASES) - set(r.results))
 assert not missing, missing
