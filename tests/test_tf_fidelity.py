@@ -6,6 +6,10 @@ in-place broadcast and the TF1 optimizer in sessions; process-set non-members.
 One launch per rank count runs every case (see tests/workers/tf_fidelity_worker.py); each case
 is reported per rank and checked here as its own test.
 """
+import os
+import subprocess
+import sys
+
 import pytest
 
 from tests.mpi_harness import STALL_SAFETY_NET_ENV, assert_case_passed, assert_every_case_reported
@@ -30,3 +34,29 @@ def test_worker_reports_every_case(mpi_job, np):
 @pytest.mark.parametrize("case", CASES)
 def test_tf_fidelity(mpi_job, np, case):
     assert_case_passed(_job(mpi_job, np), np, case)
+
+
+NOT_INITIALIZED = """
+import tensorflow as tf
+import hvdlite.tensorflow as hvd
+calls = [lambda: hvd.allreduce(tf.ones([2])), lambda: hvd.allgather(tf.ones([2])),
+         lambda: hvd.broadcast(tf.ones([2]), 0), lambda: hvd.alltoall(tf.ones([2])),
+         lambda: hvd.rank_op(), lambda: hvd.size_op()]
+for graph in (False, True):
+    for call in calls:
+        try:
+            tf.function(call)() if graph else call()
+        except tf.errors.FailedPreconditionError as exc:
+            assert isinstance(exc, ValueError) and "hvd.init()" in str(exc), exc
+        else:
+            raise AssertionError("no error before hvd.init()")
+print("ok")
+"""
+
+
+def test_ops_before_init_raise_horovods_class():
+    """Horovod's ops fail with FailedPreconditionError before hvd.init() (its Python allreduce
+    with a ValueError): hvdlite's error is both, eagerly and while tracing."""
+    proc = subprocess.run([sys.executable, "-c", NOT_INITIALIZED], capture_output=True,
+                          text=True, timeout=180, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]

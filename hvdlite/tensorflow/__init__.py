@@ -7,6 +7,8 @@ unnamed ops are named in graphs).  Keras users import :mod:`hvdlite.tensorflow.k
 import tensorflow as _tf
 
 from hvdlite.common.public import *  # noqa: F401,F403 - the shared, framework-neutral API
+from hvdlite.common.objects import allgather_object as _common_allgather_object
+from hvdlite.common.objects import broadcast_object as _common_broadcast_object
 from hvdlite.common.reduce_ops import resolve_op
 
 from .compression import Compression
@@ -78,13 +80,23 @@ def broadcast_global_variables(root_rank):
     return broadcast_variables(_tf.compat.v1.global_variables(), root_rank)
 
 
+def broadcast_object(obj, root_rank=0, session=None, name=None,
+                     process_set=global_process_set):
+    """Return ``root_rank``'s picklable ``obj`` on every rank of ``process_set`` (Horovod's TF
+    signature).  ``session`` is accepted for TF1 scripts and not needed: hvdlite sends the
+    object directly, also while a TF1 graph is being built."""
+    return _common_broadcast_object(obj, root_rank, name=name, process_set=process_set)
+
+
+def allgather_object(obj, session=None, name=None, process_set=global_process_set):
+    """List of every rank's picklable ``obj`` (Horovod's TF signature; ``session`` as in
+    :func:`broadcast_object`)."""
+    return _common_allgather_object(obj, name=name, process_set=process_set)
+
+
 def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global_process_set):
     """Return ``fn(obj)`` that broadcasts a picklable object from ``root_rank`` (Horovod's
-    TF API; in TF2 this is :func:`broadcast_object` with the arguments bound)."""
-    if session is not None:
-        raise ValueError("broadcast_object_fn(session=...) is a TF1 graph-mode API; TF2 runs "
-                         "eagerly, so leave session=None.")
-
+    TF API: :func:`broadcast_object` with the arguments bound; ``session`` is not needed)."""
     def broadcast_fn(obj):
         return broadcast_object(obj, root_rank, name=name, process_set=process_set)
 

@@ -445,6 +445,17 @@ def _sparse_allreduce(slices: tf.IndexedSlices, name, op: ReduceOp, prescale, po
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
+def _check_adasum(op: ReduceOp, members, what: str) -> None:
+    """Horovod raises NotImplementedError for Adasum on a number of ranks that is not a power
+    of two (hvdlite's Adasum also runs on process sets of such a size)."""
+    size = _set_size(members)
+    if op == ReduceOp.Adasum and size & (size - 1):
+        raise NotImplementedError(
+            f"{what}: op=Adasum needs a power-of-two number of ranks (1, 2, 4, 8, ...), but "
+            f"the process set has {size}. Run on a power-of-two number of ranks or use "
+            f"op=Average.")
+
+
 @_public
 def allreduce(tensor, average: bool | None = None, device_dense: str = "",
               device_sparse: str = "", compression=Compression.none,
@@ -468,6 +479,7 @@ def allreduce(tensor, average: bool | None = None, device_dense: str = "",
     if isinstance(tensor, tf.IndexedSlices):
         return _sparse_allreduce(tensor, name, op, prescale_factor, postscale_factor,
                                  process_set, members)
+    _check_adasum(op, members, f"allreduce of {name or 'a tensor'}")
     tensor = tf.convert_to_tensor(tensor)
     compressed, ctx = compression.compress(tensor)
     reduced = _allreduce_raw([compressed], _op_name("allreduce", name, process_set), op,
@@ -499,6 +511,7 @@ def grouped_allreduce(tensors: Sequence, average: bool | None = None, device_den
         else:
             dense_idx.append(i)
     if dense_idx:
+        _check_adasum(op, members, f"grouped_allreduce of {name or 'tensors'}")
         compressed = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense_idx]
         reduced = _allreduce_raw([c for c, _ in compressed],
                                  _op_name("grouped_allreduce", name, process_set), op,

@@ -437,8 +437,13 @@ def adasum_case(graph):
 
 def adasum_errors():
     if SIZE & (SIZE - 1):
-        expect_raises(ValueError, lambda: hvd.allreduce(tf.ones([2]), op=hvd.Adasum),
-                      "power")
+        # Horovod's class for Adasum on a number of ranks that is not a power of two
+        for graph in (False, True):
+            expect_raises(NotImplementedError, lambda: run(
+                lambda t: hvd.allreduce(t, op=hvd.Adasum), graph, tf.ones([2])), "power")
+            expect_raises(NotImplementedError, lambda: run(
+                lambda t: hvd.grouped_allreduce([t], op=hvd.Adasum), graph, tf.ones([2])),
+                "power")
         return
     x = tf.Variable(tf.ones([3]) * (RANK + 1))
     for graph in (False, True):

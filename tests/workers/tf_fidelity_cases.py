@@ -35,6 +35,8 @@ OTHER_CASES = [
     "nonmember.tape",
     "nonmember.keras",
     "nonmember.legacy_optimizer",
+    "tape.horovod_signature",
+    "optimizer.groups_arguments",
 ]
 
 CASES = ([f"{c}.{m}" for m in MODES for c in PER_MODE]

@@ -761,6 +761,41 @@ def nonmember_legacy_optimizer():
     eager_legacy_optimizer(EVEN, EVEN.ranks)
 
 
+# --- API details --------------------------------------------------------------------------------
+def tape_horovod_signature():
+    """Horovod's tape: gradient(target, sources, output_gradients, use_generic_names) and
+    get_local_and_global_gradients -> (local pairs, global pairs)."""
+    a, b = tf.Variable([1.0, 2.0]), tf.Variable([3.0])
+    with tf.GradientTape(persistent=True) as tape:
+        loss = (RANK + 1.0) * (tf.reduce_sum(a * a) + tf.reduce_sum(b))
+    tape = hvd.DistributedGradientTape(tape)
+    tape.register_local_source(b)
+    (ga, gb) = tape.gradient(loss, [a, b], None, True)
+    mean = np.mean([q + 1.0 for q in range(SIZE)])
+    np.testing.assert_allclose(ga.numpy(), 2 * mean * np.array([1.0, 2.0]), rtol=1e-6)
+    np.testing.assert_allclose(gb.numpy(), [(RANK + 1.0) / SIZE], rtol=1e-6)
+    local, shared = tape.get_local_and_global_gradients(loss, [a, b])
+    assert [s for s, _ in local] == [b] and [s for s, _ in shared] == [a]
+    np.testing.assert_allclose(shared[0][1].numpy(), ga.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(local[0][1].numpy(), gb.numpy(), rtol=1e-6)
+
+
+def optimizer_groups_arguments():
+    """Horovod: num_groups is deprecated (DeprecationWarning) and stands in for groups; both
+    may be given; groups <= 0 raises ValueError."""
+    import warnings
+    import keras
+    for make in (lambda **kw: hvd.DistributedGradientTape(tf.GradientTape(), **kw),
+                 lambda **kw: hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1), **kw),
+                 lambda **kw: hvd.DistributedOptimizer(
+                     tf.compat.v1.train.GradientDescentOptimizer(0.1), **kw)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            make(num_groups=2, groups=3)
+        assert any(issubclass(w.category, DeprecationWarning) for w in caught), caught
+        raises([ValueError], lambda: make(groups=0), "groups")
+
+
 # --- run: graph modes first, eager last ----------------------------------------------------------
 for mode in MODES:
     for c in GRAD_CASES:
@@ -781,6 +816,8 @@ r.case("eager.legacy_optimizer", eager_legacy_optimizer)
 r.case("nonmember.tape", nonmember_tape)
 r.case("nonmember.keras", nonmember_keras)
 r.case("nonmember.legacy_optimizer", nonmember_legacy_optimizer)
+r.case("tape.horovod_signature", tape_horovod_signature)
+r.case("optimizer.groups_arguments", optimizer_groups_arguments)
 
 missing = sorted(set(CASES) - set(r.results))
 assert not missing, missing
