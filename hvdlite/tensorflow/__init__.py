@@ -1,8 +1,10 @@
 """TensorFlow 2 adapter with Horovod's API: ``import hvdlite.tensorflow as hvd``.
 
-A Horovod TF2 script runs after changing ``import horovod.tensorflow as hvd`` to this import.
-Ops work eagerly and inside ``tf.function`` (see :mod:`hvdlite.tensorflow.mpi_ops` for how
-unnamed ops are named in graphs).  Keras users import :mod:`hvdlite.tensorflow.keras`.
+A Horovod TensorFlow script runs after changing ``import horovod.tensorflow as hvd`` to this
+import.  Ops work eagerly, inside ``tf.function`` and in TF1 graphs run by a
+``tf.compat.v1.Session`` (see :mod:`hvdlite.tensorflow.mpi_ops` for how unnamed ops are named in
+graphs); errors are Horovod's ``tf.errors`` classes (see :mod:`hvdlite.tensorflow.errors`).
+Keras users import :mod:`hvdlite.tensorflow.keras`.
 """
 import tensorflow as _tf
 

@@ -53,10 +53,13 @@ def aborted(message: str) -> Exception:
 
 def to_tf_error(exc: BaseException) -> BaseException:
     """The exception to raise in place of ``exc`` (raised by hvdlite's core or this adapter):
-    ``exc`` itself where Horovod raises the same kind (TypeError, NotImplementedError, a TF
-    error already), else an instance of Horovod's TF class that is also ``type(exc)``."""
-    if isinstance(exc, (tf.errors.OpError, UnsupportedDtypeError)):
-        return exc   # UnsupportedDtypeError is a TypeError, as Horovod's op type check raises
+    ``exc`` itself where Horovod raises the same kind (a TF error already, an unsupported
+    dtype, NotImplementedError, other TypeErrors), else an instance of Horovod's TF class that
+    is also ``type(exc)``."""
+    if isinstance(exc, (tf.errors.OpError, UnsupportedDtypeError, NotImplementedError)):
+        # UnsupportedDtypeError is a TypeError, as Horovod's op type check raises; Horovod
+        # raises NotImplementedError for what hvdlite raises it for (sparse ops, Adasum size)
+        return exc
     if isinstance(exc, (NotInitializedError, TensorMismatchError)):
         tf_class = tf.errors.FailedPreconditionError
     elif isinstance(exc, DuplicateNameError) or type(exc) is ValueError:

@@ -111,8 +111,9 @@ def _last_node(graph):
 
 def _public(fn):
     """Decorator for the public ops: never converted by AutoGraph (they are plain Python that
-    builds graph nodes); errors reach the caller as Horovod's TensorFlow error classes (see :mod:`.errors`), raised directly
-    (AutoGraph would otherwise re-wrap some of them as StagingError)."""
+    builds graph nodes); errors reach the caller as Horovod's TensorFlow error classes (see
+    :mod:`.errors`), raised directly (AutoGraph would otherwise re-wrap some of them as
+    StagingError)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -469,10 +470,12 @@ def allreduce(tensor, average: bool | None = None, device_dense: str = "",
     ``op``: Average, Sum, Min, Max, Product or Adasum (float tensors, power-of-two number of
     ranks); ``average=`` is Horovod's deprecated spelling.  ``prescale_factor`` multiplies the
     input before the reduction, ``postscale_factor`` the result.  ``tf.IndexedSlices`` are
-    allgathered (values and indices; Average and Sum only).  Differentiable for Average/Sum: the
-    gradient is the same allreduce of the upstream gradient (other ops raise
-    NotImplementedError when differentiated).  ``device_dense``/``device_sparse`` and
-    ``ignore_name_scope`` are accepted for compatibility (CPU only; names ignore scopes).
+    allgathered (values and indices; Average and Sum only, no scale factors, as in Horovod);
+    Average divides the gathered values by the set's size in TensorFlow, so integer values
+    become floats.  Differentiable for Average/Sum: the gradient is the same allreduce of the
+    upstream gradient (other ops raise NotImplementedError when differentiated).
+    ``device_dense``/``device_sparse`` and ``ignore_name_scope`` are accepted for compatibility
+    (CPU only; names ignore scopes).
     """
     members = _members(process_set, f"allreduce of {name or 'a tensor'}")
     op = resolve_op(op, average)
@@ -496,7 +499,8 @@ def grouped_allreduce(tensors: Sequence, average: bool | None = None, device_den
                       ignore_name_scope: bool = False, name: str | None = None) -> list:
     """Allreduce a list of tensors as one group: the core negotiates and executes them as one
     unit (inside ``tf.function``: one graph node), fusing small ones.  Arguments as in
-    :func:`allreduce`; ``tf.IndexedSlices`` entries are allgathered.  Returns a list."""
+    :func:`allreduce`; ``tf.IndexedSlices`` entries are allgathered (as in :func:`allreduce`),
+    wherever they are in the list.  Returns a list."""
     tensors = list(tensors)
     if not tensors:
         return tensors

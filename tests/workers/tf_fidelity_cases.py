@@ -20,7 +20,7 @@ SPARSE_CASES = ["grouped_mixed_average", "integer_average", "scale_factors_rejec
                 "ops_rejected"]
 ERROR_CASES = ["mismatch", "arguments"]
 
-PER_MODE = ([f"grad.{c}" for c in GRAD_CASES])
+PER_MODE = [f"grad.{c}" for c in GRAD_CASES]
 PER_BUILD_MODE = ([f"sparse.{c}" for c in SPARSE_CASES] + [f"errors.{c}" for c in ERROR_CASES]
                   + ["alltoall.fewer_rows"])
 
