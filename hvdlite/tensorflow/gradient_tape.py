@@ -1,6 +1,8 @@
 """DistributedGradientTape and the gradient-averaging function shared with the Keras optimizer."""
 from __future__ import annotations
 
+import warnings
+
 import tensorflow as tf
 
 from hvdlite.common import core
@@ -12,10 +14,16 @@ from .mpi_ops import _allreduce_raw, allreduce
 
 
 def _check_groups(num_groups, groups):
-    if num_groups and groups is not None:
-        raise ValueError("pass at most one of num_groups and groups")
-    if isinstance(groups, int) and groups <= 0:
-        raise ValueError("groups must be a positive int or a list of variable lists")
+    """Horovod's checks: ``num_groups`` is deprecated (a warning; it stands in for a missing
+    ``groups``); ``groups`` is a positive int or a list of variable lists."""
+    if num_groups:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed "
+                      "in v0.23.0.", DeprecationWarning, stacklevel=3)
+        if groups is None:
+            groups = num_groups
+    if groups is not None and not (isinstance(groups, list) or groups > 0):
+        raise ValueError("groups should be a non-negative integer or a list of list of "
+                         "tf.Variable.")
 
 
 def _check_process_set(process_set) -> tuple[bool, int]:
@@ -147,8 +155,10 @@ def make_allreduce_grads_fn(name: str, compression=Compression.none, sparse_as_d
                     out[i] = compression.decompress(r, ctx)
         for i, k in enumerate(kinds):
             if k in (layouts.SPARSE32, layouts.SPARSE64):
-                out[i] = allreduce(grads[i], op=op, prescale_factor=prescale,
-                                   postscale_factor=postscale, name=f"{name}.sparse.{i}",
+                # Without the predivide split (prescale * postscale == 1): allreduce refuses
+                # scale factors for tf.IndexedSlices, as Horovod's does, where Horovod's tape
+                # then fails.
+                out[i] = allreduce(grads[i], op=op, name=f"{name}.sparse.{i}",
                                    compression=compression, process_set=process_set)
         return out
 
@@ -174,15 +184,27 @@ class _DistributedGradientTape(tf.GradientTape):
         made with ``scale_local_gradients=True``, the default), as in Horovod."""
         self._hvd_local.add(source)
 
-    def gradient(self, target, sources, output_gradients=None,
-                 unconnected_gradients=tf.UnconnectedGradients.NONE, use_generic_names=False):
-        """Gradients of ``target`` averaged across ranks (local sources excepted).
+    def gradient(self, target, sources, output_gradients=None, use_generic_names=False,
+                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+        """Gradients of ``target`` averaged across ranks (local sources excepted); Horovod's
+        signature (``unconnected_gradients`` is hvdlite's addition, last).
         ``use_generic_names`` is accepted for Horovod compatibility: collectives are always
         named by position, which is already generic and identical on every rank."""
         gradients = super().gradient(target, sources, output_gradients, unconnected_gradients)
         flat = tf.nest.flatten(gradients)
         reduced = self._hvd_allreduce_grads(flat, tf.nest.flatten(sources), self._hvd_local)
         return tf.nest.pack_sequence_as(gradients, reduced)
+
+    def get_local_and_global_gradients(self, target, sources, output_gradients=None,
+                                       use_generic_names=False):
+        """``gradient()``, split as Horovod's tape does: ``(local, global)``, two lists of
+        ``(source, gradient)`` pairs, local sources (``register_local_source``) first."""
+        sources = list(sources)
+        grads = self.gradient(target, sources, output_gradients, use_generic_names)
+        local, shared = [], []
+        for s, g in zip(sources, grads):
+            (local if s in self._hvd_local else shared).append((s, g))
+        return local, shared
 
 
 def DistributedGradientTape(gradtape, device_dense="", device_sparse="",

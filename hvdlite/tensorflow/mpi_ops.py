@@ -1,33 +1,36 @@
-"""Horovod-compatible collective ops on TensorFlow tensors, eager and inside ``tf.function``.
+"""Horovod-compatible collective ops on TensorFlow tensors: eagerly, inside ``tf.function``, and
+in TF1-style graphs run by a ``tf.compat.v1.Session``.
 
 Eagerly, a CPU tensor goes to the core as ``tensor.numpy()`` (which shares the tensor's buffer)
-and the result comes back with ``tf.convert_to_tensor``.  Inside a ``tf.function`` every call
-becomes one stateful ``tf.numpy_function`` node that submits its tensor(s) and waits (a grouped
-op is one node that submits the whole group); the function's automatic control dependencies
-(plus an explicit chain that hvdlite adds) run these nodes in program order, so every rank
-executes its collectives in the same order.
+and the result comes back with ``tf.convert_to_tensor``.  In a graph every call becomes one
+stateful ``tf.numpy_function`` node that submits its tensor(s) and waits (a grouped op is one
+node that submits the whole group).  Each node has a control dependency on the graph's previous
+one, so that every rank starts them in the same order (a ``tf.function`` runs them all; in a
+TF1 graph, fetching a node also runs the nodes built before it, except the broadcasts of
+variables, which stay out of that chain: see ``_chained``).
 
 Names.  Ranks match collectives by name.  ``name=None`` means:
   * eagerly: the core's per-kind call counter (``allreduce.noname.N``): unnamed ops must be
     issued in the same order on every rank, as in Horovod;
-  * inside ``tf.function``: a name fixed when the function is traced,
-    ``<kind>.tf.<function>.<k>``, with ``k`` counting the hvdlite ops of that traced graph in
-    program order (ops on a process set other than the global one count separately and are
-    named ``<kind>.tf.set<id>.<function>.<k>``, so that only members need to run them).
-    Identical programs trace identically on every rank, so the names agree; they are reused on
-    every call of the function, which lets the core's response cache skip negotiation in steady
-    state.
-Gradient ops are named after their forward op (``<name>.grad``).
+  * in a graph: a name fixed when the op is created, ``<kind>.tf.<function>.<k>``, with ``k``
+    counting the hvdlite ops of that graph in program order (ops on a process set other than
+    the global one count separately and are named ``<kind>.tf.set<id>.<function>.<k>``, so
+    that only members need to run them).  Identical programs trace identically on every rank,
+    so the names agree; they are reused on every call of the function, which lets the core's
+    response cache skip negotiation in steady state.
+Gradient ops are named after their forward op (``<name>.grad``).  Gradients are Horovod's
+(see each op); a graph's gradient always runs the collectives it was built with, on every rank.
 
 Process sets.  Every op takes ``process_set`` (default :data:`global_process_set`, all ranks;
 ``None`` means the same).  Only members of a set may run ops on it; ``root_rank`` of a
 broadcast is a global rank that must be a member; ``Average`` divides by the set's size.
 
-Errors of the core (e.g. ``TensorMismatchError``) are raised as they are in eager mode; inside a
-``tf.function`` TensorFlow wraps them in a ``tf.errors`` exception whose message contains the
-core's message unchanged.  Argument errors (unknown process set, non-member rank, bad
-``root_rank``, bad ``splits``, unsupported dtype) are raised when the op is created, also while
-a ``tf.function`` is traced.
+Errors are Horovod's ``tf.errors`` classes (see :mod:`.errors`): eagerly a cross-rank mismatch
+raises ``FailedPreconditionError`` (also a ``hvd.TensorMismatchError``); argument errors
+(unknown process set, non-member rank, bad ``root_rank``, bad ``splits``, scalars where rows
+are needed) raise ``InvalidArgumentError`` (also a ``ValueError``) when the op is created, also
+while a graph is built.  Inside a graph TensorFlow reports a collective's failure by Python type
+(a mismatch as ``InvalidArgumentError``), with hvdlite's message.
 """
 from __future__ import annotations
 
@@ -50,6 +53,7 @@ from hvdlite.common.core import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, dtyp
                                  global_process_set, ProcessSet, ReduceOp, REDUCESCATTER,
                                  resolve_op, split_rows, TensorMismatchError)
 
+from . import errors as tf_errors
 from .compression import Compression
 
 _graph_state: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -60,7 +64,7 @@ class _GraphState:
 
     def __init__(self) -> None:
         self.counters: dict[int, itertools.count] = {}   # process set id -> op counter
-        self.last = None       # last hvdlite op created in this graph (explicit ordering)
+        self.last = None       # last chained hvdlite node of this graph (see _chained)
 
     def next_index(self, set_id: int) -> int:
         counter = self.counters.get(set_id)
@@ -82,21 +86,43 @@ def _graph_label(graph) -> str:
     return re.sub(r"_\d+$", "", re.sub(r"[^A-Za-z0-9_.]", "_", name))
 
 
+# --- ordering of the graph nodes -----------------------------------------------------------------
+# A node blocks a TensorFlow thread while its collective waits for the other ranks, so every
+# rank must start its nodes in the same order: each node gets a control dependency on the
+# graph's previous node (its chain).  TensorFlow's own order of independent nodes can differ
+# between ranks (a TF1 session's executor does), so the chain is needed in TF1 graphs too,
+# although there it makes a session.run that fetches a node also run the nodes built before it.
+# The broadcasts of variables (broadcast_variables, broadcast_global_variables, broadcast_) stay
+# out of a TF1 graph's chain: they are run on their own, typically once after the training step
+# is built, and must not run (or need the feeds of) that step's collectives.
+def _chained(graph) -> bool:
+    """Whether a variables broadcast built now joins the chain (see above)."""
+    return getattr(graph, "building_function", False)
+
+
+def _last_node(graph):
+    return _state_of(graph).last
+
+
 def _public(fn):
     """Decorator for the public ops: never converted by AutoGraph (they are plain Python that
-    builds graph nodes), and errors raised while tracing reach the caller as the core's own
-    exception (AutoGraph would otherwise re-wrap some of them as StagingError)."""
+    builds graph nodes); errors reach the caller as Horovod's TensorFlow error classes (see
+    :mod:`.errors`), raised directly (AutoGraph would otherwise re-wrap some of them as
+    StagingError)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - re-raised unchanged
+        except Exception as exc:  # noqa: BLE001 - re-raised as Horovod's class
+            converted = tf_errors.to_tf_error(exc)
             try:
-                exc.ag_pass_through = True
+                converted.ag_pass_through = True
             except AttributeError:
                 pass
-            raise
+            if converted is exc:
+                raise
+            raise converted from None
 
     return tf.autograph.experimental.do_not_convert(wrapper)
 
@@ -196,11 +222,20 @@ def _label(kind: str, name) -> str:
     return re.sub(r"[^A-Za-z0-9_.]", "_", f"hvdlite_{kind}_{name or ''}")[:60]
 
 
-def _node(label: str, fn: Callable[..., list], inputs: list, touts: list) -> list:
+def _node(label: str, fn: Callable[..., list], inputs: list, touts: list,
+          chained: bool = True) -> list:
     """Run ``fn(*numpy inputs) -> list of numpy outputs`` now (eagerly) or as one stateful
-    ``tf.numpy_function`` node chained after the graph's previous hvdlite node."""
+    ``tf.numpy_function`` node, chained after the graph's previous hvdlite node unless
+    ``chained`` is False (see _chained).  Eager failures are raised as Horovod's TF error
+    classes."""
     if tf.executing_eagerly():
-        outs = fn(*[np.asarray(t.numpy()) for t in inputs])
+        try:
+            outs = fn(*[np.asarray(t.numpy()) for t in inputs])
+        except Exception as exc:  # noqa: BLE001 - re-raised as Horovod's class
+            converted = tf_errors.to_tf_error(exc)
+            if converted is exc:
+                raise
+            raise converted from None
         return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outs, touts)]
 
     def run(*arrays):
@@ -209,11 +244,11 @@ def _node(label: str, fn: Callable[..., list], inputs: list, touts: list) -> lis
     graph = tf.compat.v1.get_default_graph()
     _refuse_xla(graph, label)
     state = _state_of(graph)
-    deps = [state.last] if state.last is not None else []
+    deps = [state.last] if chained and state.last is not None else []
     with tf.control_dependencies(deps):
         outs = tf.numpy_function(run, inputs, touts, stateful=True, name=label)
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-    if outs:
+    if outs and chained:
         state.last = outs[0].op
     return outs
 
@@ -257,7 +292,7 @@ def _scattered_shape(t, members) -> tf.TensorShape | None:
 
 
 def _collective(kind: str, tensors: list, names: list, kwargs: dict,
-                process_set=None) -> list:
+                process_set=None, chained: bool = True) -> list:
     """One ``kind`` op per tensor (submitted together, waited together, one graph node)."""
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
@@ -269,7 +304,7 @@ def _collective(kind: str, tensors: list, names: list, kwargs: dict,
     def fn(*arrays):
         return _execute(kind, arrays, names, dtypes, kwargs)
 
-    outs = _node(_label(kind, names[0]), fn, tensors, [t.dtype for t in tensors])
+    outs = _node(_label(kind, names[0]), fn, tensors, [t.dtype for t in tensors], chained)
     _set_shapes(outs, [_gathered_shape(t) if kind == ALLGATHER else t.shape for t in tensors])
     return outs
 
@@ -309,6 +344,25 @@ def _check_grad_op(op: ReduceOp, what: str) -> None:
             f"tf.stop_gradient on its input or use Sum/Average.")
 
 
+def _backward(backward_fn, xs, ys, dys) -> list:
+    """``backward_fn(xs, ys, dys)``; in a graph, every returned gradient also depends on the
+    last collective node the backward created (those before it are chained to it).  A graph
+    runs only what the fetched gradients need, and which nodes those are can differ between
+    ranks (a broadcast's non-root gradient needs no collective; constant folding may drop one
+    on some ranks only): without this, some ranks would skip a collective that others wait in
+    for ever."""
+    if tf.executing_eagerly():
+        return backward_fn(xs, ys, dys)
+    graph = tf.compat.v1.get_default_graph()
+    before = _last_node(graph)
+    grads = backward_fn(xs, ys, dys)
+    last = _last_node(graph)
+    if last is None or last is before:
+        return grads
+    with tf.control_dependencies([last]):
+        return [None if g is None else tf.identity(g) for g in grads]
+
+
 def _custom_gradient(forward_fn, backward_fn, tensors: list) -> list:
     """``forward_fn(list) -> list`` with gradient ``backward_fn(xs, ys, dys) -> list`` over the
     differentiable members of ``tensors`` (the others get no gradient)."""
@@ -322,20 +376,12 @@ def _custom_gradient(forward_fn, backward_fn, tensors: list) -> list:
 
         def grad(*dys):
             dys = [tf.zeros_like(y) if dy is None else dy for dy, y in zip(dys, ys)]
-            return backward_fn(list(xs), ys, dys)
+            return _backward(backward_fn, list(xs), ys, dys)
 
         return ys, grad
 
     out = forward(*tensors)
     return list(out) if isinstance(out, (list, tuple)) else [out]
-
-
-def _scale(t, factor: float):
-    if factor == 1.0:
-        return t
-    if t.dtype.is_floating or t.dtype.is_complex:   # (tf.cast of a Python float rounds via
-        return t * tf.constant(factor, dtype=t.dtype)   # float32)
-    return tf.cast(tf.cast(t, tf.float64) * factor, t.dtype)
 
 
 # --- allreduce -------------------------------------------------------------------------------
@@ -370,17 +416,40 @@ def _allreduce_raw(tensors: list, name, op: ReduceOp, prescale: float, postscale
 
 def _sparse_allreduce(slices: tf.IndexedSlices, name, op: ReduceOp, prescale, postscale,
                       process_set, members):
-    """IndexedSlices: gather every rank's values and indices (Horovod's sparse allreduce)."""
+    """IndexedSlices: gather every rank's values and indices, and divide the values by the set's
+    size for Average (Horovod's sparse allreduce: ``values / size`` in the values' dtype, so
+    integer values become floats, as TensorFlow's division makes them)."""
+    if op == ReduceOp.Adasum:
+        raise NotImplementedError("allreduce of tf.IndexedSlices: the Adasum reduction does not "
+                                  "support sparse tensors; pass sparse_as_dense=True to the "
+                                  "DistributedOptimizer (or convert with tf.convert_to_tensor).")
     if op not in (ReduceOp.Average, ReduceOp.Sum):
         raise NotImplementedError(f"allreduce of tf.IndexedSlices supports only Average and Sum, "
                                   f"not {ReduceOp(op).name}; pass sparse_as_dense=True or "
                                   f"convert with tf.convert_to_tensor.")
+    if prescale != 1.0 or postscale != 1.0:
+        raise NotImplementedError(f"allreduce of tf.IndexedSlices: prescale_factor="
+                                  f"{prescale} and postscale_factor={postscale} are not "
+                                  f"supported with sparse tensors (as in Horovod); scale the "
+                                  f"values yourself or convert with tf.convert_to_tensor.")
     base = _op_name("allreduce", name, process_set)
     values = allgather(slices.values, name=_sub_name(base, "values"), process_set=process_set)
     indices = allgather(slices.indices, name=_sub_name(base, "indices"),
                         process_set=process_set)
-    scale = prescale * postscale / (_set_size(members) if op == ReduceOp.Average else 1)
-    return tf.IndexedSlices(_scale(values, scale), indices, dense_shape=slices.dense_shape)
+    if op == ReduceOp.Average:
+        values = values / tf.cast(_set_size(members), values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
+
+
+def _check_adasum(op: ReduceOp, members, what: str) -> None:
+    """Horovod raises NotImplementedError for Adasum on a number of ranks that is not a power
+    of two (hvdlite's Adasum also runs on process sets of such a size)."""
+    size = _set_size(members)
+    if op == ReduceOp.Adasum and size & (size - 1):
+        raise NotImplementedError(
+            f"{what}: op=Adasum needs a power-of-two number of ranks (1, 2, 4, 8, ...), but "
+            f"the process set has {size}. Run on a power-of-two number of ranks or use "
+            f"op=Average.")
 
 
 @_public
@@ -396,16 +465,19 @@ def allreduce(tensor, average: bool | None = None, device_dense: str = "",
     ``op``: Average, Sum, Min, Max, Product or Adasum (float tensors, power-of-two number of
     ranks); ``average=`` is Horovod's deprecated spelling.  ``prescale_factor`` multiplies the
     input before the reduction, ``postscale_factor`` the result.  ``tf.IndexedSlices`` are
-    allgathered (values and indices; Average and Sum only).  Differentiable for Average/Sum: the
-    gradient is the same allreduce of the upstream gradient (other ops raise
-    NotImplementedError when differentiated).  ``device_dense``/``device_sparse`` and
-    ``ignore_name_scope`` are accepted for compatibility (CPU only; names ignore scopes).
+    allgathered (values and indices; Average and Sum only, no scale factors, as in Horovod);
+    Average divides the gathered values by the set's size in TensorFlow, so integer values
+    become floats.  Differentiable for Average/Sum: the gradient is the same allreduce of the
+    upstream gradient (other ops raise NotImplementedError when differentiated).
+    ``device_dense``/``device_sparse`` and ``ignore_name_scope`` are accepted for compatibility
+    (CPU only; names ignore scopes).
     """
     members = _members(process_set, f"allreduce of {name or 'a tensor'}")
     op = resolve_op(op, average)
     if isinstance(tensor, tf.IndexedSlices):
         return _sparse_allreduce(tensor, name, op, prescale_factor, postscale_factor,
                                  process_set, members)
+    _check_adasum(op, members, f"allreduce of {name or 'a tensor'}")
     tensor = tf.convert_to_tensor(tensor)
     compressed, ctx = compression.compress(tensor)
     reduced = _allreduce_raw([compressed], _op_name("allreduce", name, process_set), op,
@@ -422,7 +494,8 @@ def grouped_allreduce(tensors: Sequence, average: bool | None = None, device_den
                       ignore_name_scope: bool = False, name: str | None = None) -> list:
     """Allreduce a list of tensors as one group: the core negotiates and executes them as one
     unit (inside ``tf.function``: one graph node), fusing small ones.  Arguments as in
-    :func:`allreduce`; ``tf.IndexedSlices`` entries are allgathered.  Returns a list."""
+    :func:`allreduce`; ``tf.IndexedSlices`` entries are allgathered (as in :func:`allreduce`),
+    wherever they are in the list.  Returns a list."""
     tensors = list(tensors)
     if not tensors:
         return tensors
@@ -437,6 +510,7 @@ def grouped_allreduce(tensors: Sequence, average: bool | None = None, device_den
         else:
             dense_idx.append(i)
     if dense_idx:
+        _check_adasum(op, members, f"grouped_allreduce of {name or 'tensors'}")
         compressed = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense_idx]
         reduced = _allreduce_raw([c for c, _ in compressed],
                                  _op_name("grouped_allreduce", name, process_set), op,
@@ -461,11 +535,12 @@ def _allgather_raw(tensors: list, name, process_set, members, grouped: bool) -> 
         return _collective(ALLGATHER, xs, [name], {}, process_set)
 
     def backward(xs, ys, dys):
-        # Rank q's rows of the sum over ranks of the upstream gradients.
+        # Horovod's gradient: this rank's rows of the average over the set of the upstream
+        # gradients.
         idx = [i for i, x in enumerate(xs) if _differentiable(x)]
         gname = _sub_name(name, "grad")
-        summed = _allreduce_raw([dys[i] for i in idx], gname, ReduceOp.Sum, 1.0, 1.0,
-                                process_set, grouped)
+        averaged = _allreduce_raw([dys[i] for i in idx], gname, ReduceOp.Average, 1.0, 1.0,
+                                  process_set, grouped)
         rows = [_rows(xs[i]) for i in idx]
         if grouped:
             all_rows = _group(ALLGATHER, rows, _sub_name(gname, "rows"), {}, process_set,
@@ -475,9 +550,9 @@ def _allgather_raw(tensors: list, name, process_set, members, grouped: bool) -> 
                                    process_set)
         me = _set_rank(members)
         out = [None] * len(xs)
-        for i, s, r, ar in zip(idx, summed, rows, all_rows):
+        for i, a, r, ar in zip(idx, averaged, rows, all_rows):
             offset = tf.reduce_sum(ar[:me])
-            out[i] = tf.reshape(s[offset:offset + r[0]], tf.shape(xs[i]))
+            out[i] = tf.reshape(a[offset:offset + r[0]], tf.shape(xs[i]))
         return out
 
     return _custom_gradient(forward, backward, [tf.convert_to_tensor(t) for t in tensors])
@@ -488,8 +563,8 @@ def allgather(tensor, name: str | None = None, ignore_name_scope: bool = False,
               process_set: ProcessSet | None = global_process_set):
     """Concatenation of every rank's ``tensor`` along dimension 0, in rank order (the first
     dimension may differ between ranks; a scalar counts as one row).  Inside ``tf.function``
-    the output's first dimension is unknown.  Differentiable: each rank gets the rows of the
-    summed gradient that match its own input."""
+    the output's first dimension is unknown.  Differentiable, as in Horovod: the upstream
+    gradient is averaged over the set, and each rank takes the rows that match its input."""
     members = _members(process_set, f"allgather of {name or 'a tensor'}")
     tensor = tf.convert_to_tensor(tensor)
     return _allgather_raw([tensor], _op_name("allgather", name, process_set), process_set,
@@ -530,8 +605,8 @@ def _check_root(root_rank, members, what: str) -> int:
 def broadcast(tensor, root_rank: int, name: str | None = None, ignore_name_scope: bool = False,
               process_set: ProcessSet | None = global_process_set):
     """Return ``root_rank``'s ``tensor`` on every rank of ``process_set`` (``root_rank`` is a
-    global rank, a member of the set).  Differentiable: the root receives the sum of every
-    rank's gradient, the other ranks zeros."""
+    global rank, a member of the set).  Differentiable, as in Horovod: the root receives the
+    average over the set of the upstream gradients, the other ranks that average times 0."""
     what = f"broadcast of {name or 'a tensor'}"
     members = _members(process_set, what)
     root_rank = _check_root(root_rank, members, what)
@@ -543,9 +618,10 @@ def broadcast(tensor, root_rank: int, name: str | None = None, ignore_name_scope
         return _collective(BROADCAST, xs, [nm], kwargs, process_set)
 
     def backward(xs, ys, dys):
-        summed = _allreduce_raw(dys, _sub_name(nm, "grad"), ReduceOp.Sum, 1.0, 1.0,
-                                process_set, grouped=False)[0]
-        return [summed if core.rank() == root_rank else tf.zeros_like(summed)]
+        averaged = _allreduce_raw(dys, _sub_name(nm, "grad"), ReduceOp.Average, 1.0, 1.0,
+                                  process_set, grouped=False)[0]
+        # "* 0", not zeros: Horovod's numbers (a non-finite average stays NaN).
+        return [averaged if core.rank() == root_rank else averaged * 0]
 
     return _custom_gradient(forward, backward, [tensor])[0]
 
@@ -561,8 +637,9 @@ def _broadcast_assign(variables: list, root_rank, base: str, process_set, what: 
     members = _members(process_set, what)
     root_rank = _check_root(root_rank, members, what)
     names = [f"{base}.{_var_label(v, i)}" for i, v in enumerate(variables)]
+    chained = tf.executing_eagerly() or _chained(tf.compat.v1.get_default_graph())
     values = _collective(BROADCAST, [_read(v) for v in variables], names,
-                         {"root_rank": root_rank}, process_set)
+                         {"root_rank": root_rank}, process_set, chained)
     return [v.assign(x) for v, x in zip(variables, values)]
 
 
@@ -625,9 +702,9 @@ def _splits_tensor(splits, set_size: int, rows: int | None, what: str):
         if values.shape[0] != set_size or (values < 0).any():
             raise ValueError(f"{what}: splits {values.tolist()} must have one non-negative "
                              f"entry per rank of the process set ({set_size}).")
-        if rows is not None and int(values.sum()) != rows:
+        if rows is not None and int(values.sum()) > rows:
             raise ValueError(f"{what}: splits {values.tolist()} sum to {int(values.sum())}, "
-                             f"not to the first dimension ({rows}).")
+                             f"more than the first dimension ({rows}).")
         return tf.constant(values, dtype=tf.int64)
     splits = tf.convert_to_tensor(splits)
     if not splits.dtype.is_integer:
@@ -663,12 +740,15 @@ def alltoall(tensor, splits=None, name: str | None = None, ignore_name_scope: bo
     other ranks sent to this one.
 
     ``splits`` (a list or 1-D integer tensor, one entry per rank of the set) says how many rows
-    (along dimension 0, in order) go to each rank; without it the first dimension is divided
-    evenly (it must then be divisible by the set's size).  The output holds the received rows
-    in rank order; the other dimensions must match across ranks.  Returns the output, or
-    ``(output, received_splits)`` (an int32 tensor: rows received from each rank) when
-    ``splits`` is given, as Horovod does.  Inside ``tf.function`` the output's first dimension
-    is unknown.  Differentiable: each received row's gradient is sent back to its sender.
+    (along dimension 0, in order) go to each rank; rows past their sum are not sent, as in
+    Horovod.  Without it the first dimension is divided evenly (it must then be divisible by
+    the set's size).  The output holds the received rows in rank order; the other dimensions
+    must match across ranks.  Returns the output, or ``(output, received_splits)`` (an int32
+    tensor: rows received from each rank) when ``splits`` is given, as Horovod does.  Inside
+    ``tf.function`` the output's first dimension is unknown.  Differentiable, as in Horovod:
+    the gradient is the alltoall of the output's gradient with the received splits (each
+    received row's gradient goes back to its sender).  Bad splits raise
+    ``tf.errors.InvalidArgumentError``.
     """
     what = f"alltoall of {name or 'a tensor'}"
     members = _members(process_set, what)
@@ -677,7 +757,19 @@ def alltoall(tensor, splits=None, name: str | None = None, ignore_name_scope: bo
         raise ValueError(f"{what}: a scalar cannot be split; pass a tensor with at least one "
                          f"dimension.")
     rows = tensor.shape[0] if tensor.shape.rank else None
-    splits_t = _splits_tensor(splits, _set_size(members), rows, what)
+    set_size = _set_size(members)
+    splits_t = _splits_tensor(splits, set_size, rows, what)
+    if splits_t is None and rows is not None and rows % set_size:
+        raise ValueError(f"{what}: without splits the first dimension ({rows}) must be "
+                         f"divisible by the number of ranks ({set_size}); pass "
+                         f"splits=[rows for each rank].")
+    if splits_t is not None:
+        # As in Horovod, splits may cover fewer rows than the tensor has: the rest stay here
+        # (and get a zero gradient).
+        if isinstance(splits, (tf.Tensor, tf.Variable)) or rows is None:
+            tensor = tensor[:tf.cast(tf.reduce_sum(splits_t), tf.int32)]
+        elif int(np.sum(splits)) < rows:
+            tensor = tensor[:int(np.sum(splits))]
     nm = _op_name("alltoall", name, process_set)
 
     def forward(xs):
@@ -701,7 +793,7 @@ def _alltoall_grad_wrapper(forward_fn, backward_fn, tensor):
 
         def grad(dy, *_unused):   # no gradient flows into received_splits (integers)
             dy = tf.zeros_like(y) if dy is None else dy
-            return backward_fn([x], [y, received], [dy])[0]
+            return _backward(backward_fn, [x], [y, received], [dy])[0]
 
         return (y, received), grad
 
@@ -712,7 +804,8 @@ def _alltoall_grad_wrapper(forward_fn, backward_fn, tensor):
 # --- reducescatter ---------------------------------------------------------------------------
 def _check_scatter_args(tensors: list, op: ReduceOp, what: str) -> None:
     if op == ReduceOp.Adasum:
-        raise ValueError(f"{what}: op=Adasum is not supported; use Sum or Average.")
+        raise tf_errors.aborted(f"{what}: op=Adasum is not supported (Horovod's reducescatter "
+                                f"supports only Average and Sum); use Sum or Average.")
     for t in tensors:
         if t.shape.rank == 0:
             raise ValueError(f"{what}: a scalar cannot be scattered; pass a tensor with at "
@@ -737,16 +830,25 @@ def _reducescatter_raw(tensors: list, name, op: ReduceOp, prescale: float, posts
         return outs
 
     def backward(xs, ys, dys):
-        # Rank r's output rows are (scaled) sums of every rank's rows: each input receives the
-        # gathered output gradients times the forward's scale.
+        # Horovod's gradient: the allgather of the upstream gradients, each multiplied (in
+        # this order) by the set's size for Sum, by prescale_factor and by postscale_factor.
+        # Horovod does not divide by the size for Average.
         _check_grad_op(op, "grouped_reducescatter" if grouped else "reducescatter")
         idx = [i for i, x in enumerate(xs) if _differentiable(x)]
-        factor = prescale * postscale / (_set_size(members) if op == ReduceOp.Average else 1)
-        gathered = _allgather_raw([dys[i] for i in idx], _sub_name(name, "grad"), process_set,
-                                  members, grouped)
+        scaled = []
+        for i in idx:
+            g = dys[i]
+            if op == ReduceOp.Sum:
+                g = g * _set_size(members)
+            if prescale != 1.0:
+                g = g * prescale
+            if postscale != 1.0:
+                g = g * postscale
+            scaled.append(g)
+        gathered = _allgather_raw(scaled, _sub_name(name, "grad"), process_set, members, grouped)
         out = [None] * len(xs)
         for i, g in zip(idx, gathered):
-            out[i] = tf.reshape(_scale(g, factor), tf.shape(xs[i]))
+            out[i] = tf.reshape(g, tf.shape(xs[i]))
         return out
 
     return _custom_gradient(forward, backward, tensors)
@@ -764,9 +866,10 @@ def reducescatter(tensor, device_dense: str = "", compression=Compression.none,
     ``op``: Average (default), Sum, Min, Max or Product; ``prescale_factor`` multiplies the
     input before the reduction, ``postscale_factor`` the result.  With R rows and N ranks the
     first R % N ranks of the set get R // N + 1 rows and the others R // N (Horovod's rule); the
-    other dimensions are kept.  Differentiable for Sum/Average: the gradient of the input is the
-    allgather of every rank's output gradient, times the forward's scale factors (and 1/N for
-    Average).
+    other dimensions are kept.  Differentiable for Sum/Average, as in Horovod: the gradient of
+    the input is the allgather of every rank's output gradient, times the set's size for Sum and
+    times ``prescale_factor`` and ``postscale_factor`` (Horovod does not divide by the size for
+    Average).  ``op=Adasum`` raises ``tf.errors.AbortedError`` (Horovod's class).
     """
     what = f"reducescatter of {name or 'a tensor'}"
     members = _members(process_set, what)
@@ -843,41 +946,64 @@ def join(process_set: ProcessSet | None = global_process_set):
     return _control_op("hvdlite_join", lambda: core.join(process_set))
 
 
-def _set_ranks(process_set_id: int) -> list[int]:
-    found = core.get_process_set_ids_and_ranks().get(int(process_set_id))
-    if found is None:
-        raise ValueError(f"process set {process_set_id} is not registered.")
-    return found
+# Horovod's size_op and process_set_included_op return this code for an unknown process set.
+PROCESS_SET_ERROR_UNKNOWN_SET = -3
 
 
+def _set_ranks(process_set_id: int) -> list[int] | None:
+    return core.get_process_set_ids_and_ranks().get(int(process_set_id))
+
+
+@_public
 def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
     """Number of ranks in the process set ``process_set_id`` (default: the job), as an int32
-    tensor."""
-    size = core.size() if process_set_id == 0 else len(_set_ranks(process_set_id))
+    tensor; -3 for a set id that is not registered (Horovod's error code).  The value is
+    fixed when the op is created (Horovod's op reads it when it runs)."""
+    if process_set_id == 0:
+        return tf.constant(core.size(), dtype=tf.int32, name=name)
+    ranks = _set_ranks(process_set_id)
+    size = PROCESS_SET_ERROR_UNKNOWN_SET if ranks is None else len(ranks)
     return tf.constant(size, dtype=tf.int32, name=name)
 
 
+@_public
 def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
-    """1 if this rank is a member of the process set ``process_set_id``, else 0 (int32)."""
-    included = process_set_id == 0 or core.rank() in _set_ranks(process_set_id)
-    return tf.constant(int(included), dtype=tf.int32, name=name)
+    """1 if this rank is a member of the process set ``process_set_id``, else 0 (int32); -3
+    for a set id that is not registered (Horovod's error code)."""
+    if process_set_id == 0:
+        included = 1
+    else:
+        ranks = _set_ranks(process_set_id)
+        included = (PROCESS_SET_ERROR_UNKNOWN_SET if ranks is None
+                    else int(core.rank() in ranks))
+    return tf.constant(included, dtype=tf.int32, name=name)
 
 
+@_public
 def rank_op(name: str | None = None) -> tf.Tensor:
+    """This rank (int32 tensor)."""
     return tf.constant(core.rank(), dtype=tf.int32, name=name)
 
 
+@_public
 def local_size_op(name: str | None = None) -> tf.Tensor:
+    """Number of ranks on this host (int32 tensor)."""
     return tf.constant(core.local_size(), dtype=tf.int32, name=name)
 
 
+@_public
 def local_rank_op(name: str | None = None) -> tf.Tensor:
+    """This rank's index on its host (int32 tensor)."""
     return tf.constant(core.local_rank(), dtype=tf.int32, name=name)
 
 
+@_public
 def cross_size_op(name: str | None = None) -> tf.Tensor:
+    """Number of hosts (int32 tensor)."""
     return tf.constant(core.cross_size(), dtype=tf.int32, name=name)
 
 
+@_public
 def cross_rank_op(name: str | None = None) -> tf.Tensor:
+    """This host's index (int32 tensor)."""
     return tf.constant(core.cross_rank(), dtype=tf.int32, name=name)

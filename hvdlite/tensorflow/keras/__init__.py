@@ -20,8 +20,8 @@ import tensorflow as tf
 from hvdlite.common.core import *  # noqa: F401,F403 - the shared API
 
 from ..compression import Compression
-from ..gradient_tape import (LocalVariables, _check_process_set, local_layer_variables,
-                             make_allreduce_grads_fn)
+from ..gradient_tape import (LocalVariables, _check_groups, _check_process_set,
+                             local_layer_variables, make_allreduce_grads_fn)
 from ..mpi_ops import (allreduce as _tf_allreduce, allgather as _tf_allgather,
                        broadcast as _tf_broadcast, reducescatter as _tf_reducescatter,
                        broadcast_variables, barrier)
@@ -150,8 +150,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         raise ValueError("backward_passes_per_step must be >= 1")
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("the optimizer is already a DistributedOptimizer")
-    if num_groups and groups is not None:
-        raise ValueError("pass at most one of num_groups and groups")
+    _check_groups(num_groups, groups)
     base = optimizer.__class__
     cls = _distributed_class(base)
     try:
