@@ -117,9 +117,17 @@ def test_stall_warning_then_correct_result(np_, odd):
     assert not re.search(r"\[hvdlite rank [1-9]\d*\] WARNING: Stall detected", job.stderr)
 
 
+# The stall shutdown time shorter than the stall check time is honoured as set (it once waited
+# for the check time: shutdown 2 s with the default 60 s check gave up after 60 s).
+SHORT_SHUTDOWN = (("HVDLITE_STALL_CHECK_TIME_SECONDS", "60"),
+                  ("HVDLITE_STALL_SHUTDOWN_TIME_SECONDS", "2"))
+CHECK_TIMES = {"check1s": (), "check60s": SHORT_SHUTDOWN}
+
+
+@pytest.mark.parametrize("check", sorted(CHECK_TIMES))
 @pytest.mark.parametrize("np_,odd", LAYOUTS)
-def test_stall_shutdown_errors_then_job_continues(np_, odd):
-    job, wall = launch("stall_shutdown", np_, odd)
+def test_stall_shutdown_errors_then_job_continues(np_, odd, check):
+    job, wall = launch("stall_shutdown", np_, odd, CHECK_TIMES[check])
     assert_every_rank_passed(job, np_, ("warmup", "stalled_tensor_errors", "job_keeps_working"))
     assert "Stall detected" in job.stderr, job.output
     caught = re.findall(r"\[fault-worker rank (\d+)\] caught StallError", job.stderr)
@@ -164,13 +172,14 @@ def test_stall_inside_data_exchange_warns_then_finishes(np_, odd, path):
     assert warned == {str(k) for k in range(np_) if k != odd}, job.output
 
 
+@pytest.mark.parametrize("check", sorted(CHECK_TIMES))
 @pytest.mark.parametrize("path", sorted(DATA_PATHS))
 @pytest.mark.parametrize("np_,odd", LAYOUTS)
-def test_stall_inside_data_exchange_shutdown_raises(np_, odd, path):
+def test_stall_inside_data_exchange_shutdown_raises(np_, odd, path, check):
     """With HVDLITE_STALL_SHUTDOWN_TIME_SECONDS a data exchange that does not complete raises
     StallError on every rank (the stopped one too, once it finds its peers gone) instead of
     waiting for ever."""
-    job, wall = launch("data_stall_shutdown", np_, odd, DATA_PATHS[path])
+    job, wall = launch("data_stall_shutdown", np_, odd, DATA_PATHS[path] + CHECK_TIMES[check])
     assert not job.timed_out, f"hung instead of raising\n{job.output}"
     # By direct copies the stopped rank may instead find, when it resumes, that its peers
     # have given up and ended: it says it could not reach their memory (checked by the worker).

@@ -1,5 +1,5 @@
 """The stall report's description of what the ranks missing a tensor are doing (pure logic)."""
-from hvdlite.common.engine.controller import _missing_ranks_doing, _oldest_first
+from hvdlite.common.engine.stall import _missing_ranks_doing, _oldest_first
 
 
 def test_names_each_missing_ranks_pending_tensors_oldest_first():

@@ -21,6 +21,8 @@ from hvdlite.common.engine.controller import IDLE_TICK_SECONDS, Controller
 from hvdlite.common.engine.data_paths import PathContext, select
 from hvdlite.common.engine.fusion import plan_batches
 from hvdlite.common.engine.handle import Entry, Handle
+from hvdlite.common.engine.in_flight import InFlight
+from hvdlite.common.engine.transport import MPITransport
 from hvdlite.common.engine.messages import ALLREDUCE, ERROR_FAILED_ON_RANK, ERROR_STALL, Response
 from hvdlite.common.errors import (DuplicateNameError, FailedOnRankError, HvdliteError,
                                    RankExitedError, ShutdownError, StallError, TensorMismatchError)
@@ -72,16 +74,19 @@ class Engine:
         a batch (see :mod:`.data_paths`)."""
         self.comm = comm
         self.config = config
-        self.controller = Controller(comm, config, global_ranks)
+        self.in_flight = InFlight()
+        # the table's lock (it guards the stop state below too) and entries, under short names
+        # for the submission hot path
+        self._lock, self._in_flight = self.in_flight.lock, self.in_flight.entries
+        self.controller = Controller(MPITransport(comm), config, self.in_flight.negotiating,
+                                     global_ranks)
         self.rank = self.controller.label   # global rank, for messages
         self.paths = make_paths(PathContext(
             comm=comm, global_ranks=self.controller.global_ranks, config=config,
             rank=self.rank, max_sleep=self.controller.max_sleep, on_slow=self._data_stall,
             agree=self._agree_prepared))
         self._gpu_completions = None   # the GPU completion thread, made on first use
-        self._lock = threading.Lock()              # guards _in_flight and the stop state
         self._queue: queue.SimpleQueue = queue.SimpleQueue()   # entries (or None = wake up)
-        self._in_flight: dict[str, Entry] = {}   # submitted, not completed
         self._shutdown_requested = False
         # Producers that announced a stream of submissions (DistributedOptimizer during
         # backward): while any is open, a round waits up to a cycle time for more entries.
@@ -413,7 +418,6 @@ class Engine:
             self._stopped = reason
             if isinstance(error, ShutdownError):
                 self._stopped_cls = type(error)
-            entries = list(self._in_flight.values())
-            self.controller.pending.clear()
+            entries = self.in_flight.drain()
         for entry in entries:
             self._complete(entry, error=per_entry(entry) if per_entry else error)

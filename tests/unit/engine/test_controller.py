@@ -1,0 +1,226 @@
+"""The negotiation round protocol, driven in one process: N simulated ranks, each with its own
+Controller in its own thread, over an in-process transport (fake_transport.py).  Rounds are
+collective, so every rank runs the same number; each test scripts what every rank submits in
+each round and checks what each rank is told to execute, and in which order."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from hvdlite.common.config import Config
+from hvdlite.common.engine.controller import Controller
+from hvdlite.common.engine.handle import Entry, Handle
+from hvdlite.common.engine.messages import (ALLREDUCE, ERROR_FAILED_ON_RANK, ERROR_STALL, FAILED,
+                                            JOIN, Request)
+from hvdlite.common.reduce_ops import ReduceOp
+from tests.unit.engine.fake_transport import FakeNetwork
+
+CONFIG = Config(stall_check_seconds=60.0)
+
+
+def entry(name: str, shape=(4,), dtype="float32", kind=ALLREDUCE, group="", group_size=0,
+          cacheable=True, failure="") -> Entry:
+    request = Request(name, kind, dtype, shape, int(ReduceOp.Sum), group=group,
+                      group_size=group_size, cacheable=cacheable, failure=failure)
+    array = None if kind in (JOIN, FAILED) else np.zeros(shape, dtype=dtype)
+    return Entry(request, array, array, None, Handle(name, lambda: True))
+
+
+def grouped(names: list[str], group: str) -> list[Entry]:
+    members = [entry(n, group=group, group_size=len(names)) for n in names]
+    for m in members:
+        m.group = members
+    return members
+
+
+@dataclasses.dataclass
+class RankLog:
+    ready: list[list[tuple[str, str | None, str | None]]]   # per round: (name, error kind, err)
+    joined: list = dataclasses.field(default_factory=list)
+    shutdown_ranks: list = dataclasses.field(default_factory=list)
+    controller: Controller | None = None
+
+
+def run(size: int, script, rounds: int, config: Config = CONFIG, pause: float = 0.0):
+    """``script(rank, round) -> (new entries, shutdown?)``; runs ``rounds`` rounds on every
+    rank (each in its own thread) and returns each rank's RankLog and the network."""
+    network = FakeNetwork(size)
+    logs = [RankLog([]) for _ in range(size)]
+    errors: list[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            controller = Controller(network.transport(rank), config, {}, list(range(size)))
+            logs[rank].controller = controller
+            for rnd in range(rounds):
+                new, shutdown = script(rank, rnd)
+                outcome = controller.run_round(list(new), shutdown)
+                logs[rank].ready.append([(r.name, r.error_kind, r.error)
+                                         for r, e in outcome.ready])
+                if outcome.joined is not None:
+                    logs[rank].joined.append((rnd, outcome.joined[1]))
+                logs[rank].shutdown_ranks.append(outcome.shutdown_ranks)
+                if pause:
+                    time.sleep(pause)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a simulated rank hung"
+    assert not errors, errors
+    return logs, network
+
+
+def names(log: RankLog, rnd: int) -> list[str]:
+    return [name for name, _, _ in log.ready[rnd]]
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_first_round_negotiates_later_rounds_hit_the_cache(size):
+    logs, network = run(size, lambda rank, rnd: ([entry("x")], False), rounds=3)
+    for log in logs:
+        assert [names(log, r) for r in range(3)] == [["x"], ["x"], ["x"]]
+    # the full requests travel once (round 0); later rounds are one AND each
+    assert all(network.messages_sent[(rank, "requests")] == 1 for rank in range(1, size))
+    assert logs[0].controller.cache.slot_of.keys() == {"x"}
+
+
+def test_auto_named_tensors_are_not_cached():
+    logs, network = run(2, lambda rank, rnd: ([entry(f"n{rnd}", cacheable=False)], False), 3)
+    assert [names(logs[1], r) for r in range(3)] == [["n0"], ["n1"], ["n2"]]
+    assert network.messages_sent[(1, "requests")] == 3
+    assert not logs[1].controller.cache.slot_of
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_submission_order_may_differ_execution_order_does_not(size):
+    def script(rank, rnd):
+        if rnd:
+            return [], False
+        order = ["a", "b", "c"]
+        return [entry(n) for n in (order if rank % 2 == 0 else order[::-1])], False
+    logs, _ = run(size, script, rounds=2)
+    first = names(logs[0], 0)
+    assert sorted(first) == ["a", "b", "c"]
+    assert all(names(log, 0) == first for log in logs)
+
+
+def test_a_tensor_runs_in_the_round_its_last_rank_submits_it():
+    def script(rank, rnd):
+        return ([entry("late")] if (rank, rnd) in {(0, 0), (1, 2)} else []), False
+    logs, _ = run(2, script, rounds=4)
+    for log in logs:
+        assert [names(log, r) for r in range(4)] == [[], [], ["late"], []]
+
+
+def test_cached_tensor_late_on_one_rank_waits_for_it():
+    def script(rank, rnd):
+        if rnd == 0 or (rnd == 1 and rank == 0) or (rnd == 3 and rank == 1):
+            return [entry("c")], False
+        return [], False
+    logs, network = run(2, script, rounds=5)
+    for log in logs:
+        assert [names(log, r) for r in range(5)] == [["c"], [], [], ["c"], []]
+    assert network.messages_sent[(1, "requests")] == 1   # round 0 only: the rest is cached
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_mismatch_fails_the_tensor_on_every_rank(size):
+    def script(rank, rnd):
+        return ([entry("m", shape=(4,) if rank else (5,))] if rnd == 0 else []), False
+    logs, _ = run(size, script, rounds=2)
+    for log in logs:
+        [(name, kind, error)] = log.ready[0]
+        assert name == "m" and kind == "mismatch" and "shape" in error
+
+
+def test_changed_signature_under_a_cached_name_is_negotiated_again():
+    def script(rank, rnd):
+        shape = (8,) if (rnd == 1 and rank == 1) else (4,)
+        return [entry("s", shape=shape)], False
+    logs, _ = run(2, script, rounds=3)
+    for log in logs:
+        assert [log.ready[r][0][:2] for r in range(3)] == [("s", None), ("s", "mismatch"),
+                                                          ("s", None)]
+
+
+def test_failed_stand_in_fails_the_operation_everywhere():
+    def script(rank, rnd):
+        if rnd:
+            return [], False
+        if rank == 1:
+            return [entry("f", kind=FAILED, cacheable=False, failure="ValueError: bad")], False
+        return [entry("f", cacheable=False)], False
+    logs, _ = run(3, script, rounds=1)
+    for log in logs:
+        [(name, kind, error)] = log.ready[0]
+        assert (name, kind) == ("f", ERROR_FAILED_ON_RANK)
+        assert "ranks [1]" in error and "ValueError: bad" in error
+
+
+def test_a_group_is_released_together_once_every_member_is_everywhere():
+    def script(rank, rnd):
+        if rnd == 0:
+            return grouped(["g.0", "g.1"], "g") if rank == 0 else [], False
+        if rnd == 1 and rank == 1:
+            return grouped(["g.0", "g.1"], "g"), False
+        return [], False
+    logs, _ = run(2, script, rounds=3)
+    for log in logs:
+        assert [sorted(names(log, r)) for r in range(3)] == [[], ["g.0", "g.1"], []]
+
+
+def test_a_group_fails_as_one_when_a_member_mismatches():
+    def script(rank, rnd):
+        if rnd:
+            return [], False
+        members = grouped(["h.0", "h.1"], "h")
+        if rank == 1:
+            bad = entry("h.1", shape=(2,), group="h", group_size=2)
+            members = [members[0], bad]
+            for m in members:
+                m.group = members
+        return members, False
+    logs, _ = run(2, script, rounds=1)
+    for log in logs:
+        errors = {name: err for name, _, err in log.ready[0]}
+        assert set(errors) == {"h.0", "h.1"} and all(errors.values())
+        assert "because of its member 'h.1'" in errors["h.0"]
+
+
+def test_joined_rank_stands_in_for_reductions_and_join_ends_when_all_joined():
+    def script(rank, rnd):
+        if rank == 1 and rnd == 0:
+            return [entry("join", kind=JOIN, shape=())], False
+        if rank == 0 and rnd == 1:
+            return [entry("r")], False
+        if rank == 0 and rnd == 3:
+            return [entry("join", kind=JOIN, shape=())], False
+        return [], False
+    logs, _ = run(2, script, rounds=5)
+    assert "r" in names(logs[0], 1) and "r" in names(logs[1], 1)   # rank 1 contributed
+    assert logs[0].joined == logs[1].joined == [(3, 0)]   # rank 0 joined last, in round 3
+
+
+def test_shutdown_is_seen_by_every_rank_in_the_same_round():
+    logs, _ = run(3, lambda rank, rnd: ([], rank == 2 and rnd == 1), rounds=3)
+    for log in logs:
+        assert log.shutdown_ranks[1] == (2,) and log.shutdown_ranks[0] == ()
+
+
+def test_a_tensor_missing_on_a_rank_fails_after_the_stall_shutdown_time():
+    config = Config(stall_check_seconds=60.0, stall_shutdown_seconds=0.2)
+    logs, _ = run(2, lambda rank, rnd: ([entry("w")] if rank == 0 and rnd == 0 else [], False),
+                  rounds=12, config=config, pause=0.05)
+    got = [item for rnd in logs[0].ready for item in rnd]
+    assert [(n, k) for n, k, _ in got] == [("w", ERROR_STALL)]   # shutdown < check: honoured
+    assert "missing on ranks [1]" in got[0][2] and "rank 1 has no operation pending" in got[0][2]
+    assert not [item for rnd in logs[1].ready for item in rnd]   # rank 1 never had it
