@@ -334,6 +334,15 @@ KNOBS: tuple[Knob, ...] = (
                  "(how-it-works.md#direct-copies-between-ranks)). `auto` finds out by trying, "
                  "once; under Yama's `ptrace_scope` 1 each rank first lets in the job's launcher "
                  "process and its descendants. `0`: no probe, no `prctl`."),
+    Knob("WATCHDOG", "watchdog", Switch(), True, RANK0,
+         "1: every rank keeps a TCP connection to rank 0, so a rank that ends without "
+         "hvd.shutdown() on any host (killed, os._exit, its host gone) makes every other rank "
+         "raise RankExitedError within seconds; 0: only ranks on the same host notice",
+         details="See [Multi-host](multi-host.md#when-a-rank-dies). The connections are idle "
+                 "but for TCP keepalive probes; rank 0 listens on `HVDLITE_WATCHDOG_PORT`."),
+    Knob("WATCHDOG_PORT", "watchdog_port", Number(int), 0, RANK0,
+         "TCP port rank 0 listens on for the watchdog's connections (0: any free port)",
+         details="Set it where a firewall opens only chosen ports between the hosts."),
     Knob("TIMELINE", "timeline_filename", Text("path"), None, RECORDER,
          "file to record a Horovod Timeline into; rank 0 records it",
          flags=(value_flag("--timeline-filename", metavar="FILE", value_type=str,
@@ -383,6 +392,8 @@ class Config:
     shm_fusion_bytes: int = _default("shm_fusion_bytes")
     cma: str = _default("cma")
     gradient_bucket_bytes: int = _default("gradient_bucket_bytes")
+    watchdog: bool = _default("watchdog")
+    watchdog_port: int = _default("watchdog_port")
     timeline_filename: str | None = _default("timeline_filename")
     timeline_mark_cycles: bool = _default("timeline_mark_cycles")
 

@@ -55,6 +55,12 @@ def check_wait(waited: float, what: str, label: int, global_ranks: list[int],
     peer (killed, or crashed without a word; see :mod:`liveness`) raises RankExitedError at
     once; otherwise this warns every stall-check period and raises StallError once the wait
     passes the stall-shutdown time."""
+    departed = liveness.departed_among(r for r in global_ranks if r != label)
+    if departed:   # reported by the watchdog, from any host
+        raise RankExitedError(
+            f"{'; '.join(departed)}, while rank {label} waited {waited:.0f} s for it in "
+            f"{what}; no further collective operations are possible in this job. Look at that "
+            f"rank's output and its host's system log for the cause.")
     gone = liveness.vanished(global_ranks)   # this rank is never among its peers
     if gone:
         raise RankExitedError(

@@ -161,6 +161,28 @@ class Engine:
             self._streams = max(0, self._streams - 1)
         self._stream_closed.set()
 
+    def peers_departed(self, departures) -> None:
+        """Ranks gone without shutting down (the watchdog's report, on its thread): if any was
+        a member of this engine's set, fail everything in flight now, naming them, and refuse
+        new operations; the engine thread, which may be waiting for them, finds out at its next
+        check (within a second) and stops."""
+        members = set(self.controller.global_ranks)
+        mine = [d for d in departures if d.rank in members and d.rank != self.rank]
+        if not mine:
+            return
+        what = "; ".join(d.describe() for d in mine)
+        reason = (f"{what}; no further collective operations are possible in this job. Look "
+                  f"at that rank's output and its host's system log for the cause.")
+        with self._lock:   # the engine thread's own tables stay its own: it clears them
+            self._stopped, self._stopped_cls = reason, RankExitedError
+            entries = list(self._in_flight.values())
+        for entry in entries:
+            handle = entry.handle
+            if handle is not None:
+                handle._complete(None, RankExitedError(
+                    f"Tensor {entry.name!r} was still pending on rank {self.rank}: {reason}"))
+        self._queue.put(None)   # wake the engine thread if it sleeps
+
     def shutdown(self, timeout: float | None = None) -> None:
         with self._lock:
             self._shutdown_requested = True

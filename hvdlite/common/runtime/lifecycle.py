@@ -11,12 +11,14 @@ import time
 from typing import Callable
 
 from hvdlite.common.config import Config
+from hvdlite.common.errors import HvdliteError
 from hvdlite.common.gpu.cuda import reset_process_device
 from hvdlite.common.memory import result_pool
 from hvdlite.common.runtime import child_process, liveness, registry, state as _state, timeline
 from hvdlite.common.runtime.process_sets import ProcessSet, global_process_set
 from hvdlite.common.runtime.state import EngineFactory, ProcessState
 from hvdlite.common.runtime.topology import discover
+from hvdlite.common.runtime.watchdog import Watchdog
 
 log = logging.getLogger("hvdlite")
 
@@ -107,6 +109,16 @@ def init(comm=None, process_sets=None, *, make_engine: EngineFactory) -> None:
             config = dataclasses.replace(config, dynamic_process_sets=True)
         result_pool().max_idle_bytes = config.result_pool_bytes
         _configure_logging(config.log_level, rank)
+        liveness.forget_departed()
+        watchdog = None
+        if config.watchdog and world.Get_size() > 1:
+            watchdog = Watchdog(rank, world.Get_size(), _peers_departed)
+            try:
+                watchdog.start(world, config.watchdog_port)   # collective; raises on every rank
+            except RuntimeError as exc:
+                timeline.stop()
+                world.Free()
+                raise HvdliteError(str(exc)) from None
         if own != config and rank != 0:
             log.info("using rank 0's settings %s (this rank's environment says %s)", config, own)
         engine = make_engine(world.Dup(), config, None)
@@ -114,6 +126,7 @@ def init(comm=None, process_sets=None, *, make_engine: EngineFactory) -> None:
         state = ProcessState(world, engine, config, topology,
                              MPI.Query_thread() == MPI.THREAD_MULTIPLE, make_engine,
                              global_process_set)
+        state.watchdog = watchdog
         _state.current = state
         if not _atexit_registered:   # before anything else can raise: exit must shut down
             atexit.register(_at_exit)
@@ -130,8 +143,9 @@ ABORT_GRACE_SECONDS = 3.0
 
 
 def _at_exit() -> None:
-    """At interpreter exit: shut down; and if a node-local peer vanished during the job, abort
-    it, because MPI_Finalize (which runs next) would wait for that peer for ever."""
+    """At interpreter exit: shut down; and if a peer vanished during the job (found by the
+    node-local check or the watchdog), abort it, because MPI_Finalize (which runs next) would
+    wait for that peer for ever."""
     if _state.forked_from is not None:
         return   # a forked child: the job is its parent's to end
     shutdown()
@@ -164,11 +178,25 @@ def shutdown() -> None:
         if set_id != 0:
             registry.stop(ps, set_engine)
     state.engine.shutdown()
+    if state.watchdog is not None:   # after the engines: this rank ends cleanly
+        state.watchdog.close()
     try:
         state.engine.comm.Free()
         state.world.Free()
     except Exception:  # noqa: BLE001 - MPI may already be finalized at interpreter exit
         pass
+
+
+def _peers_departed(departures) -> None:
+    """The watchdog's report (on its thread): ranks gone without shutting down.  Every engine
+    whose set they belonged to fails what waits on them, at once."""
+    liveness.record_departed(departures)
+    state = _state.current
+    if state is None:
+        return
+    for _, engine in list(state.sets.values()):
+        if engine is not None:
+            engine.peers_departed(departures)
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:

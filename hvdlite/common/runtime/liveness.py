@@ -17,6 +17,8 @@ from typing import Iterable
 
 _peers: dict[int, tuple[int, int]] = {}   # rank -> (pid, start time): node-local, not this one
 _seen_gone: set[int] = set()              # peers found gone during this process's life
+# ranks the watchdog (any host) reported gone: global rank -> what is known of it
+_departed: dict[int, str] = {}
 
 
 def own_identity() -> tuple[int, int | None]:
@@ -63,3 +65,20 @@ def _start_time(pid: int) -> int | None:
     if len(fields) < 20 or fields[0] in (b"Z", b"X"):   # fields[0] is field 3, the state
         return None
     return int(fields[19])
+
+
+def record_departed(departures) -> None:
+    """The watchdog's reports (see :mod:`watchdog`): ranks gone without shutting down."""
+    for departure in departures:
+        _departed.setdefault(departure.rank, departure.describe())
+        _seen_gone.add(departure.rank)
+
+
+def departed_among(ranks) -> list[str]:
+    """What is known of those of ``ranks`` that the watchdog reported gone."""
+    return [_departed[r] for r in ranks if r in _departed]
+
+
+def forget_departed() -> None:
+    """A new job (``init()`` after ``shutdown()``): no rank of it has departed yet."""
+    _departed.clear()

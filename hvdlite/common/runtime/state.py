@@ -37,6 +37,7 @@ class ProcessState:
         # process_set_id -> (set, its engine or None where this rank is not a member)
         self.sets: dict[int, tuple[Any, Any]] = {0: (global_set, engine)}
         self.next_set_id = 1
+        self.watchdog = None   # the cross-host death detector (see watchdog), if running
 
 
 current: ProcessState | None = None

@@ -1,0 +1,51 @@
+"""A rank that ends without ``hvd.shutdown()`` on another host, by any means: every rank that
+still runs on the other hosts raises RankExitedError naming the rank and its host within 10 s,
+and the job exits non-zero with nothing left running on any host (the bed checks), under
+``mpiexec`` and under ``hvdlite run`` (tests/workers/multihost_death_worker.py)."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.mpi_harness import WORKERS
+from tests.multihost.hosts import host_list
+from tests.multihost.layouts import LAYOUTS
+
+LAYOUT = LAYOUTS["2+2"].layout   # ranks 0, 1 on hvdnode1; 2, 3 on hvdnode2
+WORKER = "multihost_death_worker.py"
+HOSTS_OF = {0: "hvdnode1", 1: "hvdnode1", 2: "hvdnode2", 3: "hvdnode2"}
+CASES = [("exit_code", 3), ("exit_code", 0), ("exit_zero", 2), ("signal", 3),
+         ("exception", 2), ("host", 3), ("host", 0)]
+
+
+def _survivors(victim: int) -> list[int]:
+    """The ranks on the hosts the victim does not run on (ranks sharing its host may be killed
+    with it)."""
+    return [r for r, h in HOSTS_OF.items() if h != HOSTS_OF[victim]]
+
+
+def _check(job, how: str, victim: int) -> None:
+    assert not job.timed_out, f"hung after rank {victim} ended by {how}\n{job.output}"
+    assert job.returncode not in (0, None), f"the job exited {job.returncode}\n{job.output}"
+    assert not job.leftovers, f"left running: {job.leftovers}\n{job.output}"
+    for rank in _survivors(victim):
+        marker = f"[death-worker rank {rank} on {HOSTS_OF[rank]}] caught RankExitedError"
+        assert marker in job.stderr, f"rank {rank} did not raise RankExitedError\n{job.output}"
+    passed = [rep for rep in job.results if "victim_reported" in rep]
+    assert len(passed) >= len(_survivors(victim)), job.output
+    for rep in passed:
+        assert rep["victim_reported"] is None, f"{rep['victim_reported']}\n{job.output}"
+
+
+@pytest.mark.parametrize("how,victim", CASES, ids=[f"{h}-rank{v}" for h, v in CASES])
+def test_rank_ending_without_shutdown_under_mpiexec(host_job, how, victim):
+    _check(host_job(LAYOUT, [WORKER, how, str(victim)], timeout=90), how, victim)
+
+
+@pytest.mark.parametrize("how,victim", [("exit_code", 3), ("host", 0)],
+                         ids=["exit_code-rank3", "host-rank0"])
+def test_rank_ending_without_shutdown_under_hvdlite_run(host_bed, how, victim):
+    cmd = [sys.executable, "-m", "hvdlite.runner", "run", "-np", "4", "-H", host_list(LAYOUT),
+           sys.executable, str(WORKERS / WORKER), how, str(victim)]
+    _check(host_bed.run(cmd, 4, timeout=90), how, victim)
