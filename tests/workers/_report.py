@@ -20,9 +20,13 @@ class Reporter:
             self.results[name] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"
 
     def write(self) -> None:
+        """Write the report whole or not at all: a rank killed while writing (the launcher
+        tears a failed job down) must not leave a truncated file behind."""
         out = os.environ["HVDLITE_TEST_OUT"]
-        with open(os.path.join(out, f"rank{self.rank}.json"), "w") as f:
+        path = os.path.join(out, f"rank{self.rank}.json")
+        with open(path + ".tmp", "w") as f:
             json.dump(self.results, f)
+        os.replace(path + ".tmp", path)
 
 
 def always(size: int) -> bool:
