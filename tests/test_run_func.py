@@ -168,3 +168,13 @@ def test_collect_reports_missing_ranks_even_when_the_job_exited_0():
     import cloudpickle
     with pytest.raises(RuntimeError, match=r"exited with status 0.*\n.*rank\(s\) \[1\]"):
         fr._collect({0: (True, cloudpickle.dumps(1))}, 2, 0)
+
+
+def test_listen_address_passes_over_a_host_that_does_not_resolve():
+    """A job whose host list names an unknown host must reach the launcher's host check
+    (which names it) rather than fail in the driver with socket.gaierror."""
+    from hvdlite.runner.mpi_flavor import Host
+    assert fr._listen_address(None) == ("127.0.0.1", "127.0.0.1")
+    assert fr._listen_address([Host("localhost", 2)]) == ("127.0.0.1", "127.0.0.1")
+    bind, advertised = fr._listen_address([Host("hvdlite-no-such-host.invalid", 1)])
+    assert bind == "0.0.0.0" and advertised

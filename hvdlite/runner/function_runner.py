@@ -90,10 +90,16 @@ def _listen_address(hosts) -> tuple[str, str]:
     remote = [host.name for host in hosts or () if not _is_local(host.name)]
     if not remote:
         return "127.0.0.1", "127.0.0.1"
-    # The local address on the route to a remote host (a UDP connect sends nothing).
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((remote[0], 9))
-        return "0.0.0.0", probe.getsockname()[0]
+    # The local address on the route to a remote host (a UDP connect sends nothing).  A name
+    # that does not resolve is passed over: the launcher's host check names it.
+    for name in remote:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.connect((name, 9))
+            except OSError:
+                continue
+            return "0.0.0.0", probe.getsockname()[0]
+    return "0.0.0.0", socket.gethostname()
 
 
 class _Driver:
