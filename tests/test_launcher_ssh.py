@@ -67,6 +67,14 @@ def test_identity_file_with_a_blank_is_refused(tmp_path, monkeypatch, capsys):
     assert "splits its ssh arguments on blanks" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flavor, mpi_args", [
+    (INTEL, "--mpi-args=-bootstrap-exec-args -q"), (OMPI, "--mpi-args=--mca plm_rsh_args -q")])
+def test_ssh_arguments_in_two_places_are_refused(flavor, mpi_args, monkeypatch, capsys):
+    monkeypatch.setattr(launch, "detect_launcher", lambda explicit: ("mpiexec", flavor))
+    assert launch.main(["-p", "2222", mpi_args, "-np", "2", "cmd"]) == 2
+    assert "both set the launcher's ssh arguments" in capsys.readouterr().err
+
+
 def test_ssh_arguments_follow_what_the_environment_already_gives():
     options = ["-p", "2222", "-i", "/k"]
     for flavor, variable in ((HYDRA, "HYDRA_LAUNCHER_EXTRA_ARGS"),
@@ -204,6 +212,21 @@ def test_check_names_each_host_that_fails_and_retries(fake_ssh):
                         "same Python environment at the same path on every host")
     assert lines[4] == "  silent: no answer within 2 s"
     assert "--skip-host-check" in lines[5] and "-p/--ssh-port" in lines[5]
+
+
+def test_start_timeout_bounds_the_check(tmp_path, fake_ssh, monkeypatch, capsys):
+    ssh, log = fake_ssh
+    fake, record = _fake_launcher(tmp_path, MPICH_VERSION)
+    monkeypatch.setenv("HYDRA_LAUNCHER_EXEC", str(ssh))
+    for name in ("HYDRA_LAUNCHER", "SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "PE_HOSTFILE",
+                 "HYDRA_HOST_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    started = time.monotonic()
+    code = launch.main(["--mpiexec", str(fake), "-p", "2222", "--start-timeout", "1.5",
+                        "-H", "good:1,silent:1", "cmd"])
+    took = time.monotonic() - started
+    assert code == 1 and not record.exists() and took < 5, took
+    assert "  silent: no answer within 1.5 s" in capsys.readouterr().err
 
 
 def test_check_of_an_ssh_that_does_not_exist(tmp_path):

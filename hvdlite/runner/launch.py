@@ -469,6 +469,10 @@ def launch(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
         spec.ssh_args = mpi_flavor.ssh_arguments(flavor, options, environ)
     except ValueError as exc:
         raise UsageError(f"-p/-i: {exc}") from None
+    given = mpi_flavor.ssh_arguments_in(flavor, spec.mpi_args)
+    if spec.ssh_args is not None and given:
+        raise UsageError(f"-p/-i and --mpi-args' {given} both set the launcher's ssh "
+                         f"arguments; give them in one place")
     with tempfile.TemporaryDirectory(prefix="hvdlite-run-") as workdir:
         env = mpi_flavor.child_environment(environ, spec.env, bin_dir)
         env.update(mpi_flavor.launcher_environment(flavor, spec))

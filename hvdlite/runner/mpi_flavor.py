@@ -263,6 +263,16 @@ def ssh_arguments(flavor: MpiFlavor, options: Sequence[str],
     return " ".join(before + list(options))
 
 
+def ssh_arguments_in(flavor: MpiFlavor, mpi_args: Sequence[str]) -> str | None:
+    """The launcher option in ``mpi_args`` that already sets the ssh arguments (Intel MPI's
+    ``-bootstrap-exec-args``, Open MPI's ``plm_rsh_args``), or None."""
+    if flavor.kind == INTEL_MPI and option_value(mpi_args, ("bootstrap-exec-args",)) is not None:
+        return "-bootstrap-exec-args"
+    if flavor.kind == OPEN_MPI and mca_value(mpi_args, "plm_rsh_args") is not None:
+        return "plm_rsh_args"
+    return None
+
+
 def _names_launcher(args: Sequence[str]) -> bool:
     return option_value(args, ("launcher", "bootstrap")) is not None
 
