@@ -498,8 +498,8 @@ def test_end_to_end_open_mpi(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PASSED", "from-launcher")
     monkeypatch.setenv("FAKE_EXIT", "7")
     code = launch.main(["run", "--mpiexec", str(fake), "--hostfile", str(hostfile),
-                        "--skip-host-check", "-x", "PASSED", "-x", "FOO=bar", "--cycle-time-ms", "2", "--verbose",
-                        "python", "t.py"])
+                        "--skip-host-check", "-x", "PASSED", "-x", "FOO=bar",
+                        "--cycle-time-ms", "2", "--verbose", "python", "t.py"])
     assert code == 7  # the launcher's exit status comes back
     seen = json.loads(record.read_text())
     argv, env = seen["argv"], seen["env"]
