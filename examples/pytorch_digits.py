@@ -9,7 +9,10 @@ What a Horovod user expects from a real training script, with hvdlite:
   * gradients are averaged by DistributedOptimizer while backward runs;
   * rank 0's initial weights and optimizer state are broadcast to every rank;
   * per-epoch loss/accuracy are averaged across ranks and printed by rank 0 only;
-  * rank 0 writes a checkpoint each epoch; --resume continues from it;
+  * rank 0 writes a checkpoint each epoch (atomically: a job killed mid-write keeps the previous
+    one); --resume continues from it, or starts afresh when there is none yet, so a job that
+    is restarted after a failure (e.g. by Kubernetes, examples/kubernetes/) picks up where the
+    last checkpoint left it;
   * test accuracy is computed over the whole test set (sharded, then summed) at the end.
 """
 from __future__ import annotations
@@ -39,7 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--checkpoint", default="checkpoints/pytorch_digits.pt",
                    help="checkpoint path written by rank 0 ('' disables)")
-    p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from --checkpoint if it exists (else start from epoch 0)")
     p.add_argument("--fp16-allreduce", action="store_true", help="compress gradients to fp16")
     p.add_argument("--cuda", action="store_true",
                    help="train on the GPU of this rank's local rank (gradients go through NCCL; "
@@ -82,6 +86,16 @@ def shard(n: int) -> slice:
 
 def metric_average(value: float, name: str) -> float:
     return hvd.allreduce(torch.tensor(value, dtype=torch.float64), name=name).item()
+
+
+def save_checkpoint(path: str, state: dict) -> None:
+    """Write ``state`` to ``path`` through a temporary file renamed over it: a job killed while
+    writing (a lost node, a restart) leaves the previous checkpoint whole, not a truncated file
+    that every restart would then fail to load."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    partial = path + ".partial"
+    torch.save(state, partial)
+    os.replace(partial, path)
 
 
 def train_epoch(model, optimizer, x, y, batch_size: int, epoch: int) -> tuple[float, float]:
@@ -154,9 +168,9 @@ def main(argv=None) -> int:
         if hvd.rank() == 0:
             print(f"epoch {epoch:3d}  loss {loss:.4f}  train accuracy {acc:.4f}", flush=True)
             if args.checkpoint:
-                os.makedirs(os.path.dirname(args.checkpoint) or ".", exist_ok=True)
-                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                            "epoch": epoch}, args.checkpoint)
+                save_checkpoint(args.checkpoint, {"model": model.state_dict(),
+                                                  "optimizer": optimizer.state_dict(),
+                                                  "epoch": epoch})
     accuracy = evaluate(model, x_test, y_test)
     if hvd.rank() == 0:
         print(f"test accuracy: {accuracy:.4f} ({time.perf_counter() - t0:.1f} s of training)",

@@ -43,6 +43,32 @@ def test_pytorch_digits_trains_checkpoints_and_resumes(np_, tmp_path):
     assert _accuracy(resumed.stdout) >= 0.95
 
 
+def test_pytorch_digits_resume_without_a_checkpoint_starts_afresh(tmp_path):
+    """What a Kubernetes job's first start does (examples/kubernetes/): --resume, no file yet."""
+    ckpt = tmp_path / "new" / "digits.pt"
+    job = _run(2, "pytorch_digits.py", ["--epochs", "3", "--resume", "--checkpoint", str(ckpt)])
+    assert "epochs 0..2" in job.stdout and job.stdout.count("epoch ") == 3, job.output
+    assert ckpt.exists() and not (tmp_path / "new" / "digits.pt.partial").exists()
+
+
+def test_pytorch_digits_checkpoint_survives_a_failed_write(tmp_path):
+    """A write that dies half-way (here: an object that cannot be pickled, after the file was
+    opened; in a job: a kill) leaves the previous checkpoint loadable."""
+    import torch
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import pytorch_digits
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    path = str(tmp_path / "digits.pt")
+    pytorch_digits.save_checkpoint(path, {"epoch": 4, "weights": torch.ones(1000)})
+    with pytest.raises(Exception):
+        pytorch_digits.save_checkpoint(path, {"epoch": 5, "weights": torch.zeros(1000),
+                                              "unpicklable": lambda: None})
+    state = torch.load(path)
+    assert state["epoch"] == 4 and torch.equal(state["weights"], torch.ones(1000))
+
+
 @pytest.mark.parametrize("script,extra", [
     ("pytorch_synthetic_benchmark.py", ["--model", "mlp"]),
     ("pytorch_synthetic_benchmark.py", ["--model", "convnet", "--fp16-allreduce"]),

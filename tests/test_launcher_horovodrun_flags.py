@@ -23,8 +23,7 @@ def plan(argv: list[str], environ: dict | None = None) -> mpi_flavor.JobSpec:
 
 def test_accepted_no_op_flags_change_nothing():
     plain = plan(["-np", "2", "python", "t.py"])
-    compat = plan(["-np", "2", "--mpi", "--disable-cache", "--start-timeout", "90",
-                   "python", "t.py"])
+    compat = plan(["-np", "2", "--mpi", "--disable-cache", "python", "t.py"])
     assert compat == plain
 
 

@@ -498,8 +498,8 @@ def test_end_to_end_open_mpi(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PASSED", "from-launcher")
     monkeypatch.setenv("FAKE_EXIT", "7")
     code = launch.main(["run", "--mpiexec", str(fake), "--hostfile", str(hostfile),
-                        "-x", "PASSED", "-x", "FOO=bar", "--cycle-time-ms", "2", "--verbose",
-                        "python", "t.py"])
+                        "--skip-host-check", "-x", "PASSED", "-x", "FOO=bar",
+                        "--cycle-time-ms", "2", "--verbose", "python", "t.py"])
     assert code == 7  # the launcher's exit status comes back
     seen = json.loads(record.read_text())
     argv, env = seen["argv"], seen["env"]
@@ -519,7 +519,8 @@ def test_end_to_end_open_mpi(tmp_path, monkeypatch, capsys):
 def test_end_to_end_intel_host_list(tmp_path, monkeypatch, capsys):
     fake, record = _fake_launcher(tmp_path, INTEL_VERSION)
     monkeypatch.delenv("FAKE_EXIT", raising=False)
-    assert launch.main(["--mpiexec", str(fake), "-H", "a:1,b:1", "-x", "Z=1", "cmd"]) == 0
+    assert launch.main(["--mpiexec", str(fake), "-H", "a:1,b:1", "--skip-host-check",
+                        "-x", "Z=1", "cmd"]) == 0
     argv = json.loads(record.read_text())["argv"]
     assert argv[1:4] == ["-n", "2", "-machinefile"]
     assert argv[5:] == ["-genv", "Z", "1", "cmd"]

@@ -84,7 +84,6 @@ def test_rank_that_leaves_without_returning_is_reported():
 @pytest.mark.parametrize("mode, error, fragment", [
     ("use_gloo", "ValueError", "--gloo (a horovodrun flag) is not supported"),
     ("elastic", "ValueError", "hvdlite has no elastic mode"),
-    ("ssh_port", "ValueError", "~/.ssh/config"),
     ("hosts_and_hostfile", "ValueError", "give hosts or hostfile, not both"),
     ("not_callable", "TypeError", "func must be callable, got str"),
 ])
@@ -123,12 +122,25 @@ def test_launcher_argv_maps_every_supported_argument():
     assert parsed.command == ["/opt/py/bin/python", "-m", "hvdlite.runner.task"]
 
 
+def test_ssh_arguments_reach_the_launcher():
+    argv = argv_for(hosts="h1:2,h2:2", ssh_port=2222, ssh_identity_file="/keys/id")
+    assert argv[:8] == ["-np", "2", "-H", "h1:2,h2:2", "-p", "2222", "-i", "/keys/id"]
+    parsed = fr._parse(argv)
+    assert (parsed.ssh_port, parsed.ssh_identity_file) == (2222, "/keys/id")
+    with pytest.raises(ValueError, match="-p/--ssh-port: a port is 1-65535, got 0"):
+        fr._parse(argv_for(ssh_port=0))
+
+
+def test_ssh_arguments_do_not_matter_for_a_job_on_this_host():
+    got = drive("ssh_port", 2)
+    assert got.get("value") == ["no ssh needed"] * 2, got
+
+
 @pytest.mark.parametrize("overrides, fragment", [
     ({"max_num_proc": 4}, "--max-np"), ({"slots": 2}, "--slots-per-host"),
     ({"reset_limit": 1}, "--reset-limit"), ({"cooldown_range": (1, 5)}, "cooldown"),
-    ({"ssh_identity_file": "k"}, "-i (a horovodrun flag)"),
 ])
-def test_elastic_and_ssh_arguments_are_refused_by_the_launchers_rules(overrides, fragment):
+def test_elastic_arguments_are_refused_by_the_launchers_rules(overrides, fragment):
     with pytest.raises(ValueError, match="not supported") as info:
         fr._parse(argv_for(**overrides))
     assert fragment in str(info.value)
@@ -156,3 +168,13 @@ def test_collect_reports_missing_ranks_even_when_the_job_exited_0():
     import cloudpickle
     with pytest.raises(RuntimeError, match=r"exited with status 0.*\n.*rank\(s\) \[1\]"):
         fr._collect({0: (True, cloudpickle.dumps(1))}, 2, 0)
+
+
+def test_listen_address_passes_over_a_host_that_does_not_resolve():
+    """A job whose host list names an unknown host must reach the launcher's host check
+    (which names it) rather than fail in the driver with socket.gaierror."""
+    from hvdlite.runner.mpi_flavor import Host
+    assert fr._listen_address(None) == ("127.0.0.1", "127.0.0.1")
+    assert fr._listen_address([Host("localhost", 2)]) == ("127.0.0.1", "127.0.0.1")
+    bind, advertised = fr._listen_address([Host("hvdlite-no-such-host.invalid", 1)])
+    assert bind == "0.0.0.0" and advertised

@@ -90,10 +90,16 @@ def _listen_address(hosts) -> tuple[str, str]:
     remote = [host.name for host in hosts or () if not _is_local(host.name)]
     if not remote:
         return "127.0.0.1", "127.0.0.1"
-    # The local address on the route to a remote host (a UDP connect sends nothing).
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((remote[0], 9))
-        return "0.0.0.0", probe.getsockname()[0]
+    # The local address on the route to a remote host (a UDP connect sends nothing).  A name
+    # that does not resolve is passed over: the launcher's host check names it.
+    for name in remote:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.connect((name, 9))
+            except OSError:
+                continue
+            return "0.0.0.0", probe.getsockname()[0]
+    return "0.0.0.0", socket.gethostname()
 
 
 class _Driver:
@@ -168,12 +174,14 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None 
     ``func`` usually calls ``hvd.init()`` itself and trains; it travels by value, so lambdas,
     closures and functions defined in a notebook work (whatever they refer to must be
     picklable, and modules they import must be importable on the ranks).  The other arguments
-    are those of ``hvdlite run``: ``hosts="h1:2,h2:2"`` or ``hostfile``, ``mpi_args``,
-    ``network_interface``, ``output_filename``, ``verbose``; ``executable`` is the Python the
-    ranks run (default: this one).  ``np``, ``min_np`` and ``max_np`` are Horovod's deprecated
-    spellings.  Elastic arguments (``min_num_proc``, ``max_num_proc``, ``slots``,
-    ``reset_limit``, ``cooldown_range``), ``use_gloo``, ``ssh_port`` and ``ssh_identity_file``
-    raise ``ValueError`` saying why and what to use instead, as the launcher does.
+    are those of ``hvdlite run``: ``hosts="h1:2,h2:2"`` or ``hostfile``, ``ssh_port`` and
+    ``ssh_identity_file`` (``-p``/``-i``), ``start_timeout`` (for the check that every remote
+    host can be reached), ``mpi_args``, ``network_interface``, ``output_filename``,
+    ``verbose``; ``executable`` is the Python the ranks run (default: this one).  ``np``,
+    ``min_np`` and ``max_np`` are Horovod's deprecated spellings.  Elastic arguments
+    (``min_num_proc``, ``max_num_proc``, ``slots``, ``reset_limit``, ``cooldown_range``) and
+    ``use_gloo`` raise ``ValueError`` saying why and what to use instead, as the launcher does;
+    a remote host that cannot be reached raises ``RuntimeError`` naming it.
 
     The ranks' output is copied to this process's ``sys.stdout``/``sys.stderr`` (so it shows
     in a notebook).  If ``func`` raises on some rank, or a rank exits without returning, this

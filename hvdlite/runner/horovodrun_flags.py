@@ -4,10 +4,10 @@ launch command keeps working after replacing ``horovodrun`` with ``hvdlite run``
 Three kinds:
 
 * flags with an hvdlite meaning (``--output-filename``, ``--network-interface(s)``,
-  ``--binding-args``, ``-cb``, ``-v``) are ordinary options of the parser;
+  ``--binding-args``, ``-p/--ssh-port``, ``-i/--ssh-identity-file``, ``--start-timeout``,
+  ``-cb``, ``-v``) are ordinary options of the parser;
 * flags whose Horovod purpose is already met (``--mpi``: hvdlite always runs over MPI;
-  ``--disable-cache`` and ``--start-timeout``: they concern start-up checks that ``hvdlite run``
-  does not perform) are accepted and do nothing;
+  ``--disable-cache``: ``hvdlite run`` caches no start-up checks) are accepted and do nothing;
 * flags for features hvdlite does not have stop the launch with a message that says why and
   what to use instead (:data:`UNSUPPORTED`), rather than argparse's bare "unrecognized
   arguments" or, worse, a silently different job.
@@ -21,9 +21,6 @@ _ELASTIC = ("hvdlite has no elastic mode: it runs a fixed set of MPI processes (
             "docs, docs/elastic.md). Start the job with -np N and -H/--hostfile.")
 _AUTOTUNE = ("hvdlite has no autotuner; set --fusion-threshold-mb and --cycle-time-ms "
              "(docs/knobs.md lists every knob).")
-_SSH = ("hvdlite starts remote ranks through your MPI launcher, which uses ssh's own "
-        "configuration: put Port/IdentityFile for those hosts in ~/.ssh/config, or pass the "
-        "launcher's own option with --mpi-args.")
 
 # flag spellings -> (number of values it takes, why it is refused)
 UNSUPPORTED: dict[tuple[str, ...], tuple[int, str]] = {
@@ -56,8 +53,6 @@ UNSUPPORTED: dict[tuple[str, ...], tuple[int, str]] = {
                                     "(MPI_THREAD_MULTIPLE); this switch does not exist."),
     ("--tcp",): (0, "choose MPI's transport through the launcher instead, e.g. for Open MPI "
                     "--mpi-args=\"--mca btl tcp,self,vader\"."),
-    ("-p", "--ssh-port"): (1, _SSH),
-    ("-i", "--ssh-identity-file"): (1, _SSH),
     ("--config-file",): (1, "hvdlite run reads no YAML configuration; give the flags on the "
                             "command line or set HVDLITE_* variables."),
     ("-prefix-timestamp", "--prefix-output-with-timestamp"): (
@@ -67,6 +62,26 @@ UNSUPPORTED: dict[tuple[str, ...], tuple[int, str]] = {
     ("--log-without-timestamp", "--log-hide-timestamp"): (
         0, "hvdlite's log format is fixed; drop this flag."),
 }
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 1-65535, got {port}")
+    return port
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
 
 
 class _Refuse(argparse.Action):
@@ -106,12 +121,18 @@ def add_options(parser: argparse.ArgumentParser, version: str) -> None:
     group.add_argument("--binding-args", metavar='"ARGS"', default="",
                        help="process binding arguments for the MPI launcher, e.g. "
                             "--binding-args=\"--bind-to core\"")
+    group.add_argument("-p", "--ssh-port", dest="ssh_port", type=_port, metavar="PORT",
+                       help="ssh port on every host (given to the MPI launcher's ssh)")
+    group.add_argument("-i", "--ssh-identity-file", dest="ssh_identity_file", metavar="FILE",
+                       help="ssh identity (private key) file on this host, for the MPI "
+                            "launcher's ssh")
+    group.add_argument("--start-timeout", type=_seconds, metavar="S",
+                       help="seconds the check that every remote host can be reached over ssh "
+                            "may take (default 30)")
     group.add_argument("--mpi", action="store_true",
                        help="accepted: hvdlite always runs over MPI")
     group.add_argument("--disable-cache", action="store_true",
                        help="accepted: hvdlite run caches no start-up checks")
-    group.add_argument("--start-timeout", type=float, metavar="S",
-                       help="accepted: hvdlite run has no start-up checks to time out")
     for flags, (nargs, reason) in UNSUPPORTED.items():
         parser.add_argument(*flags, action=_Refuse, reason=reason, nargs=nargs,
                             dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
@@ -119,5 +140,13 @@ def add_options(parser: argparse.ArgumentParser, version: str) -> None:
 
 
 def nic_env(nics: Sequence[str]) -> dict[str, str]:
-    """Variables that point NCCL's sockets at ``nics`` (as horovodrun does)."""
-    return {"NCCL_SOCKET_IFNAME": ",".join(nics)} if nics else {}
+    """Variables that point NCCL's sockets at ``nics`` (as horovodrun does) and, for one
+    interface, libfabric's TCP provider (MPICH 4+ and Intel MPI carry MPI traffic over
+    libfabric or UCX; the launcher's ``-iface`` covers only its own connections and MPICH's
+    older ch3 device)."""
+    if not nics:
+        return {}
+    env = {"NCCL_SOCKET_IFNAME": ",".join(nics)}
+    if len(nics) == 1:
+        env["FI_TCP_IFACE"] = nics[0]
+    return env

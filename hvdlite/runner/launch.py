@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import BinaryIO, Callable, Mapping, Sequence, TextIO, TypeVar
 
-from . import check_build, horovodrun_flags, mpi_flavor
+from . import check_build, horovodrun_flags, host_check, mpi_flavor
 from hvdlite.common.core import KNOBS, Flag, Knob
 from ..version import __version__
 from .mpi_flavor import Host, HostfileError, JobSpec
@@ -34,6 +34,9 @@ Number = TypeVar("Number", int, float)
 KILL_GRACE_SECONDS = 5.0
 INSTALL_HINT = ("install one with `pip install mpich` (or your system's MPI, e.g. "
                 "`apt-get install mpich` or `apt-get install openmpi-bin`)")
+# Where launchers find their hosts when none are given on the command line (the Kubernetes MPI
+# Operator sets the one of its MPI; a batch system's allocation is read by the launcher itself).
+ENV_HOSTFILES = ("HYDRA_HOST_FILE", "I_MPI_HYDRA_HOST_FILE", "OMPI_MCA_orte_default_hostfile")
 
 
 class LaunchError(Exception):
@@ -90,6 +93,9 @@ def _add_launch_options(parser: argparse.ArgumentParser) -> None:
                         help="MPI launcher to use instead of searching for one")
     parser.add_argument("--verbose", action="store_true",
                         help="print the MPI command (and the variables set) before running it")
+    parser.add_argument("--skip-host-check", action="store_true",
+                        help="start the job without first logging in to every remote host "
+                             "over ssh as the MPI launcher will")
     parser.add_argument("-cb", "--check-build", action="store_true",
                         help="show the available frameworks, controllers and operations")
 
@@ -214,6 +220,23 @@ def resolve_hosts(args: argparse.Namespace) -> tuple[list[Host] | None, bool]:
     return None, False
 
 
+def environment_hosts(environ: Mapping[str, str]) -> tuple[list[Host], str] | None:
+    """The hosts of the launcher's own hostfile variable (:data:`ENV_HOSTFILES`, e.g.
+    ``HYDRA_HOST_FILE``) and ``NAME=path``, or None when none is set.  The launcher reads the
+    file itself; hvdlite uses the list for ``-np``'s default and the host check."""
+    for name in ENV_HOSTFILES:
+        path = environ.get(name)
+        if path:
+            where = f"{name}={path}"
+            try:
+                return mpi_flavor.parse_hostfile_text(Path(path).read_text(), where), where
+            except OSError as exc:
+                raise LaunchError(f"cannot read the hostfile {where}: {exc.strerror}") from None
+            except HostfileError as exc:
+                raise LaunchError(str(exc)) from None
+    return None
+
+
 def process_count(args: argparse.Namespace, hosts: list[Host] | None) -> int:
     """``-np``, or the total number of slots when only hosts were given."""
     if args.np is not None:
@@ -221,6 +244,21 @@ def process_count(args: argparse.Namespace, hosts: list[Host] | None) -> int:
     if hosts:
         return sum(host.slots for host in hosts)
     raise UsageError("-np N is required (the number of processes to start)")
+
+
+def ssh_options(args: argparse.Namespace) -> list[str]:
+    """ssh's options for ``-p/--ssh-port`` and ``-i/--ssh-identity-file`` (the identity file
+    must exist here: ssh reads it on this host)."""
+    options = []
+    if args.ssh_port is not None:
+        options += ["-p", str(args.ssh_port)]
+    if args.ssh_identity_file is not None:
+        path = os.path.abspath(os.path.expanduser(args.ssh_identity_file))
+        if not os.path.isfile(path):
+            raise UsageError(f"-i/--ssh-identity-file {args.ssh_identity_file}: no such file "
+                             f"(ssh reads the identity file on this host)")
+        options += ["-i", path]
+    return options
 
 
 def detect_launcher(explicit: str | None) -> tuple[str, mpi_flavor.MpiFlavor]:
@@ -253,7 +291,8 @@ def plan_job(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[JobS
     if not args.command:
         raise UsageError("no command given; usage: hvdlite run -np N [options] command ...")
     hosts, from_file = resolve_hosts(args)
-    np = process_count(args, hosts)
+    known = environment_hosts(environ) if hosts is None else None
+    np = process_count(args, hosts or (known[0] if known else None))
     command = list(args.command)
     if args.output_filename:   # every rank runs its command under the per-rank output tee
         command = [sys.executable, "-m", "hvdlite.runner.rank_output",
@@ -273,6 +312,36 @@ def place_hosts(spec: JobSpec, flavor: mpi_flavor.MpiFlavor, from_file: bool,
         path = Path(workdir) / "hostfile"
         path.write_text(mpi_flavor.render_hostfile(flavor, spec.hosts))
         spec.hostfile, spec.hosts = str(path), None
+
+
+# --- reaching the hosts --------------------------------------------------------------------------
+def check_hosts(args: argparse.Namespace, spec: JobSpec, hosts: list[Host] | None,
+                launcher: str, flavor: mpi_flavor.MpiFlavor, env: Mapping[str, str]) -> None:
+    """Log in to every remote host of the job (``hosts``, else those of the launcher's hostfile
+    variable) as the launcher will (see :mod:`.host_check`); LaunchError naming the hosts that
+    cannot be reached.  ``env``: the launcher's environment.  Nothing is checked with
+    ``--skip-host-check``, for a job on this host only, or when the launcher will not use
+    ssh."""
+    if args.skip_host_check:
+        return
+    if hosts is None:
+        known = environment_hosts(env)
+        hosts = known[0] if known else None
+    if not hosts:
+        return
+    shell = host_check.remote_shell(flavor, spec.mpi_args, env, spec.ssh_args)
+    remote = host_check.remote_hosts([host.name for host in hosts]) if shell else []
+    if not remote:
+        return
+    probe, tested = host_check.probe_command(flavor, launcher)
+    timeout = args.start_timeout or host_check.DEFAULT_TIMEOUT
+    if args.verbose:
+        print(f"hvdlite: checking {len(remote)} remote host(s): "
+              f"{shlex.join([*shell, 'HOST', probe])}", file=sys.stderr, flush=True)
+    problems = host_check.check(remote, shell, probe, timeout)
+    if problems:
+        raise LaunchError(host_check.describe(problems, len(remote), shell, probe, tested,
+                                              timeout))
 
 
 # --- running -------------------------------------------------------------------------------------
@@ -393,19 +462,32 @@ def launch(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
     """
     environ = os.environ if environ is None else environ
     spec, from_file = plan_job(args, environ)
+    options = ssh_options(args)
     launcher, flavor = detect_launcher(args.mpiexec)
     bin_dir = str(Path(sys.executable).parent)
+    try:
+        spec.ssh_args = mpi_flavor.ssh_arguments(flavor, options, environ)
+    except ValueError as exc:
+        raise UsageError(f"-p/-i: {exc}") from None
+    given = mpi_flavor.ssh_arguments_in(flavor, spec.mpi_args)
+    if spec.ssh_args is not None and given:
+        raise UsageError(f"-p/-i and --mpi-args' {given} both set the launcher's ssh "
+                         f"arguments; give them in one place")
     with tempfile.TemporaryDirectory(prefix="hvdlite-run-") as workdir:
-        place_hosts(spec, flavor, from_file, workdir)
         env = mpi_flavor.child_environment(environ, spec.env, bin_dir)
+        env.update(mpi_flavor.launcher_environment(flavor, spec))
+        hosts = spec.hosts
+        place_hosts(spec, flavor, from_file, workdir)
         try:
             argv = mpi_flavor.build_command(
                 launcher, flavor, spec, is_root=os.geteuid() == 0,
                 forward=mpi_flavor.open_mpi_forward(env) + list(forward))
         except ValueError as exc:   # e.g. several network interfaces for a Hydra launcher
             raise UsageError(str(exc)) from None
+        check_hosts(args, spec, hosts, launcher, flavor, env)
         if args.verbose:
-            _print_verbose(argv, spec.env, flavor, env["PATH"])
+            _print_verbose(argv, {**spec.env, **mpi_flavor.launcher_environment(flavor, spec)},
+                           flavor, env["PATH"])
         return run_job(argv, env, output)
 
 

@@ -30,6 +30,14 @@ FLAVOR_NAMES = {MPICH: "MPICH", INTEL_MPI: "Intel MPI", OPEN_MPI: "Open MPI"}
 # with ``-x`` (when set) so remote ranks find the same Python and packages.
 OPEN_MPI_FORWARD = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH")
 
+# Where each launcher reads extra arguments for the ssh it starts remote daemons with: MPICH's
+# Hydra splits HYDRA_LAUNCHER_EXTRA_ARGS on spaces and puts the words between ``ssh -x`` and the
+# host name (src/pm/hydra/lib/tools/bootstrap/external/external_common_launch.c); Intel MPI's
+# counterpart of its -bootstrap-exec-args option; Open MPI's plm_rsh_args MCA parameter.
+SSH_ARGS_VARIABLE = {MPICH: "HYDRA_LAUNCHER_EXTRA_ARGS",
+                     INTEL_MPI: "I_MPI_HYDRA_BOOTSTRAP_EXEC_EXTRA_ARGS",
+                     OPEN_MPI: "OMPI_MCA_plm_rsh_args"}
+
 
 class HostfileError(ValueError):
     """A ``-H`` list or hostfile that cannot be parsed."""
@@ -76,6 +84,9 @@ class JobSpec:
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     mpi_args: list[str] = dataclasses.field(default_factory=list)
     nics: list[str] = dataclasses.field(default_factory=list)   # interfaces for MPI's TCP
+    # every argument the launcher's ssh must get (``-p``/``-i`` and what the environment
+    # already asked for; see :func:`ssh_arguments`), or None to leave ssh alone
+    ssh_args: str | None = None
 
 
 # --- finding and identifying the launcher --------------------------------------------------------
@@ -210,6 +221,83 @@ def _host_list(hosts: Sequence[Host]) -> str:
     return ",".join(f"{host.name}:{host.slots}" for host in hosts)
 
 
+# --- ssh ---------------------------------------------------------------------------------------
+def option_value(args: Sequence[str], names: Sequence[str]) -> str | None:
+    """The value of the last ``-name VALUE``, ``--name VALUE`` or ``-name=VALUE`` in ``args``
+    (launcher arguments such as ``--mpi-args``), for any of ``names``; None when absent."""
+    found = None
+    for index, word in enumerate(args):
+        name, sep, value = word.lstrip("-").partition("=")
+        if word.startswith("-") and name in names:
+            if sep:
+                found = value
+            elif index + 1 < len(args):
+                found = args[index + 1]
+    return found
+
+
+def mca_value(args: Sequence[str], name: str) -> str | None:
+    """The value Open MPI's ``--mca NAME VALUE`` (or ``-mca``, ``--prtemca``) sets in
+    ``args``; None when absent."""
+    found = None
+    for index, word in enumerate(args[:-2]):
+        if word in ("-mca", "--mca", "--prtemca", "-prtemca") and args[index + 1] == name:
+            found = args[index + 2]
+    return found
+
+
+def ssh_arguments(flavor: MpiFlavor, options: Sequence[str],
+                  environ: Mapping[str, str]) -> str | None:
+    """The ssh arguments the launcher must get for ``options`` (``-p PORT``, ``-i FILE``):
+    those the environment already gives it (:data:`SSH_ARGS_VARIABLE`, e.g. the Kubernetes MPI
+    Operator's ``-o ConnectionAttempts=10`` for Open MPI) followed by ``options``; None when
+    ``options`` is empty.  The launchers split the text on blanks, so no word may contain one
+    (ValueError)."""
+    if not options:
+        return None
+    for word in options:
+        if not word or any(char.isspace() for char in word):
+            raise ValueError(f"ssh argument {word!r} contains a blank: the MPI launcher splits "
+                             f"its ssh arguments on blanks (move or rename the file)")
+    before = environ.get(SSH_ARGS_VARIABLE[flavor.kind], "").split()
+    return " ".join(before + list(options))
+
+
+def ssh_arguments_in(flavor: MpiFlavor, mpi_args: Sequence[str]) -> str | None:
+    """The launcher option in ``mpi_args`` that already sets the ssh arguments (Intel MPI's
+    ``-bootstrap-exec-args``, Open MPI's ``plm_rsh_args``), or None."""
+    if flavor.kind == INTEL_MPI and option_value(mpi_args, ("bootstrap-exec-args",)) is not None:
+        return "-bootstrap-exec-args"
+    if flavor.kind == OPEN_MPI and mca_value(mpi_args, "plm_rsh_args") is not None:
+        return "plm_rsh_args"
+    return None
+
+
+def _names_launcher(args: Sequence[str]) -> bool:
+    return option_value(args, ("launcher", "bootstrap")) is not None
+
+
+def launcher_environment(flavor: MpiFlavor, job: JobSpec) -> dict[str, str]:
+    """Variables for the launcher itself (not the ranks): MPICH's Hydra takes the ssh
+    arguments from :data:`SSH_ARGS_VARIABLE` only."""
+    if job.ssh_args is not None and flavor.kind == MPICH:
+        return {SSH_ARGS_VARIABLE[MPICH]: job.ssh_args}
+    return {}
+
+
+def _hydra_ssh(flavor: MpiFlavor, job: JobSpec) -> list[str]:
+    """Hydra's options for ``job.ssh_args``: ssh as the launcher (whatever the batch system
+    would have chosen: the arguments are ssh's), unless ``--mpi-args`` names one; Intel MPI
+    takes the arguments as an option, MPICH through :func:`launcher_environment`."""
+    if job.ssh_args is None:
+        return []
+    argv = [] if _names_launcher(job.mpi_args) else (
+        ["-bootstrap", "ssh"] if flavor.kind == INTEL_MPI else ["-launcher", "ssh"])
+    if flavor.kind == INTEL_MPI:
+        argv += ["-bootstrap-exec-args", job.ssh_args]
+    return argv
+
+
 # --- command construction ------------------------------------------------------------------------
 def _hydra_command(launcher: str, flavor: MpiFlavor, job: JobSpec) -> list[str]:
     argv = [launcher, "-n", str(job.np)]
@@ -224,6 +312,7 @@ def _hydra_command(launcher: str, flavor: MpiFlavor, job: JobSpec) -> list[str]:
             raise ValueError(f"{FLAVOR_NAMES[flavor.kind]}'s launcher takes one network "
                              f"interface (-iface), got {','.join(job.nics)}")
         argv += ["-iface", job.nics[0]]
+    argv += _hydra_ssh(flavor, job)
     for name, value in job.env.items():
         argv += ["-genv", name, value]
     return argv
@@ -248,6 +337,8 @@ def _open_mpi_command(launcher: str, flavor: MpiFlavor, job: JobSpec, is_root: b
         argv += ["--hostfile", job.hostfile]
     if job.nics:
         argv += ["--mca", "btl_tcp_if_include", ",".join(job.nics)]
+    if job.ssh_args is not None:
+        argv += ["--mca", "plm_rsh_args", job.ssh_args]
     names = list(job.env) + [name for name in forward if name not in job.env]
     for name in names:
         argv += ["-x", name]

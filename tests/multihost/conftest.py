@@ -55,3 +55,23 @@ def host_job(host_bed):
                                          hostfile=hostfile)
         return jobs[key]
     return get
+
+
+@pytest.fixture(scope="session")
+def operator_bed(host_bed):
+    """Hosts named as the Kubeflow MPI Operator names the workers of
+    examples/kubernetes/digits-mpijob.yaml, taking ssh logins on the manifest's sshd port only
+    (so a launch without ``-p PORT`` is refused, as on those pods).  Made after ``host_bed``,
+    whose checks and skip it shares."""
+    pytest.importorskip("yaml", reason="PyYAML reads examples/kubernetes/digits-mpijob.yaml")
+    from tests import kubernetes_example
+    job = kubernetes_example.mpijob()
+    bed = HostBed(kubernetes_example.worker_names(job),
+                  ssh_port=kubernetes_example.ssh_port(job))
+    try:
+        bed.start()
+    except BedUnavailable as exc:
+        _unavailable(str(exc))
+    yield bed
+    problems = bed.close()
+    assert not problems, "tearing the operator's simulated hosts down: " + "; ".join(problems)

@@ -21,6 +21,7 @@ hosts' (or a launch's) private mount namespaces, and :meth:`HostBed.close` check
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import select
@@ -32,7 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from tests.mpi_harness import (REPO, JobResult, check_job, mpiexec_path, run_command,
                                worker_argv)
@@ -344,6 +345,18 @@ class HostBed:
         where = ["-f", self.hostfile(layout)] if hostfile else ["-hosts", host_list(layout)]
         cmd = [mpiexec_path(), "-n", str(np), *where, *mpiexec_args] + worker_argv(argv)
         return self.run(cmd, np, timeout=timeout, env=env)
+
+    @contextlib.contextmanager
+    def refusing(self, host: str, message: str) -> Iterator[None]:
+        """While inside: ``host`` refuses every login through the stand-in with ``message`` on
+        stderr and exit status 255 (as ssh fails when sshd rejects the key)."""
+        path = self.root / "refuse" / host
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(message + "\n")
+        try:
+            yield
+        finally:
+            path.unlink()
 
     def shell(self, host: str, command: str, timeout: float = 30) -> subprocess.CompletedProcess:
         """Run a shell command on ``host`` as ``ssh host command`` would (through the

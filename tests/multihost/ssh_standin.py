@@ -8,7 +8,9 @@ launcher, as on a real cluster), inside the host's namespaces (``nsenter``).  Ev
 appended to ``standin.log`` in the bed's directory as one JSON line, so tests can see what the
 launcher passed.  The hosts accept logins on one port only (the bed's ``ssh_port`` file, 22
 unless a test sets another): a wrong ``-p`` fails as an unreachable port would, and an unknown
-host as ssh does, with a message on stderr and exit status 255.
+host as ssh does, with a message on stderr and exit status 255.  A host can be told to refuse
+logins (``refuse/HOST`` in the bed's directory holds the message to fail with, as a host whose
+sshd rejects the key would).
 
 argv[1] is the bed's directory (the generated wrapper script passes it); the rest is ssh's.
 """
@@ -73,6 +75,11 @@ def main() -> None:
         listening = f.read().strip()
     if port != listening:
         fail(f"ssh: connect to host {host} port {port}: Connection refused")
+    try:
+        with open(os.path.join(bed, "refuse", host)) as f:
+            fail(f.read().strip())
+    except FileNotFoundError:
+        pass
     if not command:
         fail("ssh stand-in: interactive logins are not supported; give a command")
     user = pwd.getpwuid(os.getuid())

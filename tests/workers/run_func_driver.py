@@ -53,6 +53,12 @@ def where(scale):
             hvd.cross_size(), socket.gethostname(), summed.tolist()]
 
 
+def where_and_how(scale):
+    """:func:`where`, and the variables that ``network_interface`` sets for the rank."""
+    import os
+    return where(scale) + [os.environ.get("NCCL_SOCKET_IFNAME"), os.environ.get("FI_TCP_IFACE")]
+
+
 def raise_on_last_rank():
     """The last rank raises before a collective that the others then wait in."""
     import hvdlite as hvd
@@ -93,11 +99,17 @@ MODES = {
     "exit_early": lambda np_: hvdlite.run(exit_early, num_proc=np_),
     "use_gloo": lambda np_: hvdlite.run(len, num_proc=np_, use_gloo=True),
     "elastic": lambda np_: hvdlite.run(len, num_proc=np_, min_num_proc=1),
-    "ssh_port": lambda np_: hvdlite.run(len, num_proc=np_, ssh_port=2222),
+    # a job on this host only: the launcher starts its ranks without ssh, whatever its options
+    "ssh_port": lambda np_: hvdlite.run(lambda: "no ssh needed", num_proc=np_, ssh_port=2222,
+                                        ssh_identity_file=__file__),
     "hosts_and_hostfile": lambda np_: hvdlite.run(len, hosts="a:1", hostfile="f"),
     "not_callable": lambda np_: hvdlite.run("train.py", num_proc=np_),
     # argv[3]: the hosts, e.g. "node1:2,node2:2"
     "on_hosts": lambda np_: hvdlite.run(where, args=(5,), num_proc=np_, hosts=sys.argv[3]),
+    # argv[3:7]: hosts, ssh port, identity file, network interface
+    "on_hosts_ssh": lambda np_: hvdlite.run(
+        where_and_how, args=(5,), num_proc=np_, hosts=sys.argv[3], ssh_port=int(sys.argv[4]),
+        ssh_identity_file=sys.argv[5], network_interface=sys.argv[6]),
 }
 
 if __name__ == "__main__":
