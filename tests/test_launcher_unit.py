@@ -610,9 +610,10 @@ def test_nccl_version_string(code, text):
 
 def test_check_build_follows_the_queries(monkeypatch):
     import hvdlite
-    monkeypatch.setattr(hvdlite, "nccl_built", lambda: 21602)
-    monkeypatch.setattr(hvdlite, "gloo_built", lambda: True)
-    monkeypatch.setattr(hvdlite, "ccl_built", lambda: False)
+    from hvdlite.common import core
+    monkeypatch.setattr(core, "nccl_built", lambda: 21602)
+    monkeypatch.setattr(core, "gloo_built", lambda: True)
+    monkeypatch.setattr(core, "ccl_built", lambda: False)
     monkeypatch.setattr(check_build, "mpi_library_version", lambda: "Open MPI v4.1.2, package")
     monkeypatch.setattr(check_build, "launcher_description",
                         lambda launcher=None: ("/x/mpiexec (MPICH)", HYDRA))
