@@ -20,7 +20,7 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 
 import keras  # noqa: E402
 
-import hvdlite.common.api.ops as core_ops  # noqa: E402
+from hvdlite.common import core as core_ops  # noqa: E402 - the door the adapters call
 import hvdlite.tensorflow as hvd  # noqa: E402
 import hvdlite.tensorflow.keras as hvdk  # noqa: E402
 from hvdlite.tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: E402
