@@ -67,10 +67,20 @@ pick_python() {
   echo python3
 }
 
+use_carried_mpich() {   # use_carried_mpich LIBDIR: mpi4py must load the MPICH it was carried with
+  # mpi4py's wheels pick an MPI ABI at import; an image's own Open MPI (a system libmpi) would
+  # win and every rank would start as a singleton of its own under MPICH's mpiexec.
+  if [ -e "$1/libmpi.so.12" ]; then
+    export MPI4PY_LIBMPI="$1/libmpi.so.12" MPI4PY_MPIABI=mpich
+    echo "mpi4py will load MPICH from $1/libmpi.so.12"
+  fi
+}
+
 install_carried_wheels() {
   compgen -G ".whl/*.whl" >/dev/null || return 0
   echo "===== installing carried wheels: $(ls .whl/*.whl | xargs -n1 basename | tr '\n' ' ')"
   if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl; then
+    use_carried_mpich "$("$PY" -c 'import sys; print(sys.prefix)')/lib"
     return 0
   fi
   echo "could not install into $PY's environment; installing into /tmp/hvdlite-site instead"
@@ -79,6 +89,7 @@ install_carried_wheels() {
   export PYTHONPATH="/tmp/hvdlite-site${PYTHONPATH:+:$PYTHONPATH}"
   export PATH="/tmp/hvdlite-site/bin:$PATH"
   export LD_LIBRARY_PATH="/tmp/hvdlite-site/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  use_carried_mpich /tmp/hvdlite-site/lib
 }
 
 VERSIONS_PY='
