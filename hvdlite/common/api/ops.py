@@ -180,10 +180,11 @@ def announced(kind: str, name: str | None, process_set: ProcessSet | None) -> It
         raise
 
 
-def announcing(kind: str) -> Callable[[Callable], Callable]:
-    """Decorator for a public operation that returns a handle and takes ``name`` and
-    ``process_set`` arguments: an error it raises (always before its submission was taken) is
-    announced (see :func:`announce_failure`), whichever check raised it."""
+def announcing_with(announce: Callable[[dict, Exception], None]) -> Callable[[Callable], Callable]:
+    """Decorator factory: an error the decorated public operation raises (always before its
+    submission was taken) and nothing announced yet is passed to ``announce(arguments, error)``
+    with the call's bound arguments, then re-raised.  A malformed call (arguments that do not
+    bind) is not announced: it fails alike on every rank."""
     def decorate(fn: Callable) -> Callable:
         signature = inspect.signature(fn)
 
@@ -195,12 +196,20 @@ def announcing(kind: str) -> Callable[[Callable], Callable]:
                 if not getattr(exc, "_hvdlite_announced", False):
                     try:
                         bound = signature.bind(*args, **kwargs).arguments
-                    except TypeError:   # the call itself was malformed: announce it unnamed
-                        bound = {}
-                    announce_failure(kind, bound.get("name"), bound.get("process_set"), exc)
+                    except TypeError:
+                        raise exc from None
+                    announce(bound, exc)
                 raise
         return call
     return decorate
+
+
+def announcing(kind: str) -> Callable[[Callable], Callable]:
+    """Decorator for a public operation that returns a handle and takes ``name`` and
+    ``process_set`` arguments: an error it raises (always before its submission was taken) is
+    announced (see :func:`announce_failure`), whichever check raised it."""
+    return announcing_with(lambda bound, exc: announce_failure(
+        kind, bound.get("name"), bound.get("process_set"), exc))
 
 
 def _announce(engine, members: list[int] | None, names: list[str], error: BaseException,
