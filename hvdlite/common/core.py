@@ -24,8 +24,9 @@ from hvdlite.common.api.ops import (allgather, allgather_async, allreduce, allre
                                     allreduce_async, allreduce_async_, alltoall, alltoall_async,
                                     announce_failure, announced, announcing, barrier, broadcast,
                                     broadcast_, broadcast_async, broadcast_async_,
-                                    fast_host_allreduce, join, on_join, poll, reducescatter,
-                                    reducescatter_async, submit, synchronize)
+                                    fast_host_allreduce, join, on_join, poll,
+                                    prepare_allreduce, reducescatter, reducescatter_async,
+                                    submit, synchronize)
 from hvdlite.common.backends.adasum import check_adasum_size
 from hvdlite.common.config import KNOBS, Flag, Knob
 from hvdlite.common.dtypes import dtype_info
