@@ -85,7 +85,7 @@ def _alltoall_grad_wrapper(forward_fn, backward_fn, tensor):
     return y, received
 
 
-# --- allreduce ------------------------------------------------------------------------------------
+# --- allreduce -------------------------------------------------------------------------------
 def _allreduce_kwargs(op, prescale, postscale) -> dict:
     return {"reduce_op": op, "prescale_factor": prescale, "postscale_factor": postscale}
 
@@ -115,7 +115,7 @@ def _allreduce_raw(tensors: list, name, op: ReduceOp, prescale: float, postscale
     return _custom_gradient(forward, backward, [tf.convert_to_tensor(t) for t in tensors])
 
 
-# --- allgather ------------------------------------------------------------------------------------
+# --- allgather -------------------------------------------------------------------------------
 def _rows(x):
     return tf.reshape(tf.cast(tf.shape(tf.reshape(x, [-1]) if x.shape.rank == 0 else x)[0],
                               tf.int64), [1])
@@ -153,7 +153,7 @@ def _allgather_raw(tensors: list, name, process_set, members, grouped: bool) -> 
     return _custom_gradient(forward, backward, [tf.convert_to_tensor(t) for t in tensors])
 
 
-# --- reducescatter --------------------------------------------------------------------------------
+# --- reducescatter ---------------------------------------------------------------------------
 def _reducescatter_raw(tensors: list, name, op: ReduceOp, prescale: float, postscale: float,
                        process_set, members, grouped: bool) -> list:
     """Differentiable reducescatter of ``tensors`` (one op, or one core group)."""

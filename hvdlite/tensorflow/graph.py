@@ -58,7 +58,7 @@ def _graph_label(graph) -> str:
     return re.sub(r"_\d+$", "", re.sub(r"[^A-Za-z0-9_.]", "_", name))
 
 
-# --- ordering of the graph nodes -----------------------------------------------------------------
+# --- ordering of the graph nodes -------------------------------------------------------------
 # A node blocks a TensorFlow thread while its collective waits for the other ranks, so every
 # rank must start its nodes in the same order: each node gets a control dependency on the
 # graph's previous node (its chain).  TensorFlow's own order of independent nodes can differ
