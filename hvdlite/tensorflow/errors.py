@@ -21,6 +21,8 @@ errors are raised while the graph is built, with the classes above.
 """
 from __future__ import annotations
 
+import functools
+
 import tensorflow as tf
 
 from hvdlite.common.core import (DuplicateNameError, HvdliteError, NotInitializedError,
@@ -71,3 +73,26 @@ def to_tf_error(exc: BaseException) -> BaseException:
     converted = _both(tf_class, type(exc))(None, None, str(exc))
     converted.__traceback__ = exc.__traceback__
     return converted
+
+
+def _public(fn):
+    """Decorator for the public ops: never converted by AutoGraph (they are plain Python that
+    builds graph nodes); errors reach the caller as Horovod's TensorFlow error classes (see
+    :func:`to_tf_error`), raised directly (AutoGraph would otherwise re-wrap some of them as
+    StagingError)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - re-raised as Horovod's class
+            converted = to_tf_error(exc)
+            try:
+                converted.ag_pass_through = True
+            except AttributeError:
+                pass
+            if converted is exc:
+                raise
+            raise converted from None
+
+    return tf.autograph.experimental.do_not_convert(wrapper)
