@@ -12,7 +12,8 @@ handles, fusion planning) -> backends (the data paths) -> api (the numpy API) ->
 """
 from hvdlite.common.api import ops as _ops
 from hvdlite.common.api.elastic import unsupported as elastic_unsupported
-from hvdlite.common.api.grouped import (announced_group, announcing_group,
+from hvdlite.common.api.grouped import (announce_group_failure, announced_group,
+                                        announcing_group,
                                         grouped_allgather, grouped_allgather_async,
                                         grouped_allreduce, grouped_allreduce_,
                                         grouped_allreduce_async, grouped_allreduce_async_,

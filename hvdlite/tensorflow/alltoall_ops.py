@@ -57,7 +57,7 @@ def _alltoall_raw(x, splits, name, process_set, members):
     return out, counts
 
 
-@_public
+@_public(kind=ALLTOALL)
 def alltoall(tensor, splits=None, name: str | None = None, ignore_name_scope: bool = False,
              process_set: ProcessSet | None = global_process_set):
     """Scatter slices of ``tensor`` to every rank of ``process_set`` and gather the slices the

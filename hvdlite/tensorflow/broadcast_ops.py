@@ -31,7 +31,7 @@ def _check_root(root_rank, members, what: str) -> int:
     return root
 
 
-@_public
+@_public(kind=BROADCAST)
 def broadcast(tensor, root_rank: int, name: str | None = None, ignore_name_scope: bool = False,
               process_set: ProcessSet | None = global_process_set):
     """Return ``root_rank``'s ``tensor`` on every rank of ``process_set`` (``root_rank`` is a

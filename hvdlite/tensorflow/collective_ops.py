@@ -7,7 +7,8 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from hvdlite.common.core import global_process_set, ProcessSet, ReduceOp, resolve_op
+from hvdlite.common.core import (ALLGATHER, ALLREDUCE, REDUCESCATTER, ProcessSet, ReduceOp,
+                                 global_process_set, resolve_op)
 
 from . import errors as tf_errors
 from .autodiff import _allgather_raw, _allreduce_raw, _reducescatter_raw
@@ -56,7 +57,7 @@ def _check_adasum(op: ReduceOp, members, what: str) -> None:
             f"op=Average.")
 
 
-@_public
+@_public(kind=ALLREDUCE)
 def allreduce(tensor, average: bool | None = None, device_dense: str = "",
               device_sparse: str = "", compression=Compression.none,
               op: ReduceOp | int | None = None, prescale_factor: float = 1.0,
@@ -89,7 +90,7 @@ def allreduce(tensor, average: bool | None = None, device_dense: str = "",
     return compression.decompress(reduced, ctx)
 
 
-@_public
+@_public(kind=ALLREDUCE, items="tensors")
 def grouped_allreduce(tensors: Sequence, average: bool | None = None, device_dense: str = "",
                       device_sparse: str = "", compression=Compression.none,
                       op: ReduceOp | int | None = None, prescale_factor: float = 1.0,
@@ -125,7 +126,7 @@ def grouped_allreduce(tensors: Sequence, average: bool | None = None, device_den
 
 
 # --- allgather -------------------------------------------------------------------------------
-@_public
+@_public(kind=ALLGATHER)
 def allgather(tensor, name: str | None = None, ignore_name_scope: bool = False,
               process_set: ProcessSet | None = global_process_set):
     """Concatenation of every rank's ``tensor`` along dimension 0, in rank order (the first
@@ -138,7 +139,7 @@ def allgather(tensor, name: str | None = None, ignore_name_scope: bool = False,
                           members, grouped=False)[0]
 
 
-@_public
+@_public(kind=ALLGATHER, items="tensors")
 def grouped_allgather(tensors: Sequence, name: str | None = None,
                       ignore_name_scope: bool = False,
                       process_set: ProcessSet | None = global_process_set) -> list:
@@ -163,7 +164,7 @@ def _check_scatter_args(tensors: list, op: ReduceOp, what: str) -> None:
                              f"least one dimension (its rows are split across ranks).")
 
 
-@_public
+@_public(kind=REDUCESCATTER)
 def reducescatter(tensor, device_dense: str = "", compression=Compression.none,
                   op: ReduceOp | int | None = ReduceOp.Average, name: str | None = None,
                   process_set: ProcessSet | None = global_process_set,
@@ -192,7 +193,7 @@ def reducescatter(tensor, device_dense: str = "", compression=Compression.none,
     return compression.decompress(out, ctx)
 
 
-@_public
+@_public(kind=REDUCESCATTER, items="tensors")
 def grouped_reducescatter(tensors: Sequence, device_dense: str = "",
                           compression=Compression.none,
                           op: ReduceOp | int | None = ReduceOp.Average,
