@@ -12,6 +12,8 @@ handles, fusion planning) -> backends (the data paths) -> api (the numpy API) ->
 """
 from hvdlite.common.api import ops as _ops
 from hvdlite.common.api.elastic import unsupported as elastic_unsupported
+from hvdlite.common.api.gradients import (global_moments, moment_sums, predivide_factors,
+                                          sparse_postscale)
 from hvdlite.common.api.grouped import (announced_group, announcing_group,
                                         grouped_allgather, grouped_allgather_async,
                                         grouped_allreduce, grouped_allreduce_,

@@ -19,7 +19,7 @@ from torch.autograd import Variable
 
 from hvdlite.common import core
 from hvdlite.common.core import (HvdliteError, ProcessSet, ReduceOp, check_adasum_size,
-                                 process_set_engine, size)
+                                 predivide_factors, process_set_engine, size)
 
 from . import param_owners
 from .buckets import GradientBucket, alone_from, bucketable_compression, plan, wire_dtype
@@ -102,7 +102,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._compression = compression
         self._passes = backward_passes_per_step
         self._op = op
-        self._predivide = float(gradient_predivide_factor)   # (floats: the fast path's type)
+        # (prescale, postscale) of every gradient's reduction: gradient_predivide_factor
+        self._scales = predivide_factors(op, gradient_predivide_factor)
         self._sparse_as_dense = sparse_as_dense
         self._given_names = None    # param -> name from named_parameters (None: positional)
         self._index = next(_created)
@@ -409,9 +410,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _scale_factors(self) -> tuple[float, float]:
         """(prescale, postscale) of a gradient's reduction: gradient_predivide_factor."""
-        if self._op == ReduceOp.Average:
-            return 1.0 / self._predivide, self._predivide
-        return 1.0, 1.0
+        return self._scales
 
     # --- buckets -----------------------------------------------------------------------------
     def _submit_bucket(self, bucket: GradientBucket) -> None:
@@ -832,8 +831,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         members = (size() if process_set is None or process_set.process_set_id == 0
                    else process_set.size())
         check_adasum_size(members, "DistributedOptimizer(op=Adasum)")
-    if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
-        raise ValueError("gradient_predivide_factor is only supported with op=Average.")
+    predivide_factors(op, gradient_predivide_factor)   # (a factor with op != Average raises)
     if backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be >= 1.")
     if num_groups and groups is None:
