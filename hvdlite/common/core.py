@@ -8,10 +8,12 @@ Layers below (imports run one way only; ``tests/unit/test_layers.py`` checks it)
 vocabulary (errors, reduce ops, dtypes, config, memory) -> gpu (CUDA runtime binding) ->
 runtime (process state, init/shutdown, topology, process sets, liveness, waiting) ->
 intranode (shared-memory window, direct copies) -> engine (background thread, negotiation,
-handles, fusion planning) -> backends (the data paths) -> api (the numpy API) -> this door.
+handles, fusion planning) -> backends (the data paths) -> api (the numpy API, and what the
+adapters share about gradients: scale factors, SyncBN moments, the layout vote) -> this door.
 """
 from hvdlite.common.api import ops as _ops
 from hvdlite.common.api.elastic import unsupported as elastic_unsupported
+from hvdlite.common.api.grad_layouts import vote_layouts, vote_layouts_async
 from hvdlite.common.api.gradients import (global_moments, moment_sums, predivide_factors,
                                           sparse_postscale)
 from hvdlite.common.api.grouped import (announced_group, announcing_group,
