@@ -8,12 +8,15 @@ Layers below (imports run one way only; ``tests/unit/test_layers.py`` checks it)
 vocabulary (errors, reduce ops, dtypes, config, memory) -> gpu (CUDA runtime binding) ->
 runtime (process state, init/shutdown, topology, process sets, liveness, waiting) ->
 intranode (shared-memory window, direct copies) -> engine (background thread, negotiation,
-handles, fusion planning) -> backends (the data paths) -> api (the numpy API) -> this door.
+handles, fusion planning) -> backends (the data paths) -> api (the numpy API, and what the
+adapters share about gradients: scale factors, SyncBN moments, the layout vote) -> this door.
 """
 from hvdlite.common.api import ops as _ops
 from hvdlite.common.api.elastic import unsupported as elastic_unsupported
-from hvdlite.common.api.grouped import (announce_group_failure, announced_group,
-                                        announcing_group,
+from hvdlite.common.api.grad_layouts import vote_layouts, vote_layouts_async
+from hvdlite.common.api.gradients import (global_moments, moment_sums, predivide_factors,
+                                          sparse_postscale)
+from hvdlite.common.api.grouped import (announce_group_failure, announced_group, announcing_group,
                                         grouped_allgather, grouped_allgather_async,
                                         grouped_allreduce, grouped_allreduce_,
                                         grouped_allreduce_async, grouped_allreduce_async_,
@@ -25,9 +28,8 @@ from hvdlite.common.api.ops import (allgather, allgather_async, allreduce, allre
                                     allreduce_async, allreduce_async_, alltoall, alltoall_async,
                                     announce_failure, announced, announcing, barrier, broadcast,
                                     broadcast_, broadcast_async, broadcast_async_,
-                                    fast_host_allreduce, join, on_join, poll,
-                                    prepare_allreduce, reducescatter, reducescatter_async,
-                                    submit, synchronize)
+                                    fast_host_allreduce, join, on_join, poll, prepare_allreduce,
+                                    reducescatter, reducescatter_async, submit, synchronize)
 from hvdlite.common.backends.adasum import check_adasum_size
 from hvdlite.common.config import KNOBS, Flag, Knob
 from hvdlite.common.dtypes import dtype_info

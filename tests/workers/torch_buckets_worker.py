@@ -20,7 +20,7 @@ torch.set_num_threads(1)
 import hvdlite.torch as hvd  # noqa: E402
 import torch_cases as C  # noqa: E402
 from hvdlite.common.runtime.registry import process_set_engine  # noqa: E402
-from hvdlite.torch import optimizer as optimizer_module  # noqa: E402
+from hvdlite.torch import reducer as reducer_module  # noqa: E402
 
 hvd.init()
 from mpi4py import MPI  # noqa: E402
@@ -106,14 +106,14 @@ def count_submissions():
     """Count DistributedOptimizer's in-place allreduce submissions (buckets and gradients on
     their own); returns (counter list, restore function)."""
     calls = []
-    real = optimizer_module.allreduce_async_
+    real = reducer_module.allreduce_async_
 
     def counting(tensor, *args, **kwargs):
         calls.append(kwargs.get("name"))
         return real(tensor, *args, **kwargs)
 
-    optimizer_module.allreduce_async_ = counting
-    return calls, lambda: setattr(optimizer_module, "allreduce_async_", real)
+    reducer_module.allreduce_async_ = counting
+    return calls, lambda: setattr(reducer_module, "allreduce_async_", real)
 
 
 def plan_names(opt):
