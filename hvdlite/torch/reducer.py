@@ -270,10 +270,8 @@ class Reducer:
 
     # --- buckets -----------------------------------------------------------------------------
     def _submit_bucket(self, bucket: GradientBucket) -> None:
-        bucket.handle = allreduce_async_(bucket.pack(), name=bucket.name, op=self._op,
-                                         prescale_factor=self._prescale,
-                                         postscale_factor=self._postscale,
-                                         process_set=self.process_set)
+        bucket.handle = bucket.submit(self._op, self._prescale, self._postscale,
+                                      self.process_set)
 
     def _flush_bucket(self, bucket: GradientBucket) -> None:
         """Reduce a bucket whose gradients did not all arrive through the hooks (unused

@@ -105,15 +105,25 @@ def ref_step(case, step, ref, ref_opt, use_extra=lambda k: False):
 def count_submissions():
     """Count DistributedOptimizer's in-place allreduce submissions (buckets and gradients on
     their own); returns (counter list, restore function)."""
+    from hvdlite.torch.buckets import GradientBucket
     calls = []
-    real = reducer_module.allreduce_async_
+    real, real_bucket = reducer_module.allreduce_async_, GradientBucket.submit
 
     def counting(tensor, *args, **kwargs):
         calls.append(kwargs.get("name"))
         return real(tensor, *args, **kwargs)
 
+    def counting_bucket(bucket, *args, **kwargs):
+        calls.append(bucket.name)
+        return real_bucket(bucket, *args, **kwargs)
+
+    def restore():
+        reducer_module.allreduce_async_ = real
+        GradientBucket.submit = real_bucket
+
     reducer_module.allreduce_async_ = counting
-    return calls, lambda: setattr(reducer_module, "allreduce_async_", real)
+    GradientBucket.submit = counting_bucket
+    return calls, restore
 
 
 def plan_names(opt):
