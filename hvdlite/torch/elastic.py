@@ -77,9 +77,14 @@ register_codec(Codec("torch", torch.Tensor,
                      _export, _rebuild))
 
 
+_IMMUTABLE = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
+
+
 def _snapshot(tree: Any) -> Any:
     """A private copy of a state dict: tensors cloned, containers rebuilt, other values deep
-    copied (as ``copy.deepcopy`` would, but without its per-tensor overhead)."""
+    copied (as ``copy.deepcopy`` would, but without its per-object overhead)."""
+    if type(tree) in _IMMUTABLE:
+        return tree
     if isinstance(tree, torch.Tensor):
         return tree.detach().clone()
     if isinstance(tree, dict):
@@ -90,14 +95,18 @@ def _snapshot(tree: Any) -> Any:
         if metadata is not None:
             out._metadata = copy.deepcopy(metadata)
         return out
-    if isinstance(tree, (list, tuple)) and type(tree) in (list, tuple):
-        return type(tree)(_snapshot(value) for value in tree)
+    if type(tree) is list:
+        return [_snapshot(value) for value in tree]
+    if type(tree) is tuple:
+        return tuple(_snapshot(value) for value in tree)
     return copy.deepcopy(tree)
 
 
 def _owned(tree: Any) -> Any:
     """``tree`` (a snapshot, never changed afterwards) with its dense tensors marked to travel
     out of band."""
+    if type(tree) in _IMMUTABLE:
+        return tree
     if _dense(tree):
         return Owned(tree)
     if isinstance(tree, dict):

@@ -32,13 +32,14 @@ import logging
 import os
 import queue
 import sys
+import time
 import traceback
 from typing import Any, Callable
 
 import numpy as np
 
 from hvdlite.common.api import ops
-from hvdlite.common.errors import HorovodInternalError, HostsUpdatedInterrupt
+from hvdlite.common.errors import HorovodInternalError, HostsUpdatedInterrupt, RankExitedError
 from hvdlite.common.runtime import elastic_channel, lifecycle, liveness, state as _state
 from hvdlite.common.runtime.elastic_wire import EXIT_RESET, HostUpdateResult, pack, unpack
 
@@ -71,7 +72,7 @@ class State:
         self._hvd_commits = 0          # commits in this world
         self._hvd_last = None          # (commit id, packed) of this rank's newest commit
         self._hvd_offer = (0, 0)       # rank 0: newest host update seen (timestamp, result)
-        self._hvd_agreement = None     # (handle) of the pipelined host-update broadcast
+        self._hvd_agreement = None     # the pipelined host-update broadcast (_Agreement)
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
         """Register functions to call after a reset (workers added or removed), before the
@@ -194,7 +195,8 @@ class _Session:
         self.channel = channel
         self.world = channel.world
         self.rank = _state.rank()
-        self.shipper = elastic_channel.Shipper(channel) if self.rank == 0 else None
+        self.shipper = (elastic_channel.Shipper(channel, paced=_state.size() > 1)
+                        if self.rank == 0 else None)
         self._keys: dict[int, int] = {}        # id(state) -> key (order of first use)
         self._states: dict[int, State] = {}    # key -> state
         self._begun: set[int] = set()
@@ -325,25 +327,58 @@ def _committed(state: State) -> None:
         session.shipper.offer(key, commit_id, packed)
 
 
+class _Agreement:
+    """The pipelined broadcast behind ``check_host_updates()``: each check posts rank 0's
+    newest host update (a non-blocking ``MPI_Ibcast`` of two integers on a communicator of its
+    own, so no negotiation round is spent on it) and takes the one posted at the previous
+    check, which the step in between has long completed.  A peer that died is noticed through
+    the watchdog while waiting (``RankExitedError``)."""
+
+    def __init__(self) -> None:
+        process = _state.get("state.check_host_updates()")
+        self._comm = process.world.Dup()   # collective: every rank checks at the same point
+        self._root = process.rank == 0
+        self._buffer = np.zeros(2, dtype=np.int64)
+        self._request = None
+
+    def exchange(self, offer: tuple[int, int]) -> tuple[int, int] | None:
+        agreed = None
+        if self._request is not None:
+            self._wait()
+            agreed = (int(self._buffer[0]), int(self._buffer[1]))
+        self._buffer = np.array(offer if self._root else (0, 0), dtype=np.int64)
+        self._request = self._comm.Ibcast(self._buffer, root=0)
+        return agreed
+
+    def drain(self) -> None:
+        if self._request is not None:
+            self._wait()
+
+    def _wait(self) -> None:
+        pause = 0.0
+        while not self._request.Test():
+            gone = liveness.departed_ranks()
+            if gone:
+                self._request = None
+                described = "; ".join(liveness.departed_among(gone)) or f"rank(s) {gone}"
+                raise RankExitedError(f"state.commit(): {described}, so the check for host "
+                                      f"updates cannot complete.")
+            time.sleep(pause)
+            pause = min(pause * 2 or 1e-5, 1e-3)
+        self._request = None
+
+
 def _agree(state: State, offer: tuple[int, int]) -> tuple[int, int] | None:
-    """The host-update value rank 0 offered at the previous check (None at the first), and
-    this check's offer posted for the next (a broadcast overlapping the step in between)."""
-    agreed = None
-    handle = state._hvd_agreement
-    if handle is not None:
-        state._hvd_agreement = None
-        result = ops.synchronize(handle)
-        agreed = (int(result[0]), int(result[1]))
-    key = _session().key(state)
-    state._hvd_agreement = ops.broadcast_async(np.array(offer, dtype=np.int64), root_rank=0,
-                                               name=f"hvdlite.elastic.hosts.{key}")
-    return agreed
+    """The host update rank 0 offered at the previous check (None at the first), and this
+    check's offer posted for the next."""
+    if state._hvd_agreement is None:
+        state._hvd_agreement = _Agreement()
+    return state._hvd_agreement.exchange(offer)
 
 
 def _drain_agreement(state: State) -> None:
-    handle, state._hvd_agreement = state._hvd_agreement, None
-    if handle is not None:
-        ops.synchronize(handle)
+    if state._hvd_agreement is not None:
+        state._hvd_agreement.drain()
 
 
 def _describe(exc: BaseException) -> str:

@@ -29,6 +29,9 @@ log = logging.getLogger("hvdlite")
 
 CONNECT_SECONDS = 30.0   # the driver is up before any worker starts; this covers a slow network
 REPLY_SECONDS = 60.0     # a request the driver does not answer in time is given up
+ORPHAN_SECONDS = 60.0    # a worker whose shield is gone ends itself after this at the latest
+SHIP_INTERVAL = 0.5      # seconds between two commits shipped in the background, at least
+SHIP_DUTY = 0.05         # and at most this share of the time spent shipping
 
 Listener = Callable[[int, int], None]   # (timestamp, HostUpdateResult) -> None
 
@@ -55,6 +58,7 @@ class Channel:
         self._unheard: list[tuple[int, int]] = []   # updates that came before any listener
         self._listeners_lock = threading.Lock()
         self.closed = False
+        self.orphaned = False   # the shield that the launcher started for us is gone
 
     # --- setting up ---------------------------------------------------------------------------
     def connect(self, rank: int, size: int, host: str) -> None:
@@ -72,6 +76,24 @@ class Channel:
         self.rank = rank
         self._send(("hello", self.world, rank, size, host, os.getpid()))
         threading.Thread(target=self._read, name="hvdlite-elastic", daemon=True).start()
+        shield = os.environ.get(wire.SHIELD_VARIABLE)
+        if shield and shield.isdigit():
+            threading.Thread(target=self._watch_shield, args=(int(shield),), daemon=True,
+                             name="hvdlite-elastic-shield").start()
+
+    def _watch_shield(self, shield: int) -> None:
+        """When the MPI launcher has killed the shield (another rank failed), this worker is
+        left to report to the driver (``hvd.elastic.run`` does, then exits); it ends itself as
+        soon as the driver closes the connection, or after :data:`ORPHAN_SECONDS`."""
+        while os.getppid() == shield:
+            time.sleep(0.2)
+        self.orphaned = True
+        if self.closed:
+            _exit_now()
+        time.sleep(ORPHAN_SECONDS)
+        log.warning("hvdlite: elastic: the launcher stopped this worker's world %g s ago; "
+                    "exiting.", ORPHAN_SECONDS)
+        _exit_now()
 
     # --- sending ------------------------------------------------------------------------------
     def _send(self, message: tuple) -> None:
@@ -172,6 +194,8 @@ class Channel:
         self._replies.put(None)
         with self._stored_cond:
             self._stored_cond.notify_all()
+        if self.orphaned:   # the launcher took our shield, and the driver is done with us
+            _exit_now()
 
     def forget_in_child(self) -> None:
         """In a forked child: drop this process's copy of the socket without a word (a child
@@ -188,14 +212,23 @@ class Channel:
 
 class Shipper:
     """Ships rank 0's commits to the driver on a background thread, newest only: a commit made
-    while the previous one is still on the wire replaces any that waits (the driver needs only
-    the latest; a rank that fails sends its own latest first, see ``hvd.elastic.run``)."""
+    while the previous one is still on the wire replaces any that waits.
 
-    def __init__(self, channel: Channel) -> None:
+    With more than one rank the driver's copy is a safety net (a rank whose world fails sends
+    its own newest commit first, see ``hvd.elastic.run``), so shipping is paced to keep the
+    thread busy at most :data:`SHIP_DUTY` of the time (at least :data:`SHIP_INTERVAL` apart):
+    on a machine whose cores all train, a commit per step would otherwise slow every step.
+    Only a world that loses every rank at once then resumes from an older commit.  A world of
+    one rank ships every commit (newest only); :meth:`flush` sends the newest at once."""
+
+    def __init__(self, channel: Channel, paced: bool) -> None:
         self._channel = channel
+        self._paced = paced
         self._cond = threading.Condition()
         self._waiting: tuple | None = None   # (key, commit_id, packed)
         self._busy = False
+        self._hurry = False
+        self._not_before = 0.0
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="hvdlite-elastic-ship",
                                          daemon=True)
@@ -203,13 +236,20 @@ class Shipper:
 
     def offer(self, key: Any, commit_id: wire.CommitId, packed: wire.Packed) -> None:
         with self._cond:
+            idle = self._waiting is None and not self._busy
             self._waiting = (key, commit_id, packed)
-            self._cond.notify_all()
+            # A thread that waits for its pace wakes up by itself: waking it for every commit
+            # would cost the training thread a switch of the interpreter lock each time.
+            if idle and time.monotonic() >= self._not_before:
+                self._cond.notify_all()
 
     def flush(self, timeout: float) -> bool:
-        """Wait until nothing waits or is on the wire (True) or ``timeout`` passes."""
+        """Send what waits now and wait until nothing waits or is on the wire (True), or
+        ``timeout`` passes."""
         deadline = time.monotonic() + timeout
         with self._cond:
+            self._hurry = True
+            self._cond.notify_all()
             while self._waiting is not None or self._busy:
                 left = deadline - time.monotonic()
                 if left <= 0 or self._channel.closed:
@@ -220,10 +260,15 @@ class Shipper:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while self._waiting is None:
-                    self._cond.wait()
+                while self._waiting is None or (
+                        not self._hurry and time.monotonic() < self._not_before):
+                    if self._waiting is None:
+                        self._cond.wait()
+                    else:
+                        self._cond.wait(max(self._not_before - time.monotonic(), 0.001))
                 key, commit_id, packed = self._waiting
                 self._waiting, self._busy = None, True
+            started = time.monotonic()
             try:
                 self._channel.send_commit(key, commit_id, packed)
             except (OSError, DriverGone) as exc:
@@ -231,9 +276,23 @@ class Shipper:
             except Exception as exc:   # noqa: BLE001 - e.g. a codec that cannot export
                 self.error = exc
                 log.exception("hvdlite: shipping a commit to the elastic driver failed")
+            took = time.monotonic() - started
             with self._cond:
                 self._busy = False
+                if self._paced:
+                    self._not_before = time.monotonic() + max(SHIP_INTERVAL,
+                                                              took / SHIP_DUTY - took)
                 self._cond.notify_all()
+
+
+def _exit_now() -> None:
+    import sys
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:   # noqa: BLE001 - exiting regardless
+            pass
+    os._exit(wire.EXIT_RESET)
 
 
 # --- this process's channel ------------------------------------------------------------------

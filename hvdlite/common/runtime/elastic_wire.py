@@ -17,8 +17,8 @@ describes a leaf, exports its bytes and rebuilds it.
 from __future__ import annotations
 
 import enum
-import io
 import pickle
+import threading
 from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -27,6 +27,9 @@ import numpy as np
 DRIVER_VARIABLE = "HVDLITE_ELASTIC_DRIVER"   # "host:port" of the driver's listener
 KEY_VARIABLE = "HVDLITE_ELASTIC_KEY"         # its authentication key, hex
 WORLD_VARIABLE = "HVDLITE_ELASTIC_WORLD"     # 0 for the first world, +1 at every reset
+# The pid of the process that the MPI launcher started for this worker (the driver's shield,
+# hvdlite.runner.elastic.shield); this worker is its child, in a session of its own.
+SHIELD_VARIABLE = "HVDLITE_ELASTIC_SHIELD"
 
 # A worker that ends its world so that the driver starts the next one exits with this status
 # (EX_TEMPFAIL: "try again"); its report on the connection says why.
@@ -52,6 +55,33 @@ class Owned:
 
     def __init__(self, value: Any) -> None:
         self.value = value
+
+    def __reduce_ex__(self, protocol):
+        # Only this object costs a Python call while pickling (a persistent_id hook would be
+        # called for every object of the state): it files its array as the next leaf.
+        leaves = _packing.leaves
+        if leaves is None:
+            raise pickle.PicklingError("Owned values are pickled by elastic_wire.pack only")
+        codec = _codec_for(self.value)
+        leaves.append((codec, self.value))
+        return _leaf, (len(leaves) - 1, codec.kind, codec.describe(self.value))
+
+
+class _Context(threading.local):
+    leaves: list | None = None          # pack(): the leaves found so far
+    buffers: Sequence | None = None     # unpack(): the frames after the header
+
+
+_packing = _Context()
+
+
+def _leaf(index: int, kind: str, meta: Any) -> Any:
+    """Unpickling an :class:`Owned` array: rebuilt from its frame."""
+    buffers = _packing.buffers
+    if buffers is None or kind not in _codecs:
+        raise pickle.UnpicklingError(f"elastic state: cannot rebuild an out-of-band {kind!r} "
+                                     f"value here (import the framework's hvdlite adapter)")
+    return _codecs[kind].rebuild(meta, buffers[index])
 
 
 class Codec(NamedTuple):
@@ -106,62 +136,35 @@ class Packed(NamedTuple):
         return [memoryview(self.header)] + [codec.export(value) for codec, value in self.leaves]
 
 
-class _Pickler(pickle.Pickler):
-    def __init__(self, file, leaves: list) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self._leaves = leaves
-
-    def persistent_id(self, obj):   # noqa: D102 - pickle's hook
-        if type(obj) is Owned:
-            codec = _codec_for(obj.value)
-            self._leaves.append((codec, obj.value))
-            return ("hvdlite-leaf", len(self._leaves) - 1, codec.kind, codec.describe(obj.value))
-        return None
-
-
 def pack(tree: Any) -> Packed:
     """Pickle ``tree`` now, its :class:`Owned` arrays out of band (see the module docstring).
     Objects that plain pickle refuses (lambdas, local classes) go through cloudpickle when it
     is installed, as ``broadcast_object`` does; otherwise the error names what failed."""
-    leaves: list = []
-    buffer = io.BytesIO()
+    _packing.leaves = leaves = []
     try:
-        _Pickler(buffer, leaves).dump(tree)
-    except (pickle.PicklingError, TypeError, AttributeError) as exc:
         try:
-            import cloudpickle
-        except ImportError:
-            raise TypeError(f"elastic state: the committed state cannot be pickled ({exc}); "
-                            f"keep picklable values in the state, or install cloudpickle") from exc
-
-        class _CloudPickler(cloudpickle.Pickler):
-            persistent_id = _Pickler.persistent_id
-
-            def __init__(self, file, leaves: list) -> None:
-                super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-                self._leaves = leaves
-
-        leaves, buffer = [], io.BytesIO()
-        _CloudPickler(buffer, leaves).dump(tree)
-    return Packed(buffer.getvalue(), leaves)
-
-
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file, buffers: Sequence[bytearray]) -> None:
-        super().__init__(file)
-        self._buffers = buffers
-
-    def persistent_load(self, pid):   # noqa: D102 - pickle's hook
-        tag, index, kind, meta = pid
-        if tag != "hvdlite-leaf" or kind not in _codecs:
-            raise pickle.UnpicklingError(f"elastic state: unknown out-of-band value {kind!r} "
-                                         f"(import the framework's hvdlite adapter first)")
-        return _codecs[kind].rebuild(meta, self._buffers[index])
+            header = pickle.dumps(tree, protocol=pickle.HIGHEST_PROTOCOL)
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            try:
+                import cloudpickle
+            except ImportError:
+                raise TypeError(f"elastic state: the committed state cannot be pickled "
+                                f"({exc}); keep picklable values in the state, or install "
+                                f"cloudpickle") from exc
+            leaves.clear()
+            header = cloudpickle.dumps(tree, protocol=pickle.HIGHEST_PROTOCOL)
+    finally:
+        _packing.leaves = None
+    return Packed(header, leaves)
 
 
 def unpack(frames: Sequence[bytearray]) -> Any:
     """The tree that :func:`pack` packed, from its frames (header first)."""
-    return _Unpickler(io.BytesIO(frames[0]), frames[1:]).load()
+    _packing.buffers = frames[1:]
+    try:
+        return pickle.loads(frames[0])
+    finally:
+        _packing.buffers = None
 
 
 # --- framing ---------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ from .server import Event, Member, Server
 DISCOVER_SECONDS = 1.0    # horovodrun's discovery period
 TEARDOWN_GRACE = 5.0      # after a failure, how long the other workers get to report and exit
 KILL_GRACE = 3.0          # after SIGTERM to a world's launcher, before SIGKILL
+REPORT_GRACE = 30.0       # after the launcher exits, how long its workers may still report
 HELLO_SECONDS = 600.0     # a world whose workers have not all reported in by then has failed
 RESET_LIMIT_MESSAGE = ("hvdlite was shut down because the number of resets during the elastic "
                        "job exceeded the limit: {}")   # horovodrun's message, in hvdlite's words
@@ -262,6 +263,8 @@ class Driver:
         args.np = sum(n for _, n in placement)
         args.skip_host_check = True
         args.min_np = args.max_np = args.host_discovery_script = None
+        args.command = [sys.executable, "-m", "hvdlite.runner.elastic.shield", "--",
+                        *self.args.command]
         env = dict(self.environ)
         env[wire.DRIVER_VARIABLE] = f"{self._advertised(placement, server)}:{server.port}"
         env[wire.KEY_VARIABLE] = server.key.hex()
@@ -303,11 +306,13 @@ class Driver:
                 if world.failed_at is None and world.first_report_at is None:
                     self._maybe_notify(world)
             self._maybe_tear_down(world, now)
-        # The workers' last reports may still be on their way: wait for their connections.
-        deadline = time.monotonic() + 2.0
+        # Workers the launcher left behind (see .shield) may still be reporting: wait for them.
+        deadline = time.monotonic() + REPORT_GRACE
         while time.monotonic() < deadline and any(
                 m.ended_at is None for m in world.members.values()):
             self._handle_events(server, world, timeout=0.05)
+            if self.signals:
+                break
         self._handle_events(server, world, timeout=0)
         for pump in world.pumps:
             pump.join(KILL_GRACE)

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import queue
 import secrets
+import socket
 import threading
 import time
 from typing import Any
@@ -210,9 +211,17 @@ class Server:
             return {rank: m for (w, rank), m in self.members.items() if w == world}
 
     def forget(self, world: int) -> None:
+        """World ``world`` is over: close its workers' connections (a worker left behind by
+        the launcher then ends itself) and forget them."""
         with self._lock:
-            for key in [k for k in self.members if k[0] == world]:
-                del self.members[key]
+            gone = [self.members.pop(k) for k in [k for k in self.members if k[0] == world]]
+        for member in gone:   # shut the socket down: its reading thread then sees the end
+            try:
+                sock = socket.fromfd(member.conn.fileno(), socket.AF_INET, socket.SOCK_STREAM)
+                sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+            except (OSError, ValueError):
+                pass
 
     def close(self) -> None:
         self._closing = True
