@@ -190,7 +190,9 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None 
         verbose, use_gloo, use_mpi, mpi_args, network_interface, executable))
     try:
         hosts, _ = launch.resolve_hosts(parsed)
-        if not elastic.requested(parsed):
+        if elastic.requested(parsed):
+            elastic.settings_from_args(parsed, os.environ)
+        else:
             launch.process_count(parsed, hosts)
     except launch.LaunchError as exc:
         raise ValueError(f"hvdlite.run(): {exc}") from None
