@@ -49,6 +49,17 @@ def _optimizer_variables(optimizer) -> list:
     return list(variables() if callable(variables) else variables)
 
 
+def _optimizer_built(optimizer) -> bool:
+    """Whether a Keras optimizer has made its per-variable state (Keras does at the first
+    step; an optimizer without the notion counts as built)."""
+    return bool(getattr(optimizer, "built", True))
+
+
+def _build_optimizer(optimizer, model) -> None:
+    if not _optimizer_built(optimizer) and hasattr(optimizer, "build"):
+        optimizer.build(model.trainable_variables)
+
+
 def _model_built(model) -> bool:
     return model.built if hasattr(model, "build") else True
 
@@ -86,6 +97,10 @@ class TensorFlowKerasState(ObjectState):
 
     def sync(self) -> None:
         broadcast_variables(self.model.variables, root_rank=0)
+        # Keras makes an optimizer's variables at its first step: a new worker's has none yet
+        # while rank 0's (restored) has them.  Every rank makes them where rank 0 has them.
+        if broadcast_object(_optimizer_built(self.optimizer), name="elastic.optimizer_built"):
+            _build_optimizer(self.optimizer, self.model)
         optimizer_variables = _optimizer_variables(self.optimizer)
         if optimizer_variables:
             broadcast_variables(optimizer_variables, root_rank=0)
@@ -99,12 +114,10 @@ class TensorFlowKerasState(ObjectState):
     def _load_model(self) -> None:
         for var, value in zip(self.model.variables, self._saved_model_state):
             var.assign(value)
-        optimizer_variables = _optimizer_variables(self.optimizer)
-        if not optimizer_variables and self._saved_optimizer_state and hasattr(
-                self.optimizer, "build"):
+        if len(self._saved_optimizer_state) > len(_optimizer_variables(self.optimizer)):
             # A new process's optimizer makes its variables at its first step: make them now.
-            self.optimizer.build(self.model.trainable_variables)
-            optimizer_variables = _optimizer_variables(self.optimizer)
+            _build_optimizer(self.optimizer, self.model)
+        optimizer_variables = _optimizer_variables(self.optimizer)
         if len(optimizer_variables) != len(self._saved_optimizer_state):
             raise ValueError(f"TensorFlowKerasState: the optimizer has "
                              f"{len(optimizer_variables)} variables but "
