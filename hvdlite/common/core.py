@@ -47,7 +47,7 @@ from hvdlite.common.runtime.build import (ccl_built, cuda_built, ddl_built, gloo
                                           rocm_built, sycl_built)
 from hvdlite.common.runtime import elastic_wire
 from hvdlite.common.runtime.child_process import LAUNCHER_RANK_VARIABLES
-from hvdlite.common.runtime.elastic_wire import (EXIT_RESET, Codec, HostUpdateResult, Owned,
+from hvdlite.common.runtime.elastic_wire import (EXIT_RESET, Codec, HostUpdateResult,
                                                  register_codec)
 from hvdlite.common.runtime.lifecycle import shutdown, start_timeline, stop_timeline
 from hvdlite.common.runtime.liveness import departed_ranks

@@ -334,6 +334,27 @@ def check_hosts(args: argparse.Namespace, spec: JobSpec, hosts: list[Host] | Non
                                               timeout))
 
 
+def unreachable_hosts(args: argparse.Namespace, names: Sequence[str],
+                      environ: Mapping[str, str]) -> list[tuple[str, str]]:
+    """The hosts among ``names`` that the host check cannot reach, each with what ssh said
+    (for the elastic driver, which blacklists them instead of stopping)."""
+    launcher, flavor = detect_launcher(args.mpiexec)
+    try:
+        ssh_args = mpi_flavor.ssh_arguments(flavor, ssh_options(args), environ)
+    except ValueError as exc:
+        raise UsageError(f"-p/-i: {exc}") from None
+    mpi_args = _mpi_args(args.binding_args, "--binding-args") + _mpi_args(args.mpi_args)
+    shell = host_check.remote_shell(flavor, mpi_args, environ, ssh_args)
+    remote = host_check.remote_hosts(list(names)) if shell else []
+    if not remote:
+        return []
+    probe, _ = host_check.probe_command(flavor, launcher)
+    problems = host_check.check(remote, shell, probe,
+                                args.start_timeout or host_check.DEFAULT_TIMEOUT)
+    return [(p.host, f"exit status {p.status}" + (f": {p.output.splitlines()[-1]}"
+                                                   if p.output else "")) for p in problems]
+
+
 # --- running -------------------------------------------------------------------------------------
 def _exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
@@ -498,7 +519,7 @@ def launch(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
     environ = os.environ if environ is None else environ
     if elastic.requested(args):
         return elastic.run(args, environ, forward, output, on_world,
-                           prepare=prepare, start=start_job)
+                           prepare=prepare, start=start_job, check=unreachable_hosts)
     with tempfile.TemporaryDirectory(prefix="hvdlite-run-") as workdir:
         argv, env = prepare(args, environ, forward, workdir)
         if on_world is not None:

@@ -13,7 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvdlite.common.core import (HorovodInternalError, HostsUpdatedInterrupt, HvdliteError,
-                                 ObjectState, Owned, State, broadcast_object, departed_ranks,
+                                 ObjectState, State, broadcast_object, departed_ranks,
                                  elastic_run_fn, rank)
 
 from .mpi_ops import broadcast_variables
@@ -78,7 +78,8 @@ class TensorFlowKerasState(ObjectState):
         kwargs: more attributes kept as plain objects (epoch, batch, ...).
     """
 
-    def __init__(self, model, optimizer=None, backend=None, **kwargs) -> None:
+    def __init__(self, model: Any, optimizer: Any = None, backend: Any = None,
+                 **kwargs: Any) -> None:
         self.model = model
         if not _model_built(model):
             raise ValueError("Model must be built first. Run `model.build(input_shape)`.")
@@ -128,8 +129,8 @@ class TensorFlowKerasState(ObjectState):
 
     def committed_state(self) -> Any:
         committed = super().committed_state()
-        committed["model"] = [Owned(v) for v in self._saved_model_state]
-        committed["optimizer"] = [Owned(v) for v in self._saved_optimizer_state]
+        committed["model"] = list(self._saved_model_state)
+        committed["optimizer"] = list(self._saved_optimizer_state)
         return committed
 
     def load_committed_state(self, committed: Any) -> None:
@@ -149,7 +150,7 @@ class TensorFlowState(ObjectState):
         kwargs: more attributes kept as plain objects.
     """
 
-    def __init__(self, variables=None, session=None, **kwargs) -> None:
+    def __init__(self, variables: Any = None, session: Any = None, **kwargs: Any) -> None:
         self.variables = list(variables or tf.compat.v1.global_variables())
         eager = tf.executing_eagerly()
         self.session = None if eager else (session or tf.compat.v1.get_default_session())
@@ -188,7 +189,7 @@ class TensorFlowState(ObjectState):
 
     def committed_state(self) -> Any:
         committed = super().committed_state()
-        committed["variables"] = [Owned(v) for v in self._values]
+        committed["variables"] = list(self._values)
         return committed
 
     def load_committed_state(self, committed: Any) -> None:

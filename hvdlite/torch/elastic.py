@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from hvdlite.common.core import (Codec, ElasticSamplerBase, HorovodInternalError,
-                                 HostsUpdatedInterrupt, ObjectState, Owned, State,
-                                 broadcast_object, elastic_run_fn, rank, register_codec)
+                                 HostsUpdatedInterrupt, ObjectState, State, broadcast_object,
+                                 elastic_run_fn, rank, register_codec)
 
 from .functions import broadcast_optimizer_state, broadcast_parameters
 
@@ -48,7 +48,7 @@ class ElasticSampler(ElasticSamplerBase, torch.utils.data.Sampler):
         seed: the shuffle's seed, the same on every rank (default 0).
     """
 
-    def __init__(self, dataset, shuffle: bool = True, seed: int = 0) -> None:
+    def __init__(self, dataset: Any, shuffle: bool = True, seed: int = 0) -> None:
         ElasticSamplerBase.__init__(self, dataset, shuffle=shuffle, seed=seed)
 
 
@@ -72,52 +72,48 @@ def _rebuild(meta, buffer: bytearray) -> torch.Tensor:
     return raw.view(getattr(torch, dtype)).reshape(shape)
 
 
-register_codec(Codec("torch", torch.Tensor,
+register_codec(Codec("torch", torch.Tensor, _dense,
                      lambda t: (str(t.dtype).replace("torch.", ""), tuple(t.shape)),
                      _export, _rebuild))
 
 
-_IMMUTABLE = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
+_IMMUTABLE = frozenset((int, float, complex, str, bytes, bool, type(None), torch.dtype,
+                        torch.device))
+_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))
+_DICTS = frozenset((dict, collections.OrderedDict))
 
 
 def _snapshot(tree: Any) -> Any:
     """A private copy of a state dict: tensors cloned, containers rebuilt, other values deep
-    copied (as ``copy.deepcopy`` would, but without its per-object overhead)."""
-    if type(tree) in _IMMUTABLE:
+    copied (as ``copy.deepcopy`` would, but without its per-object overhead: a commit copies
+    the whole state every time)."""
+    with torch.no_grad():
+        return _copy(tree)
+
+
+def _copy(tree: Any) -> Any:
+    kind = type(tree)
+    if kind in _IMMUTABLE:
         return tree
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
-    if isinstance(tree, dict):
-        out = type(tree)() if type(tree) in (dict, collections.OrderedDict) else {}
+    if kind in _TENSORS or isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if kind in _DICTS:
+        out = kind()
         for key, value in tree.items():
-            out[key] = _snapshot(value)
-        metadata = getattr(tree, "_metadata", None)   # a module's state_dict versions
-        if metadata is not None:
-            out._metadata = copy.deepcopy(metadata)
+            inner = type(value)
+            out[key] = value if inner in _IMMUTABLE else (
+                value.clone() if inner in _TENSORS else _copy(value))
+        metadata = getattr(tree, "_metadata", None)   # a module's state_dict versions (shared:
+        if metadata is not None:                     # load_state_dict only reads them)
+            out._metadata = metadata
         return out
-    if type(tree) is list:
-        return [_snapshot(value) for value in tree]
-    if type(tree) is tuple:
-        return tuple(_snapshot(value) for value in tree)
-    return copy.deepcopy(tree)
-
-
-def _owned(tree: Any) -> Any:
-    """``tree`` (a snapshot, never changed afterwards) with its dense tensors marked to travel
-    out of band."""
-    if type(tree) in _IMMUTABLE:
-        return tree
-    if _dense(tree):
-        return Owned(tree)
     if isinstance(tree, dict):
-        out = type(tree)() if type(tree) in (dict, collections.OrderedDict) else {}
-        out.update((key, _owned(value)) for key, value in tree.items())
-        if getattr(tree, "_metadata", None) is not None:
-            out._metadata = tree._metadata
-        return out
-    if isinstance(tree, (list, tuple)) and type(tree) in (list, tuple):
-        return type(tree)(_owned(value) for value in tree)
-    return tree
+        return {key: _copy(value) for key, value in tree.items()}
+    if kind is list:
+        return [value if type(value) in _IMMUTABLE else _copy(value) for value in tree]
+    if kind is tuple:
+        return tuple(_copy(value) for value in tree)
+    return copy.deepcopy(tree)
 
 
 # --- the state -------------------------------------------------------------------------------
@@ -164,7 +160,7 @@ class ModelStateHandler(StateHandler):
         broadcast_parameters(self.value.state_dict(), root_rank=0)
 
     def committed(self) -> Any:
-        return _owned(self._saved_model_state)
+        return self._saved_model_state
 
     def load_committed(self, committed: Any) -> None:
         self._saved_model_state = committed
@@ -188,7 +184,7 @@ class OptimizerStateHandler(StateHandler):
         broadcast_optimizer_state(self.value, root_rank=0)
 
     def committed(self) -> Any:
-        return _owned(self._saved_optimizer_state)
+        return self._saved_optimizer_state
 
     def load_committed(self, committed: Any) -> None:
         self._saved_optimizer_state = committed
@@ -258,7 +254,7 @@ class TorchState(ObjectState):
     """
 
     def __init__(self, model: torch.nn.Module | None = None,
-                 optimizer: torch.optim.Optimizer | None = None, **kwargs) -> None:
+                 optimizer: torch.optim.Optimizer | None = None, **kwargs: Any) -> None:
         kwargs.update(dict(model=model, optimizer=optimizer))
         self._handlers, kwargs = _get_handlers(kwargs)
         for name, handler in self._handlers.items():

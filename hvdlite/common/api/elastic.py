@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import pickle
 import queue
 import sys
 import time
@@ -41,7 +42,8 @@ import numpy as np
 from hvdlite.common.api import ops
 from hvdlite.common.errors import HorovodInternalError, HostsUpdatedInterrupt, RankExitedError
 from hvdlite.common.runtime import elastic_channel, lifecycle, liveness, state as _state
-from hvdlite.common.runtime.elastic_wire import EXIT_RESET, HostUpdateResult, pack, unpack
+from hvdlite.common.runtime.elastic_wire import (EXIT_RESET, HostUpdateResult, dumps, pack,
+                                                 unpack)
 
 log = logging.getLogger("hvdlite")
 
@@ -70,7 +72,7 @@ class State:
         self._last_updated_timestamp = 0
         self._reset_callbacks: list[Callable[[], None]] = []
         self._hvd_commits = 0          # commits in this world
-        self._hvd_last = None          # (commit id, packed) of this rank's newest commit
+        self._hvd_last = None          # (commit id, committed tree) of this rank's newest
         self._hvd_offer = (0, 0)       # rank 0: newest host update seen (timestamp, result)
         self._hvd_agreement = None     # the pipelined host-update broadcast (_Agreement)
 
@@ -136,8 +138,10 @@ class State:
 
     # --- hvdlite: the committed state outside the process ------------------------------------
     def committed_state(self) -> Any:
-        """A picklable copy of what the last ``save()`` saved, for the elastic driver to keep
-        between worlds (large arrays wrapped in ``Owned``)."""
+        """What the last ``save()`` saved, for the elastic driver to keep between worlds: a
+        tree that nothing changes afterwards (it is packed later, on another thread), whose
+        arrays travel out of band (numpy and, with ``hvdlite.torch``, torch tensors); small
+        objects that may change in place are best pickled at once (``elastic_wire.dumps``)."""
         raise NotImplementedError(
             f"{type(self).__name__} does not say what to keep between worlds: hvdlite starts new "
             f"processes at every reset, so a State subclass must implement committed_state() "
@@ -180,10 +184,11 @@ class ObjectState(State):
             setattr(self, attr, value)
 
     def committed_state(self) -> Any:
-        return {"objects": dict(self._saved_state)}
+        # pickled now: the saved values are the live objects (Horovod), which may change later
+        return {"objects": dumps(self._saved_state)}
 
     def load_committed_state(self, committed: Any) -> None:
-        self._saved_state = dict(committed["objects"])
+        self._saved_state = pickle.loads(committed["objects"])
         self._set_attrs()
 
 
@@ -234,10 +239,10 @@ class _Session:
                 self.shipper.flush(FLUSH_SECONDS)
             for key, state in self._states.items():
                 if state._hvd_last is not None:
-                    commit_id, packed = state._hvd_last
+                    commit_id, committed = state._hvd_last
                     reply = self.channel.request(("have", key, commit_id), FLUSH_SECONDS)
                     if reply[0] == "send":
-                        self.channel.send_commit(key, commit_id, packed)
+                        self.channel.send_commit(key, commit_id, pack(committed))
                         self.channel.wait_stored(key, commit_id, FLUSH_SECONDS)
             self.channel.request(("outcome", "reset", _describe(exc), liveness.departed_ranks()),
                                  REPORT_SECONDS)
@@ -252,9 +257,9 @@ class _Session:
             _drain_agreement(state)
             if self.rank == 0:
                 state.save()
-                commit_id, packed = _pack_commit(self, state)
+                commit_id, committed = _new_commit(self, state)
                 self.shipper.flush(FLUSH_SECONDS)
-                self.channel.send_commit(self.key(state), commit_id, packed)
+                self.channel.send_commit(self.key(state), commit_id, pack(committed))
                 self.channel.wait_stored(self.key(state), commit_id, FLUSH_SECONDS)
             # No rank exits before rank 0's state is stored: the launcher kills the other
             # ranks of a host as soon as one of them exits with a non-zero status.
@@ -307,24 +312,25 @@ def _require_committable(state: State) -> None:
                         f"between worlds (ObjectState and the framework states do).")
 
 
-def _pack_commit(session: _Session, state: State):
+def _new_commit(session: _Session, state: State):
     state._hvd_commits += 1
     commit_id = (session.world, state._hvd_commits)
-    packed = pack(state.committed_state())
-    state._hvd_last = (commit_id, packed)
-    return commit_id, packed
+    committed = state.committed_state()
+    state._hvd_last = (commit_id, committed)
+    return commit_id, committed
 
 
 def _committed(state: State) -> None:
-    """After ``save()`` in ``commit()``: keep a packed copy, and ship it from rank 0."""
+    """After ``save()`` in ``commit()``: keep what was committed (packed only when it is
+    sent), and hand it to rank 0's shipping thread."""
     session = _session()
     if session is None:
         return
     _require_committable(state)
     key = session.key(state)
-    commit_id, packed = _pack_commit(session, state)
+    commit_id, committed = _new_commit(session, state)
     if session.shipper is not None:
-        session.shipper.offer(key, commit_id, packed)
+        session.shipper.offer(key, commit_id, committed)
 
 
 class _Agreement:

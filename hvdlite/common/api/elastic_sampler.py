@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Any
 
 
 class ElasticSamplerBase:
@@ -32,7 +33,7 @@ class ElasticSamplerBase:
     cut short by a reset is not started again).
     """
 
-    def __init__(self, dataset, shuffle: bool = True, seed: int = 0) -> None:
+    def __init__(self, dataset: Any, shuffle: bool = True, seed: int = 0) -> None:
         self.dataset = dataset
         self.shuffle = shuffle
         self.seed = seed

@@ -225,7 +225,7 @@ class Shipper:
         self._channel = channel
         self._paced = paced
         self._cond = threading.Condition()
-        self._waiting: tuple | None = None   # (key, commit_id, packed)
+        self._waiting: tuple | None = None   # (key, commit_id, committed)
         self._busy = False
         self._hurry = False
         self._not_before = 0.0
@@ -234,10 +234,11 @@ class Shipper:
                                          daemon=True)
         self._thread.start()
 
-    def offer(self, key: Any, commit_id: wire.CommitId, packed: wire.Packed) -> None:
+    def offer(self, key: Any, commit_id: wire.CommitId, committed: Any) -> None:
+        """Ship ``committed`` (a state's committed tree, packed on the shipping thread)."""
         with self._cond:
             idle = self._waiting is None and not self._busy
-            self._waiting = (key, commit_id, packed)
+            self._waiting = (key, commit_id, committed)
             # A thread that waits for its pace wakes up by itself: waking it for every commit
             # would cost the training thread a switch of the interpreter lock each time.
             if idle and time.monotonic() >= self._not_before:
@@ -266,17 +267,18 @@ class Shipper:
                         self._cond.wait()
                     else:
                         self._cond.wait(max(self._not_before - time.monotonic(), 0.001))
-                key, commit_id, packed = self._waiting
+                key, commit_id, committed = self._waiting
                 self._waiting, self._busy = None, True
             started = time.monotonic()
             try:
-                self._channel.send_commit(key, commit_id, packed)
+                self._channel.send_commit(key, commit_id, wire.pack(committed))
             except (OSError, DriverGone) as exc:
                 self.error = exc
             except Exception as exc:   # noqa: BLE001 - e.g. a codec that cannot export
                 self.error = exc
                 log.exception("hvdlite: shipping a commit to the elastic driver failed")
             took = time.monotonic() - started
+            del committed   # (a snapshot the training thread may want to reuse)
             with self._cond:
                 self._busy = False
                 if self._paced:

@@ -7,16 +7,16 @@ committed state is one tuple naming its frames' sizes followed by the frames the
 that large arrays go from the training process's memory to the socket without a copy and the
 driver (which never unpickles a commit: it has no torch or TensorFlow) stores them as they came.
 
-A commit is *packed* on the training thread, at ``commit()``: its small Python objects are
-pickled there and then (so later in-place changes cannot leak into it), while the large arrays,
-marked :class:`Owned` by the framework state (private copies that nobody changes afterwards),
-become out-of-band *leaves* that are turned into bytes only when they are sent, on the
-shipping thread.  A *codec* per array type (numpy here; ``hvdlite.torch`` registers torch's)
-describes a leaf, exports its bytes and rebuilds it.
+A commit is the tree that the state's ``committed_state()`` returned at ``commit()``: private
+copies of its arrays (snapshots that nobody changes afterwards) and its small Python objects
+already pickled, so it can be packed later, on another thread, without a race.  Packing pickles
+it with every array of a registered type (numpy here; ``hvdlite.torch`` registers torch's) sent
+out of band: a *codec* per type describes the array, exports its bytes and rebuilds it.
 """
 from __future__ import annotations
 
 import enum
+import io
 import pickle
 import threading
 from typing import Any, Callable, NamedTuple, Sequence
@@ -47,28 +47,8 @@ class HostUpdateResult(enum.IntFlag):
     mixed = removed | added
 
 
-class Owned:
-    """Marks an array that a commit owns (a private copy that nobody changes after the commit):
-    it is sent out of band, its bytes exported only when it is shipped."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def __reduce_ex__(self, protocol):
-        # Only this object costs a Python call while pickling (a persistent_id hook would be
-        # called for every object of the state): it files its array as the next leaf.
-        leaves = _packing.leaves
-        if leaves is None:
-            raise pickle.PicklingError("Owned values are pickled by elastic_wire.pack only")
-        codec = _codec_for(self.value)
-        leaves.append((codec, self.value))
-        return _leaf, (len(leaves) - 1, codec.kind, codec.describe(self.value))
-
-
 class _Context(threading.local):
-    leaves: list | None = None          # pack(): the leaves found so far
+    leaves: list | None = None          # pack(): the arrays found so far
     buffers: Sequence | None = None     # unpack(): the frames after the header
 
 
@@ -76,7 +56,7 @@ _packing = _Context()
 
 
 def _leaf(index: int, kind: str, meta: Any) -> Any:
-    """Unpickling an :class:`Owned` array: rebuilt from its frame."""
+    """Unpickling an out-of-band array: rebuilt from its frame."""
     buffers = _packing.buffers
     if buffers is None or kind not in _codecs:
         raise pickle.UnpicklingError(f"elastic state: cannot rebuild an out-of-band {kind!r} "
@@ -85,12 +65,14 @@ def _leaf(index: int, kind: str, meta: Any) -> Any:
 
 
 class Codec(NamedTuple):
-    """How one array type travels: ``describe(value)`` -> picklable metadata, ``export(value)``
-    -> its raw bytes as a 1-D memoryview of host memory (may copy, e.g. from a GPU), and
-    ``rebuild(metadata, buffer)`` -> the array again (it may keep ``buffer``, a bytearray)."""
+    """How one array type travels: ``accepts(value)`` (e.g. dense arrays only),
+    ``describe(value)`` -> picklable metadata, ``export(value)`` -> its raw bytes as a 1-D
+    memoryview of host memory (may copy, e.g. from a GPU), and ``rebuild(metadata, buffer)`` ->
+    the array again (it may keep ``buffer``, a bytearray)."""
 
     kind: str
     type: type
+    accepts: Callable[[Any], bool]
     describe: Callable[[Any], Any]
     export: Callable[[Any], memoryview]
     rebuild: Callable[[Any, bytearray], Any]
@@ -106,23 +88,26 @@ def _numpy_rebuild(meta, buffer: bytearray) -> np.ndarray:
 
 
 _codecs: dict[str, Codec] = {}
+_by_type: dict[type, Codec | None] = {}   # exact type -> its codec (None: pickled in band)
 
 
 def register_codec(codec: Codec) -> None:
     """Let arrays of ``codec.type`` travel out of band (later registrations win for a type)."""
     _codecs[codec.kind] = codec
+    _by_type.clear()
 
 
-register_codec(Codec("numpy", np.ndarray, lambda a: (a.dtype.str, a.shape), _numpy_export,
-                     _numpy_rebuild))
+register_codec(Codec("numpy", np.ndarray, lambda a: not a.dtype.hasobject,
+                     lambda a: (a.dtype.str, a.shape), _numpy_export, _numpy_rebuild))
 
 
-def _codec_for(value: Any) -> Codec:
-    for codec in reversed(list(_codecs.values())):
-        if isinstance(value, codec.type):
-            return codec
-    raise TypeError(f"no way to send a {type(value).__name__} out of band (known: "
-                    f"{', '.join(c.type.__name__ for c in _codecs.values())})")
+def _codec_for(value: Any) -> Codec | None:
+    kind = type(value)
+    if kind not in _by_type:
+        _by_type[kind] = next((c for c in reversed(list(_codecs.values()))
+                               if issubclass(kind, c.type)), None)
+    codec = _by_type[kind]
+    return codec if codec is not None and codec.accepts(value) else None
 
 
 class Packed(NamedTuple):
@@ -136,14 +121,32 @@ class Packed(NamedTuple):
         return [memoryview(self.header)] + [codec.export(value) for codec, value in self.leaves]
 
 
+def _reduce_array(pickler, obj):
+    """``reducer_override``: an array of a registered type becomes the next leaf.  (Pickle
+    skips the hook for plain ints, floats, strings, lists, tuples and dicts, so a state costs
+    one Python call per array and other object, not per value.)"""
+    codec = _codec_for(obj)
+    if codec is None:
+        return NotImplemented
+    leaves = _packing.leaves
+    leaves.append((codec, obj))
+    return _leaf, (len(leaves) - 1, codec.kind, codec.describe(obj))
+
+
+class _Pickler(pickle.Pickler):
+    def reducer_override(self, obj):   # noqa: D102 - pickle's hook
+        return _reduce_array(self, obj)
+
+
 def pack(tree: Any) -> Packed:
-    """Pickle ``tree`` now, its :class:`Owned` arrays out of band (see the module docstring).
+    """Pickle ``tree`` (a committed state: see the module docstring), its arrays out of band.
     Objects that plain pickle refuses (lambdas, local classes) go through cloudpickle when it
     is installed, as ``broadcast_object`` does; otherwise the error names what failed."""
     _packing.leaves = leaves = []
     try:
+        buffer = io.BytesIO()
         try:
-            header = pickle.dumps(tree, protocol=pickle.HIGHEST_PROTOCOL)
+            _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(tree)
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
             try:
                 import cloudpickle
@@ -151,11 +154,34 @@ def pack(tree: Any) -> Packed:
                 raise TypeError(f"elastic state: the committed state cannot be pickled "
                                 f"({exc}); keep picklable values in the state, or install "
                                 f"cloudpickle") from exc
+
+            class _CloudPickler(cloudpickle.Pickler):
+                def reducer_override(self, obj):
+                    reduced = _reduce_array(self, obj)
+                    return super().reducer_override(obj) if reduced is NotImplemented \
+                        else reduced
+
             leaves.clear()
-            header = cloudpickle.dumps(tree, protocol=pickle.HIGHEST_PROTOCOL)
+            buffer = io.BytesIO()
+            _CloudPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(tree)
     finally:
         _packing.leaves = None
-    return Packed(header, leaves)
+    return Packed(buffer.getvalue(), leaves)
+
+
+def dumps(obj: Any) -> bytes:
+    """``obj`` pickled now, in band (cloudpickle for what pickle refuses, when installed): how
+    a state keeps the small objects of a commit, immune to later changes in place."""
+    try:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        try:
+            import cloudpickle
+        except ImportError:
+            raise TypeError(f"elastic state: a value of the state cannot be pickled ({exc}); "
+                            f"keep picklable values in the state, or install cloudpickle") \
+                from exc
+        return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def unpack(frames: Sequence[bytearray]) -> Any:

@@ -18,13 +18,15 @@ from .options import add_options, requested, settings_from_args
 
 def run(args: argparse.Namespace, environ: Mapping[str, str], forward: Sequence[str],
         output: tuple[TextIO, TextIO] | None, on_world: Callable[[int, int], None] | None,
-        prepare: Callable, start: Callable) -> int:
+        prepare: Callable, start: Callable, check: Callable) -> int:
     """Run the elastic job ``args`` asks for; its exit status.  ``prepare(args, environ,
-    forward, workdir) -> (argv, env)`` and ``start(argv, env, output) -> (proc, pumps)`` are
-    the launcher's own (:mod:`..launch`), used for every world."""
+    forward, workdir) -> (argv, env)``, ``start(argv, env, output) -> (proc, pumps)`` and
+    ``check(args, hosts, environ) -> [(host, why)]`` are the launcher's own (:mod:`..launch`),
+    used for every world."""
     from .driver import Driver
     settings = settings_from_args(args, environ)
-    driver = Driver(args, settings, dict(environ), forward, output, on_world, prepare, start)
+    driver = Driver(args, settings, dict(environ), forward, output, on_world, prepare, start,
+                    check)
     return driver.run()
 
 

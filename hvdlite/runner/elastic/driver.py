@@ -37,7 +37,7 @@ from typing import Callable, Mapping, Sequence, TextIO
 
 from hvdlite.common.core import elastic_wire as wire
 
-from .. import addresses, host_check, mpi_flavor
+from .. import addresses, mpi_flavor
 from ..launch_errors import LaunchError
 from . import hosts as hostmod
 from .options import ElasticSettings
@@ -123,7 +123,7 @@ class Driver:
                  environ: dict[str, str], forward: Sequence[str],
                  output: tuple[TextIO, TextIO] | None,
                  on_world: Callable[[int, int], None] | None, prepare: Callable,
-                 start: Callable) -> None:
+                 start: Callable, check: Callable) -> None:
         self.args = args
         self.settings = settings
         self.environ = environ
@@ -132,6 +132,7 @@ class Driver:
         self.on_world = on_world
         self.prepare = prepare
         self.start = start
+        self.check = check
         self.manager = hostmod.HostManager(settings.cooldown_range)
         self.checked: set[str] = set()    # hosts that passed the ssh check
         self.signals: list[int] = []
@@ -217,45 +218,26 @@ class Driver:
             time.sleep(0.2)
         return None
 
-    def _check(self, placement: list[tuple[str, int]], env: Mapping[str, str]) -> list[str]:
-        """ssh to the placement's remote hosts not checked before; the ones that fail."""
+    def _check(self, placement: list[tuple[str, int]]) -> list[str]:
+        """Log in to the placement's hosts not checked before, as the launcher will (the host
+        check of ``hvdlite run``); the ones that cannot be reached."""
         if self.args.skip_host_check:
             return []
-        names = [h for h, _ in placement if h not in self.checked]
-        remote = host_check.remote_hosts(names)
-        if remote:
-            launcher = self.args.mpiexec or mpi_flavor.find_launcher()
-            if launcher:
-                try:
-                    flavor = mpi_flavor.detect_flavor(mpi_flavor.launcher_version_text(launcher))
-                except (OSError, subprocess.TimeoutExpired):
-                    flavor = None
-                if flavor is not None:
-                    mpi_args = (self.args.binding_args or "").split() + (
-                        self.args.mpi_args or "").split()
-                    shell = host_check.remote_shell(flavor, mpi_args, env, None)
-                    if shell:
-                        probe, _ = host_check.probe_command(flavor, launcher)
-                        timeout = self.args.start_timeout or host_check.DEFAULT_TIMEOUT
-                        failed = host_check.check(remote, shell, probe, timeout)
-                        for problem in failed:
-                            _say(f"host {problem.host} cannot be reached "
-                                 f"(status {problem.status}): {problem.output[-200:]}")
-                        bad = [p.host for p in failed]
-                        self.checked.update(h for h in names if h not in bad)
-                        return bad
-        self.checked.update(names)
-        return []
+        names = [host for host, _ in placement if host not in self.checked]
+        failed = self.check(self.args, names, self.environ) if names else []
+        for host, why in failed:
+            _say(f"host {host} cannot be reached the way the MPI launcher reaches it ({why})")
+        bad = [host for host, _ in failed]
+        self.checked.update(host for host in names if host not in bad)
+        return bad
 
     # --- a world -----------------------------------------------------------------------------
     def _launch(self, server: Server, index: int, placement: list[tuple[str, int]],
                 workdir: str) -> World | None:
-        bad = self._check(placement, self.environ)
-        if bad:
+        bad = self._check(placement)
+        if bad:   # blacklisted; the next wait names what is left (and times out if nothing)
             for host in bad:
                 self.manager.blacklist(host)
-            if all(self.manager.is_blacklisted(h) for h, _ in placement):
-                pass   # the next wait names what is left (and times out if nothing is)
             return None
         args = copy.copy(self.args)
         args.hosts = ",".join(f"{host}:{n}" for host, n in placement)

@@ -9,6 +9,8 @@ reset as it does in Horovod with TF 2's Keras; feed that epoch only the batches 
 """
 from __future__ import annotations
 
+from typing import Any
+
 import keras
 
 from ..elastic import (HorovodInternalError, HostsUpdatedInterrupt, ObjectState, State,
@@ -24,7 +26,7 @@ class KerasState(TensorFlowKerasState):
         kwargs: more attributes kept as plain objects (epoch, batch, ...).
     """
 
-    def __init__(self, model, optimizer=None, **kwargs) -> None:
+    def __init__(self, model: Any, optimizer: Any = None, **kwargs: Any) -> None:
         super().__init__(model, optimizer=optimizer, backend=keras.backend, **kwargs)
 
 
