@@ -494,3 +494,22 @@ def test_host_checks_cost_nothing_without_the_driver():
     state.on_hosts_updated(5, HostUpdateResult.added)
     state.check_host_updates()   # no driver, no collective: nothing raised
     assert state._hvd_agreement is None
+
+
+def test_too_few_slots_wait_for_the_elastic_timeout_then_say_what_is_missing():
+    from hvdlite.runner.elastic.driver import ElasticError
+    from hvdlite.runner.elastic.options import ElasticSettings
+    discovery = hostmod.FixedHosts({"a": 1, "b": 2})
+    settings = ElasticSettings(start_np=2, min_np=2, max_np=None, discovery=discovery,
+                               reset_limit=None, cooldown_range=None, elastic_timeout=0.3)
+    driver = Driver(types.SimpleNamespace(), settings, {}, [], None, None, None, None, None)
+    discoverer = types.SimpleNamespace(latest=discovery.find_available_hosts_and_slots(),
+                                       problem=None)
+    assert driver._wait_for_slots(discoverer, 2) == [("a", 1), ("b", 2)]
+    driver.manager.blacklist("b")
+    with pytest.raises(ElasticError) as info:
+        driver._wait_for_slots(discoverer, 2)
+    message = str(info.value)
+    assert "waited 0.3 s (--elastic-timeout) for 2 slots" in message, message
+    assert "only 1 are available from the hosts of -H/--hostfile" in message, message
+    assert "available: a:1" in message and "b (for the rest of the job)" in message, message
