@@ -12,7 +12,8 @@ handles, fusion planning) -> backends (the data paths) -> api (the numpy API, an
 adapters share about gradients: scale factors, SyncBN moments, the layout vote) -> this door.
 """
 from hvdlite.common.api import ops as _ops
-from hvdlite.common.api.elastic import unsupported as elastic_unsupported
+from hvdlite.common.api.elastic import ObjectState, State, run_fn as elastic_run_fn
+from hvdlite.common.api.elastic_sampler import ElasticSamplerBase
 from hvdlite.common.api.grad_layouts import vote_layouts, vote_layouts_async
 from hvdlite.common.api.gradients import (global_moments, moment_sums, predivide_factors,
                                           sparse_postscale)
@@ -38,18 +39,22 @@ from hvdlite.common.engine.messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BROA
                                             REDUCESCATTER, split_rows)
 from hvdlite.common.engine.thread import FUSE_BELOW_BYTES
 from hvdlite.common.errors import (DuplicateNameError, FailedOnRankError, GpuUnavailableError,
-                                   HorovodInternalError, HvdliteError, NotInitializedError,
-                                   RankChildProcessError, RankExitedError, ShutdownError,
-                                   StallError, TensorMismatchError, UnsupportedDtypeError,
-                                   UnsupportedOperationError)
+                                   HorovodInternalError, HostsUpdatedInterrupt, HvdliteError,
+                                   NotInitializedError, RankChildProcessError, RankExitedError,
+                                   ShutdownError, StallError, TensorMismatchError,
+                                   UnsupportedDtypeError, UnsupportedOperationError)
 from hvdlite.common.gpu import cuda
 from hvdlite.common.intranode import cma
 from hvdlite.common.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum, resolve_op
 from hvdlite.common.runtime.build import (ccl_built, cuda_built, ddl_built, gloo_built,
                                           gloo_enabled, mpi_built, mpi_enabled, nccl_built,
                                           rocm_built, sycl_built)
+from hvdlite.common.runtime import elastic_wire
 from hvdlite.common.runtime.child_process import LAUNCHER_RANK_VARIABLES
+from hvdlite.common.runtime.elastic_wire import (EXIT_RESET, Codec, HostUpdateResult,
+                                                 register_codec)
 from hvdlite.common.runtime.lifecycle import shutdown, start_timeline, stop_timeline
+from hvdlite.common.runtime.liveness import departed_ranks
 from hvdlite.common.runtime.process_sets import ProcessSet, global_process_set
 from hvdlite.common.runtime.registry import (add_process_set, comm_process_set,
                                              get_process_set_ids_and_ranks, process_set_engine,
@@ -69,7 +74,7 @@ __all__ = [
     "HvdliteError", "HorovodInternalError", "NotInitializedError", "ShutdownError",
     "RankExitedError", "TensorMismatchError", "DuplicateNameError", "UnsupportedDtypeError",
     "UnsupportedOperationError", "StallError", "GpuUnavailableError", "RankChildProcessError",
-    "FailedOnRankError",
+    "FailedOnRankError", "HostsUpdatedInterrupt",
     "allgather_object", "broadcast_object",
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
 ]
