@@ -1,6 +1,6 @@
 """The GPU data path's pure logic, no MPI and no GPU: the HVDLITE_GPU_OPERATIONS knob, NCCL's dtype
 check, the lazy CuPy/NCCL probes and their error messages, nccl_built()/cuda_built(), the
-one-GPU-per-process claim, submission checks (ops.make_entry with a stand-in engine), the
+one-GPU-per-process claim, submission checks (submission.make_entry with a stand-in engine), the
 host-staged backend's copies around a stand-in MPI backend, and the GPU completion thread.
 Multi-rank behaviour under real MPI is in tests/test_gpu_staged.py.
 """
@@ -354,14 +354,14 @@ def test_importing_hvdlite_does_not_import_cupy(tmp_path):
         f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
-# --- submission checks (ops.make_entry) -----------------------------------------------------------
+# --- submission checks (submission.make_entry) ----------------------------------------------
 def _engine(mode: str):
     return types.SimpleNamespace(config=Config(gpu_operations=mode),
                                  new_handle=lambda name: Handle(name, lambda: True))
 
 
 def _entry(mode, kind, array, **kw):
-    from hvdlite.common.api.ops import make_entry
+    from hvdlite.common.api.submission import make_entry
     kw.setdefault("name", "t")
     return make_entry(_engine(mode), [0, 1], kind, array, **kw)
 

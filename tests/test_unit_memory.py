@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hvdlite.common import memory
-from hvdlite.common.api import ops
+from hvdlite.common.api import submission
 from hvdlite.common.dtypes import dtype_info
 from hvdlite.common.memory import (ALIGN_MIN_BYTES, ALIGNMENT, BufferPool, aligned_empty,
                                    fresh_block, result_empty, size_class)
@@ -41,7 +41,7 @@ def test_default_allocator_of_the_core_aligns_from_64_kib():
     """Results of ALIGN_MIN_BYTES or more are aligned (TensorFlow then adopts them without a
     copy); smaller ones are plain np.empty (numpy's 16 bytes), which is cheaper to make."""
     for n in (1, 5, 4099, ALIGN_MIN_BYTES // 4 - 1, ALIGN_MIN_BYTES // 4, 300_000):
-        out = ops._default_allocate((n,), np.dtype(np.float32))
+        out = submission._default_allocate((n,), np.dtype(np.float32))
         assert out.shape == (n,) and out.dtype == np.float32 and out.flags.c_contiguous
         if out.nbytes >= ALIGN_MIN_BYTES:
             assert out.ctypes.data % ALIGNMENT == 0, n

@@ -25,12 +25,13 @@ from hvdlite.common.api.grouped import (announce_group_failure, announced_group,
                                         submit_group)
 from hvdlite.common.api.lifecycle import init
 from hvdlite.common.api.objects import allgather_object, broadcast_object
+from hvdlite.common.api.announce import announce_failure, announced, announcing
 from hvdlite.common.api.ops import (allgather, allgather_async, allreduce, allreduce_,
                                     allreduce_async, allreduce_async_, alltoall, alltoall_async,
-                                    announce_failure, announced, announcing, barrier, broadcast,
-                                    broadcast_, broadcast_async, broadcast_async_,
-                                    fast_host_allreduce, join, on_join, poll, prepare_allreduce,
-                                    reducescatter, reducescatter_async, submit, synchronize)
+                                    barrier, broadcast, broadcast_, broadcast_async,
+                                    broadcast_async_, join, on_join, poll, reducescatter,
+                                    reducescatter_async, synchronize)
+from hvdlite.common.api.submission import fast_host_allreduce, prepare_allreduce, submit
 from hvdlite.common.backends.adasum import check_adasum_size
 from hvdlite.common.config import KNOBS, Flag, Knob
 from hvdlite.common.dtypes import dtype_info

@@ -85,7 +85,7 @@ def _public(fn=None, *, kind: str | None = None, items: str | None = None):
     :func:`to_tf_error`), raised directly (AutoGraph would otherwise re-wrap some of them as
     StagingError).  ``kind`` (``items``: the argument holding a group's tensors): an eager op
     of that kind whose own checks fail before it is submitted is announced to the other ranks
-    (see ``hvdlite.common.api.ops.announce_failure``), so an unnamed op's failure on one rank
+    (see ``hvdlite.common.api.announce.announce_failure``), so an unnamed op's failure on one rank
     fails it everywhere instead of shifting the automatic names.  (Inside a graph the names
     are fixed when it is traced, alike on every rank.)"""
     if fn is None:

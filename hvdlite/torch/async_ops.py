@@ -45,7 +45,7 @@ def _submit(kind: str, tensor: torch.Tensor, output: torch.Tensor | None, what: 
 def _fast_allreduce(tensor, in_place: bool, name, reduce_op: ReduceOp, prescale_factor,
                     postscale_factor, process_set) -> Handle | None:
     """The per-gradient hot path: a plain, contiguous CPU tensor that needs no autograd goes
-    straight to the core's fast submission (see ``ops.fast_host_allreduce``), without the
+    straight to the core's fast submission (see ``submission.fast_host_allreduce``), without the
     general path's layers; ``None`` if anything is unusual (the caller takes the general path,
     which also raises the errors).  Out of place, the core allocates the result and the tensor
     returned wraps it without a copy."""

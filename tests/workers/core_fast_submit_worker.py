@@ -1,12 +1,12 @@
-"""The fast submission path for host allreduces (ops.fast_host_allreduce): once a (dtype, op)
-pair passed the full checks, later named allreduces of it skip make_entry.  These cases prove
-the fast path is taken, gives the right results, and still rejects (through the general path,
-with the same errors) everything the general path rejects.
+"""The fast submission path for host allreduces (submission.fast_host_allreduce): once a
+(dtype, op) pair passed the full checks, later named allreduces of it skip make_entry.  These
+cases prove the fast path is taken, gives the right results, and still rejects (through the
+general path, with the same errors) everything the general path rejects.
 """
 import numpy as np
 
 import hvdlite as hvd
-from hvdlite.common.api import ops
+from hvdlite.common.api import submission
 from core_refs import allreduce_expected, attempt, check_array, check_exact, noncontiguous
 from _report import Reporter
 
@@ -22,7 +22,8 @@ def data(rank: int, n: int = 37, dtype="float32") -> np.ndarray:
 def warm(dtype: str, op) -> None:
     """One allreduce through the general path: the pair is now known to the fast path."""
     hvd.allreduce(data(RANK, dtype=dtype), op=op, name=f"fast.warm.{dtype}.{int(op)}")
-    assert (np.dtype(dtype), op) in ops._checked_host_allreduce, ops._checked_host_allreduce
+    checked = submission._checked_host_allreduce
+    assert (np.dtype(dtype), op) in checked, checked
 
 
 def fast_path_taken():
@@ -30,12 +31,12 @@ def fast_path_taken():
     in place, out of place, with scale factors, on a 3-D shape."""
     warm("float32", hvd.Sum)
     warm("int64", hvd.Average)
-    original = ops.make_entry
+    original = submission.make_entry
 
     def general_path_used(*args, **kwargs):
         raise AssertionError("make_entry ran: the fast path was not taken")
 
-    ops.make_entry = general_path_used
+    submission.make_entry = general_path_used
     try:
         inputs = [data(k) for k in range(SIZE)]
         work = inputs[RANK].copy()
@@ -49,7 +50,7 @@ def fast_path_taken():
         ints = [data(k, dtype="int64") for k in range(SIZE)]
         got_avg = hvd.allreduce(ints[RANK], op=hvd.Average, name="fast.avg")
     finally:
-        ops.make_entry = original
+        submission.make_entry = original
     expected = allreduce_expected(inputs, "float32", "Sum", SIZE)
     check_array("in place", work, expected)
     check_array("out of place", got_new, expected)

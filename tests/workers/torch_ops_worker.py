@@ -508,7 +508,7 @@ def fast_path_taken():
     dtype still reduces correctly in place, out of place (a new tensor, the input untouched)
     and async, with scale factors.  Tensors that need the general path (autograd, bfloat16,
     non-contiguous, a Parameter) are then shown to still get there."""
-    from hvdlite.common.api import ops as core_ops
+    from hvdlite.common.api import submission as core_submission
     from hvdlite.torch import async_ops
     fast = [dt for dt in C.DTYPES if dt != "bfloat16"]
     pairs = [(op, dt) for op in ("Sum", "Max", "Average") for dt in fast
@@ -516,12 +516,12 @@ def fast_path_taken():
     for op, dt in pairs:   # warm: the general path registers each pair with the core
         hvd.allreduce(C.op_input("fast.warm", RANK, dt, op, (3,)), op=OP[op],
                       name=f"fast.warm.{op}.{dt}")
-    originals = (async_ops._submit, core_ops.make_entry)
+    originals = (async_ops._submit, core_submission.make_entry)
 
     def general_path(*args, **kwargs):
         raise AssertionError("the general path ran: the fast path was not taken")
 
-    async_ops._submit = core_ops.make_entry = general_path
+    async_ops._submit = core_submission.make_entry = general_path
     try:
         for op, dt in pairs:
             case = f"fast.{op}.{dt}"
@@ -544,7 +544,7 @@ def fast_path_taken():
         check_values(res, C.reduce_reference(inputs, "Sum", "float32") * 1.5, "float32",
                      exact=False, what="scaled")
     finally:
-        async_ops._submit, core_ops.make_entry = originals
+        async_ops._submit, core_submission.make_entry = originals
     taken = []
     async_ops._submit = lambda *a, **k: (taken.append(a[0]), originals[0](*a, **k))[1]
     try:

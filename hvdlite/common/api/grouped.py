@@ -12,8 +12,9 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from hvdlite.common.api.ops import (_NOTHING_TO_ANNOUNCE, _announce, _auto_name, _contiguous,
-                                    announcing_with, make_entry)
+from hvdlite.common.api.announce import (_NOTHING_TO_ANNOUNCE, _announce, _auto_name,
+                                         announcing_with)
+from hvdlite.common.api.submission import _contiguous, make_entry
 from hvdlite.common.engine.handle import GroupHandle
 from hvdlite.common.engine.messages import ALLGATHER, ALLREDUCE, REDUCESCATTER
 from hvdlite.common.reduce_ops import ReduceOp, resolve_op
@@ -26,7 +27,7 @@ def submit_group(kind: str, arrays: Sequence[np.ndarray], *, name: str | None = 
                  allocates: Sequence | None = None, dtypes: Sequence[str | None] | None = None,
                  process_set: ProcessSet | None = None, **kwargs) -> GroupHandle:
     """Submit ``arrays`` as one grouped ``kind`` operation (contiguous numpy views, as for
-    :func:`hvdlite.common.api.ops.submit`); the handle yields the list of results."""
+    :func:`hvdlite.common.api.submission.submit`); the handle yields the list of results."""
     engine, members = registry.process_set_engine(process_set, f"grouped {kind}")
     set_id = 0 if members is None else process_set.process_set_id
     n = len(arrays)
@@ -59,7 +60,7 @@ def _group_names(kind: str, name: str | None, set_id: int, n: int) -> tuple[str,
 
 
 def announcing_group(kind: str, items: str = "arrays"):
-    """:func:`hvdlite.common.api.ops.announcing` for grouped operations (``items``: the argument
+    """:func:`hvdlite.common.api.announce.announcing` for grouped operations (``items``: the argument
     holding the group's tensors): an unnamed group that fails before it is submitted takes the
     names the other ranks' group took, and fails there as one unit."""
     def announce(bound: dict, exc: Exception) -> None:
@@ -74,7 +75,7 @@ def announcing_group(kind: str, items: str = "arrays"):
 @contextlib.contextmanager
 def announced_group(kind: str, name: str | None, process_set: ProcessSet | None,
                     count: int) -> Iterator[None]:
-    """:func:`hvdlite.common.api.ops.announced` for a group of ``count`` tensors."""
+    """:func:`hvdlite.common.api.announce.announced` for a group of ``count`` tensors."""
     try:
         yield
     except Exception as exc:
@@ -84,7 +85,7 @@ def announced_group(kind: str, name: str | None, process_set: ProcessSet | None,
 
 def announce_group_failure(kind: str, name: str | None, process_set: ProcessSet | None,
                            count: int, exc: BaseException) -> None:
-    """:func:`hvdlite.common.api.ops.announce_failure` for an unnamed group of ``count`` tensors."""
+    """:func:`hvdlite.common.api.announce.announce_failure` for an unnamed group of ``count`` tensors."""
     if (name is not None or count == 0 or getattr(exc, "_hvdlite_announced", False)
             or isinstance(exc, _NOTHING_TO_ANNOUNCE)):
         return
