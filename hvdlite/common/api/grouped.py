@@ -60,8 +60,8 @@ def _group_names(kind: str, name: str | None, set_id: int, n: int) -> tuple[str,
 
 
 def announcing_group(kind: str, items: str = "arrays"):
-    """:func:`hvdlite.common.api.announce.announcing` for grouped operations (``items``: the argument
-    holding the group's tensors): an unnamed group that fails before it is submitted takes the
+    """:func:`hvdlite.common.api.announce.announcing` for grouped operations (``items``: the
+    argument holding the group's tensors): an unnamed group that fails before it is submitted takes the
     names the other ranks' group took, and fails there as one unit."""
     def announce(bound: dict, exc: Exception) -> None:
         try:
@@ -85,7 +85,8 @@ def announced_group(kind: str, name: str | None, process_set: ProcessSet | None,
 
 def announce_group_failure(kind: str, name: str | None, process_set: ProcessSet | None,
                            count: int, exc: BaseException) -> None:
-    """:func:`hvdlite.common.api.announce.announce_failure` for an unnamed group of ``count`` tensors."""
+    """:func:`hvdlite.common.api.announce.announce_failure` for an unnamed group of ``count``
+    tensors."""
     if (name is not None or count == 0 or getattr(exc, "_hvdlite_announced", False)
             or isinstance(exc, _NOTHING_TO_ANNOUNCE)):
         return
