@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hvdlite.runner import check_build, launch, mpi_flavor
+from hvdlite.runner import check_build, job_process, launch, mpi_flavor
 from hvdlite.runner.mpi_flavor import (INTEL_MPI, MPICH, OPEN_MPI, Host, HostfileError, JobSpec,
                                        MpiFlavor)
 
@@ -550,7 +550,7 @@ def test_run_job_cannot_start():
 
 
 def test_run_job_kills_a_group_that_ignores_sigterm(monkeypatch, tmp_path):
-    monkeypatch.setattr(launch, "KILL_GRACE_SECONDS", 0.3)
+    monkeypatch.setattr(job_process, "KILL_GRACE_SECONDS", 0.3)
     ready = tmp_path / "ready"
     stubborn = ("import pathlib, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
                 " pathlib.Path(sys.argv[1]).touch(); time.sleep(60)")

@@ -6,7 +6,8 @@ The hvdlite equivalent of ``horovodrun``::
 
 The launcher (``mpiexec``/``mpirun``) is found and identified by :mod:`.mpi_flavor`; this module
 parses the command line, turns the tuning flags into ``HVDLITE_*`` environment variables for
-every rank, runs the job in its own process group and returns its exit status.
+every rank, and runs the job as a supervised child (:mod:`.job_process`), returning its exit
+status.
 """
 from __future__ import annotations
 
@@ -14,25 +15,21 @@ import argparse
 import math
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
-from typing import BinaryIO, Callable, Mapping, Sequence, TextIO, TypeVar
+from typing import Callable, Mapping, Sequence, TextIO, TypeVar
 
 from . import check_build, elastic, horovodrun_flags, host_check, mpi_flavor
 from hvdlite.common.core import KNOBS, Flag, Knob
 from ..version import __version__
+from .job_process import run_job, start_job
 from .launch_errors import LaunchError, UsageError
 from .mpi_flavor import Host, HostfileError, JobSpec
 
 Number = TypeVar("Number", int, float)
 
-# After forwarding Ctrl-C/SIGTERM, wait this long for the job to exit before SIGKILL.
-KILL_GRACE_SECONDS = 5.0
 INSTALL_HINT = ("install one with `pip install mpich` (or your system's MPI, e.g. "
                 "`apt-get install mpich` or `apt-get install openmpi-bin`)")
 # Where launchers find their hosts when none are given on the command line (the Kubernetes MPI
@@ -353,113 +350,6 @@ def unreachable_hosts(args: argparse.Namespace, names: Sequence[str],
                                 args.start_timeout or host_check.DEFAULT_TIMEOUT)
     return [(p.host, f"exit status {p.status}" + (f": {p.output.splitlines()[-1]}"
                                                    if p.output else "")) for p in problems]
-
-
-# --- running -------------------------------------------------------------------------------------
-def _exit_status(returncode: int) -> int:
-    return 128 - returncode if returncode < 0 else returncode
-
-
-def _kill_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _install_handlers(handler: Callable[[int, object], None]) -> dict:
-    """Install ``handler`` for SIGINT and SIGTERM (main thread only); returns the old ones."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-
-def _pump(source: BinaryIO, sink: TextIO) -> None:
-    """Copy the job's output to ``sink`` as it arrives (a notebook's sys.stdout is not fd 1)."""
-    for chunk in iter(lambda: source.read1(1 << 16), b""):
-        sink.write(chunk.decode(errors="replace"))
-        sink.flush()
-
-
-def _stop_with_this_process() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that has Linux send the MPI launcher SIGTERM when the thread that
-    started it dies, even by SIGKILL (``prctl(PR_SET_PDEATHSIG)``): the launcher then stops
-    every rank instead of leaving the job running without anyone to wait for it.  None where
-    that is not available."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    pr_set_pdeathsig, sigterm, parent = 1, int(signal.SIGTERM), os.getpid()
-
-    def preexec() -> None:   # in the child, between fork and exec: no imports, no allocation
-        prctl(pr_set_pdeathsig, sigterm)
-        if os.getppid() != parent:   # this process died before the request took effect
-            os.kill(os.getpid(), sigterm)
-    return preexec
-
-
-def start_job(argv: Sequence[str], env: Mapping[str, str],
-              output: tuple[TextIO, TextIO] | None = None
-              ) -> tuple[subprocess.Popen, list[threading.Thread]]:
-    """Start the launcher in its own process group (stopped by Linux if this process dies,
-    see :func:`_stop_with_this_process`); with ``output`` (stdout, stderr text streams) the
-    job's output is copied there by the returned threads."""
-    pipe = subprocess.PIPE if output is not None else None
-    try:
-        proc = subprocess.Popen(list(argv), env=dict(env), start_new_session=True,
-                                stdout=pipe, stderr=pipe,
-                                preexec_fn=_stop_with_this_process())
-    except OSError as exc:
-        raise LaunchError(f"cannot start {argv[0]}: {exc.strerror}") from None
-    pumps = [threading.Thread(target=_pump, args=(source, sink), daemon=True)
-             for source, sink in zip((proc.stdout, proc.stderr), output or ())]
-    for pump in pumps:
-        pump.start()
-    return proc, pumps
-
-
-def run_job(argv: Sequence[str], env: Mapping[str, str],
-            output: tuple[TextIO, TextIO] | None = None) -> int:
-    """Run the launcher in its own process group and return the job's exit status.
-
-    SIGINT/SIGTERM received here are forwarded to the group (the MPI launcher then stops every
-    rank); if the job is still running :data:`KILL_GRACE_SECONDS` later, or a second signal
-    arrives, the group is killed.  A job ended by a signal returns 128 + the signal number.
-    If this process dies without a chance to forward anything (SIGKILL, a crash), Linux sends
-    the MPI launcher SIGTERM (see :func:`_stop_with_this_process`).  With ``output`` (stdout,
-    stderr text streams) the job's output is copied there instead of going to this process's
-    file descriptors.
-    """
-    proc, pumps = start_job(argv, env, output)
-    received: list[int] = []
-
-    def forward(signum: int, _frame: object) -> None:
-        received.append(signum)
-        _kill_group(proc.pid, signum if len(received) == 1 else signal.SIGKILL)
-
-    previous = _install_handlers(forward)
-    try:
-        deadline = None
-        while proc.poll() is None:
-            if received and deadline is None:
-                deadline = time.monotonic() + KILL_GRACE_SECONDS
-            elif deadline is not None and time.monotonic() > deadline:
-                _kill_group(proc.pid, signal.SIGKILL)
-                deadline = float("inf")
-            try:
-                proc.wait(timeout=0.2)
-            except subprocess.TimeoutExpired:
-                pass
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        for pump in pumps:   # the ranks may still hold the pipes a moment; never wait for ever
-            pump.join(KILL_GRACE_SECONDS)
-    return 128 + received[0] if received else _exit_status(proc.returncode)
 
 
 def _print_verbose(argv: Sequence[str], env: Mapping[str, str], flavor: mpi_flavor.MpiFlavor,

@@ -38,6 +38,7 @@ from typing import Callable, Mapping, Sequence, TextIO
 from hvdlite.common.core import elastic_wire as wire
 
 from .. import addresses, mpi_flavor
+from ..job_process import exit_status, kill_group
 from ..launch_errors import LaunchError
 from . import hosts as hostmod
 from .options import ElasticSettings
@@ -351,7 +352,7 @@ class Driver:
     def _maybe_tear_down(self, world: World, now: float) -> None:
         if world.terminated_at is not None:
             if now - world.terminated_at > KILL_GRACE:
-                _kill_group(world.proc.pid, signal.SIGKILL)
+                kill_group(world.proc.pid, signal.SIGKILL)
             return
         started = world.failed_at
         if started is None and len(world.members) < world.size and (
@@ -365,10 +366,10 @@ class Driver:
         if waited > TEARDOWN_GRACE or (accounted and len(world.members) == world.size
                                        and waited > 1.0):
             world.terminated_at = now
-            _kill_group(world.proc.pid, signal.SIGTERM)
+            kill_group(world.proc.pid, signal.SIGTERM)
 
     def _classify(self, world: World) -> WorldEnd:
-        status = _exit_status(world.proc.returncode)
+        status = exit_status(world.proc.returncode)
         outcomes = {rank: m.outcome for rank, m in world.members.items() if m.outcome}
         kinds = {o[0] for o in outcomes.values()}
         if "done" in kinds or (status == 0 and not world.lost and "error" not in kinds
@@ -412,14 +413,14 @@ class Driver:
             return "the hosts changed"
         if missing:
             return f"rank(s) {missing} never reached hvd.init()"
-        return f"the launcher exited with status {_exit_status(world.proc.returncode)}"
+        return f"the launcher exited with status {exit_status(world.proc.returncode)}"
 
     def _stop_world(self, world: World) -> WorldEnd:
-        _kill_group(world.proc.pid, self.signals[0])
+        kill_group(world.proc.pid, self.signals[0])
         deadline = time.monotonic() + KILL_GRACE + 2
         while world.proc.poll() is None:
             if time.monotonic() > deadline or len(self.signals) > 1:
-                _kill_group(world.proc.pid, signal.SIGKILL)
+                kill_group(world.proc.pid, signal.SIGKILL)
             time.sleep(0.1)
         for pump in world.pumps:
             pump.join(KILL_GRACE)
@@ -434,16 +435,3 @@ class Driver:
             self.signals.append(signum)
 
         return {sig: signal.signal(sig, received) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-
-def _exit_status(returncode: int | None) -> int:
-    if returncode is None:
-        return 1
-    return 128 - returncode if returncode < 0 else returncode
-
-
-def _kill_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
