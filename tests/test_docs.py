@@ -177,3 +177,11 @@ def test_built_knob_pages_show_every_knob(site):
         for flag in knob.flags:
             assert f"<code>{flag.spellings[0]}" in knobs
             assert f"<code>{flag.spellings[0]}" in launcher
+
+
+def test_package_map_matches_the_tree():
+    """docs/how-it-works.md's package map is what scripts/package_map.py generates from the
+    tree: a module added, moved, removed or re-described without regenerating it fails here."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "package_map.py"), "--check"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr

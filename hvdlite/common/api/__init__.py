@@ -1,1 +1,1 @@
-"""api"""
+"""The numpy API and what the adapters share: collectives, grouped ops, objects, gradient maths, elastic state."""

@@ -1,1 +1,1 @@
-"""gpu"""
+"""CUDA through CuPy: the runtime probes and device primitives, and completing GPU work."""
