@@ -1,0 +1,286 @@
+"""The hierarchical allreduce and allgather across hosts (tests/multihost/test_hierarchical.py),
+exact against numpy, with the path's own counters as evidence that it ran.
+
+Launched with HVDLITE_HIERARCHICAL_ALLREDUCE=1 and HVDLITE_HIERARCHICAL_ALLGATHER=1, and
+HVDLITE_TEST_EXPECT (JSON): ``hosts``, the global ranks of each host in rank order, and
+``subset``, the ranks of a process set that spans hosts.  Cases (see :func:`cases`):
+
+* ``allreduce.<op>.<dtype>.<kind>``: every op and dtype, for each kind of batch the path runs
+  differently: ``single`` (one small tensor: the host's steps through MPI), ``fused`` (a small
+  fused batch: MPI), ``big_fused`` (a fused batch of 64 KiB or more: the host's shared-memory
+  window) and ``big_single`` (one tensor of 1 MiB or more: the window without a pack, in place
+  and out of place).  Sizes are odd, so shares and segments are uneven;
+* ``scaled.<op>.<dtype>.<kind>``: prescale and postscale (Sum and Average);
+* ``nowindow.<kind>``: the window taken away (as HVDLITE_SHM_FUSION_MB=0 does) on every host,
+  and on the first host only (hosts may differ in how they reduce within themselves);
+* ``join.<who>.<kind>``: the last rank, or every rank of the last host, has joined; the others
+  reduce with them standing in (the identity, never prescaled);
+* ``allgather.<dtype>.<kind>``: uneven first dimensions (a rank with none), small and large;
+* ``identical.<op>``: random floats: every rank receives the same bits;
+* ``subset.<kind>``: the same on a process set that spans hosts (its own engine and path);
+* ``off``: with the path switched off, allreduces take the flat path (counters unchanged);
+* ``counters``: the path ran every batch it should, and its host steps went through the window
+  and through MPI on hosts with several ranks, through neither on hosts with one.
+
+Importable without MPI for the case list.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+import core_cases as cc  # noqa: E402
+from core_refs import allreduce_expected, attempt, check_array, check_exact, digest  # noqa: E402
+
+KINDS = ("single", "fused", "big_fused", "big_single")
+# bytes of each kind's tensors: (several, for fused kinds) odd counts of elements
+SIZES = {"single": (4099,), "fused": (1200, 52, 3001), "big_fused": (40001, 7, 60009),
+         "big_single": ((1 << 20) + 4099,)}
+SCALED_DTYPES = ("uint8", "int32", "float16", "bfloat16", "float32", "float64")
+GATHER_DTYPES = ("bool", "uint8", "int32", "float16", "float64")
+GATHER_ROWS = {"small": 5, "big": 70001}   # row length; first dimensions differ per rank
+
+
+def cases() -> list[str]:
+    names = [f"allreduce.{op}.{dt}.{kind}" for op in cc.OPS for dt in cc.DTYPES for kind in KINDS
+             if not (dt == "bool" and op == "Average")]
+    names += [f"scaled.{op}.{dt}.{kind}" for op in ("Sum", "Average") for dt in SCALED_DTYPES
+              for kind in KINDS]
+    names += [f"nowindow.{where}.{kind}" for where in ("all", "first") for kind in KINDS]
+    names += [f"join.{who}.{kind}" for who in ("rank", "host") for kind in KINDS]
+    names += [f"allgather.{dt}.{kind}" for dt in GATHER_DTYPES for kind in GATHER_ROWS]
+    names += [f"identical.{op}" for op in ("Sum", "Average")]
+    names += [f"subset.{kind}" for kind in KINDS] + ["subset.allgather", "off", "counters"]
+    return names
+
+
+def elements(kind: str, dtype: str) -> list[int]:
+    """Element counts of a kind's tensors: its byte sizes over the dtype's item size (odd)."""
+    itemsize = cc.np_dtype(dtype).itemsize
+    return [max(1, n // itemsize) | 1 for n in SIZES[kind]]
+
+
+if __name__ == "__main__":
+    from mpi4py import MPI
+
+    import hvdlite as hvd
+    from hvdlite.common.runtime import registry
+    from _report import Reporter
+
+    EXPECT = json.loads(os.environ["HVDLITE_TEST_EXPECT"])
+    HOSTS = [list(h) for h in EXPECT["hosts"]]
+    SUBSET = hvd.ProcessSet(EXPECT["subset"])
+    hvd.init(process_sets=[SUBSET])
+    RANK, SIZE = hvd.rank(), hvd.size()
+    world = MPI.COMM_WORLD
+    OP = {name: getattr(hvd, name) for name in cc.OPS}
+    r = Reporter(RANK)
+    MY_HOST = next(i for i, ranks in enumerate(HOSTS) if RANK in ranks)
+
+    def path_of(process_set):
+        return registry.process_set_engine(process_set, "test")[0].path("hierarchical")
+
+    PATH = path_of(hvd.global_process_set)
+    expected_runs = {"global": 0, "allgathers": 0}   # batches the path must have run
+
+    def inputs(case: str, dtype: str, op: str, n: int, ranks=None) -> list[np.ndarray]:
+        ranks = range(SIZE) if ranks is None else ranks
+        return [cc.op_input(case, g, dtype, op, (n,)) for g in ranks]
+
+    def run_kind(case: str, kind: str, dtype: str, op: str, pre: float = 1.0,
+                 post: float = 1.0, active=None, process_set=None, ranks=None):
+        """Submit a kind's batch (if this rank is active) and return (results, expectations).
+        ``active``: the ranks that submit (the others have joined); ``ranks``: the set."""
+        ranks = list(range(SIZE)) if ranks is None else ranks
+        active = ranks if active is None else active
+        size = len(ranks)
+        kw = dict(op=OP[op], prescale_factor=pre, postscale_factor=post)
+        if process_set is not None:
+            kw["process_set"] = process_set
+        per_tensor = [inputs(f"{case}.{i}", dtype, op, n, ranks)
+                      for i, n in enumerate(elements(kind, dtype))]
+        want = []
+        for xs in per_tensor:
+            mine = [xs[ranks.index(g)] for g in active]
+            if op == "Average":   # joined ranks count in Average's divisor
+                want.append(allreduce_expected(mine, dtype, "Sum", size, pre, post / size))
+            else:
+                want.append(allreduce_expected(mine, dtype, op, size, pre, post))
+        if RANK not in active:
+            return None, want
+        me = ranks.index(RANK)
+        if kind in ("fused", "big_fused"):
+            got = attempt(lambda: hvd.grouped_allreduce([xs[me] for xs in per_tensor],
+                                                        name=case, **kw))
+            return got, want
+        x = per_tensor[0][me]
+        if kind == "single":
+            return [attempt(lambda: hvd.allreduce(x, name=case, **kw))], want
+        y = x.copy()   # big_single: out of place and in place, each its own batch
+        h1 = attempt(lambda: hvd.allreduce_async(x, name=case + ".out", **kw))
+        h2 = attempt(lambda: hvd.allreduce_async_(y, name=case + ".in", **kw))
+        got_out = attempt(lambda: hvd.synchronize(h1))
+        got_in = attempt(lambda: hvd.synchronize(h2))
+        if got_in is not y and not isinstance(got_in, BaseException):
+            got_in = AssertionError("allreduce_ did not return its input")
+        return [got_out, got_in], want + want
+
+    def runs_of(kind: str) -> int:
+        return 2 if kind == "big_single" else 1
+
+    def check(case: str, got, want) -> None:
+        if isinstance(got, BaseException):
+            raise AssertionError(f"{case}: raised {type(got).__name__}: {got}")
+        assert len(got) == len(want), f"{case}: {len(got)} results for {len(want)} tensors"
+        for i, (g, w) in enumerate(zip(got, want)):
+            check_array(f"{case}[{i}]", g, w)
+
+    def allreduce_case(case: str, op: str, dtype: str, kind: str, pre=1.0, post=1.0) -> None:
+        got, want = run_kind(case, kind, dtype, op, pre, post)
+        expected_runs["global"] += runs_of(kind)
+        check(case, got, want)
+
+    def nowindow(case: str, where: str, kind: str) -> None:
+        """The window taken away on every host or on the first only, at a point every rank
+        reaches alike (nothing in flight after the barrier)."""
+        hvd.barrier()
+        saved = PATH.window
+        if where == "all" or MY_HOST == 0:
+            PATH.window = None
+        try:
+            got, want = run_kind(case, kind, "float32", "Sum", 2.0, 0.5)
+        finally:
+            hvd.barrier()
+            PATH.window = saved
+        expected_runs["global"] += runs_of(kind)
+        check(case, got, want)
+
+    def join_case(case: str, who: str, kind: str) -> None:
+        """``who`` joins first; the others run the kind's batches for three ops, then join."""
+        joined = [SIZE - 1] if who == "rank" else HOSTS[-1]
+        active = [g for g in range(SIZE) if g not in joined]
+        results = []
+        if RANK in joined:
+            last = attempt(hvd.join)
+        specs = (("Sum", "float32", 2.0, 0.5), ("Min", "int32", 1.0, 1.0),
+                 ("Product", "float64", 1.0, 1.0), ("Average", "float64", 1.0, 1.0))
+        for i, (op, dtype, pre, post) in enumerate(specs):
+            results.append(run_kind(f"{case}.{i}", kind, dtype, op, pre, post, active=active))
+        if RANK not in joined:
+            last = attempt(hvd.join)
+        if isinstance(last, BaseException):
+            raise AssertionError(f"{case}: join() raised {last!r}")
+        expected_runs["global"] += len(specs) * runs_of(kind)
+        if RANK in active:
+            for i, (got, want) in enumerate(results):
+                check(f"{case}.{specs[i][0]}", got, want)
+
+    def allgather_case(case: str, dtype: str, kind: str) -> None:
+        row = GATHER_ROWS[kind]
+        firsts = [0 if g == 1 else g % 3 + 1 for g in range(SIZE)]
+        xs = [cc.op_input(case, g, dtype, "Sum", (firsts[g], row)) for g in range(SIZE)]
+        got = attempt(lambda: hvd.allgather(xs[RANK], name=case))
+        expected_runs["allgathers"] += 1
+        check_exact(case, got, np.concatenate(xs))
+
+    def identical(case: str, op: str) -> None:
+        rng = np.random.default_rng([cc.seed_of(case), RANK])
+        results = []
+        for kind in KINDS:
+            n = elements(kind, "float32")[0]
+            x = rng.standard_normal(n).astype(np.float32)
+            results.append(attempt(lambda: hvd.allreduce(x, op=OP[op], name=f"{case}.{kind}")))
+            expected_runs["global"] += 1
+        digests = world.allgather([digest(g) for g in results])
+        for g in results:
+            if isinstance(g, BaseException):
+                raise AssertionError(f"{case}: raised {g!r}")
+        assert all(d == digests[0] for d in digests), f"{case}: ranks differ: {digests}"
+
+    def subset_case(case: str, kind: str) -> None:
+        ranks = EXPECT["subset"]
+        if RANK not in ranks:
+            return
+        before = path_of(SUBSET).allreduces
+        got, want = run_kind(case, kind, "float32", "Average", 0.5, 3.0, process_set=SUBSET,
+                             ranks=ranks)
+        check(case, got, want)
+        ran = path_of(SUBSET).allreduces - before
+        assert ran == runs_of(kind), f"{case}: the subset's path ran {ran} batches"
+
+    def subset_allgather(case: str) -> None:
+        ranks = EXPECT["subset"]
+        if RANK not in ranks:
+            return
+        before = path_of(SUBSET).allgathers
+        xs = [cc.op_input(case, g, "int64", "Sum", (g + 1, 3)) for g in ranks]
+        got = attempt(lambda: hvd.allgather(xs[ranks.index(RANK)], name=case,
+                                            process_set=SUBSET))
+        check_exact(case, got, np.concatenate(xs))
+        assert path_of(SUBSET).allgathers - before == 1, f"{case}: not through the path"
+
+    def off(case: str) -> None:
+        hvd.barrier()
+        before = PATH.allreduces
+        PATH.allreduce_on = False
+        try:
+            got, want = run_kind(case, "big_fused", "int64", "Sum")
+        finally:
+            hvd.barrier()
+            PATH.allreduce_on = True
+        check(case, got, want)
+        assert PATH.allreduces == before, f"{case}: the path ran while switched off"
+
+    def counters(case: str) -> None:
+        assert PATH.allreduces == expected_runs["global"], (
+            f"rank {RANK}: the hierarchical path ran {PATH.allreduces} allreduce batches, "
+            f"expected {expected_runs['global']}")
+        assert PATH.allgathers == expected_runs["allgathers"], (
+            f"rank {RANK}: {PATH.allgathers} allgathers, expected {expected_runs['allgathers']}")
+        several = len(HOSTS[MY_HOST]) > 1
+        got = (PATH.by_window > 0, PATH.by_mpi > 0)
+        assert got == (several, several), (
+            f"rank {RANK} on a host of {len(HOSTS[MY_HOST])}: (through the window, through "
+            f"MPI) = ({PATH.by_window}, {PATH.by_mpi})")
+        assert PATH.local_size == len(HOSTS[MY_HOST])
+        assert [list(m) for m in PATH.hosts.members] == HOSTS
+
+    def placement_ok() -> None:   # the layout the test expects is the one we run on
+        names = world.allgather(socket.gethostname())
+        by_host = {}
+        for g, name in enumerate(names):
+            by_host.setdefault(name, []).append(g)
+        assert sorted(by_host.values()) == sorted(HOSTS), f"placement {by_host} != {HOSTS}"
+
+    placement_ok()
+    for name in cases():
+        parts = name.split(".")
+        if parts[0] == "allreduce":
+            r.case(name, allreduce_case, name, parts[1], parts[2], parts[3])
+        elif parts[0] == "scaled":
+            r.case(name, allreduce_case, name, parts[1], parts[2], parts[3], 0.5, 3.0)
+        elif parts[0] == "nowindow":
+            r.case(name, nowindow, name, parts[1], parts[2])
+        elif parts[0] == "join":
+            r.case(name, join_case, name, parts[1], parts[2])
+        elif parts[0] == "allgather":
+            r.case(name, allgather_case, name, parts[1], parts[2])
+        elif parts[0] == "identical":
+            r.case(name, identical, name, parts[1])
+        elif name == "subset.allgather":
+            r.case(name, subset_allgather, name)
+        elif parts[0] == "subset":
+            r.case(name, subset_case, name, parts[1])
+        elif name == "off":
+            r.case(name, off, name)
+        else:
+            r.case(name, counters, name)
+    r.write()
+    world.Barrier()   # ranks outside the subset finish first: shut down together
+    hvd.shutdown()
