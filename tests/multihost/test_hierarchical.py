@@ -45,3 +45,17 @@ def test_case(host_job, key, case):
     if len(job.results) < 4:
         problems.append(f"only {len(job.results)} of 4 ranks reported\n{job.output}")
     assert not problems, "\n".join(problems)
+
+
+def test_a_failed_direct_copy_fails_the_allreduce_on_every_host(host_job):
+    """A direct copy fails on one rank: its host's share is incomplete, and the other host
+    received it, so every rank raises naming that rank (none returns a wrong result).  The
+    engine stops then and frees no shared-memory window (its peers may be gone), which MPICH's
+    OFI netmod turns into an abort at MPI_Finalize unless its RMA support is off."""
+    env = {**ENV, "HVDLITE_TEST_EXPECT": json.dumps(EXPECT["2+2"]),
+           "MPIR_CVAR_CH4_OFI_ENABLE_RMA": "0"}
+    job = host_job(LAYOUTS["2+2"].layout, ["multihost_hier_worker.py", "copy_fails"],
+                   timeout=120, env=env)
+    check_host_job(job, 4)
+    problems = case_failures(job, "copy_fails")
+    assert not problems, "\n".join(problems)

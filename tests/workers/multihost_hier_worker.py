@@ -5,11 +5,12 @@ Launched with HVDLITE_HIERARCHICAL_ALLREDUCE=1 and HVDLITE_HIERARCHICAL_ALLGATHE
 HVDLITE_TEST_EXPECT (JSON): ``hosts``, the global ranks of each host in rank order, and
 ``subset``, the ranks of a process set that spans hosts.  Cases (see :func:`cases`):
 
-* ``allreduce.<op>.<dtype>.<kind>``: every op and dtype, for each kind of batch the path runs
-  differently: ``single`` (one small tensor: the host's steps through MPI), ``fused`` (a small
+* ``allreduce.<op>.<dtype>.<kind>``: every op and dtype (a dtype of each size and kind for the
+  big kinds), for each kind of batch the path runs differently: ``single`` (one small tensor: the host's steps through MPI), ``fused`` (a small
   fused batch: MPI), ``big_fused`` (a fused batch of 64 KiB or more: the host's shared-memory
-  window) and ``big_single`` (one tensor of 1 MiB or more: the window without a pack, in place
-  and out of place).  Sizes are odd, so shares and segments are uneven;
+  window) and ``big_single`` (one tensor of 2 MiB or more, in place and out of place: direct
+  copies between the host's ranks, where the kernel allows them, else the window without a
+  pack).  Sizes are odd, so shares and segments are uneven;
 * ``scaled.<op>.<dtype>.<kind>``: prescale and postscale (Sum and Average);
 * ``nowindow.<kind>``: the window taken away (as HVDLITE_SHM_FUSION_MB=0 does) on every host,
   and on the first host only (hosts may differ in how they reduce within themselves);
@@ -19,13 +20,18 @@ HVDLITE_TEST_EXPECT (JSON): ``hosts``, the global ranks of each host in rank ord
 * ``identical.<op>``: random floats: every rank receives the same bits;
 * ``subset.<kind>``: the same on a process set that spans hosts (its own engine and path);
 * ``off``: with the path switched off, allreduces take the flat path (counters unchanged);
-* ``counters``: the path ran every batch it should, and its host steps went through the window
-  and through MPI on hosts with several ranks, through neither on hosts with one.
+* ``counters``: the path ran every batch it should, and its host steps went by direct copies,
+  through the window and through MPI on hosts with several ranks, none of these on hosts with
+  one;
+* ``copy_fails`` (launched alone, ``multihost_hier_worker.py copy_fails``: it stops the
+  engine): a direct copy fails on one rank of a host; every rank of the set raises, naming
+  that rank, also on the other hosts, which received the incomplete share.
 
 Importable without MPI for the case list.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -41,14 +47,18 @@ from core_refs import allreduce_expected, attempt, check_array, check_exact, dig
 KINDS = ("single", "fused", "big_fused", "big_single")
 # bytes of each kind's tensors: (several, for fused kinds) odd counts of elements
 SIZES = {"single": (4099,), "fused": (1200, 52, 3001), "big_fused": (40001, 7, 60009),
-         "big_single": ((1 << 20) + 4099,)}
+         "big_single": ((2 << 20) + 4099,)}
 SCALED_DTYPES = ("uint8", "int32", "float16", "bfloat16", "float32", "float64")
+BIG_DTYPES = ("bool", "uint8", "int32", "float16", "bfloat16", "float64")
 GATHER_DTYPES = ("bool", "uint8", "int32", "float16", "float64")
 GATHER_ROWS = {"small": 5, "big": 70001}   # row length; first dimensions differ per rank
 
 
 def cases() -> list[str]:
-    names = [f"allreduce.{op}.{dt}.{kind}" for op in cc.OPS for dt in cc.DTYPES for kind in KINDS
+    # The big kinds combine with numpy's ufuncs, the same code for every dtype: a dtype of each
+    # item size and kind of arithmetic is enough there (MPI's own reductions get every dtype).
+    names = [f"allreduce.{op}.{dt}.{kind}" for op in cc.OPS for kind in KINDS
+             for dt in (cc.DTYPES if kind in ("single", "fused") else BIG_DTYPES)
              if not (dt == "bool" and op == "Average")]
     names += [f"scaled.{op}.{dt}.{kind}" for op in ("Sum", "Average") for dt in SCALED_DTYPES
               for kind in KINDS]
@@ -244,12 +254,36 @@ if __name__ == "__main__":
         assert PATH.allgathers == expected_runs["allgathers"], (
             f"rank {RANK}: {PATH.allgathers} allgathers, expected {expected_runs['allgathers']}")
         several = len(HOSTS[MY_HOST]) > 1
-        got = (PATH.by_window > 0, PATH.by_mpi > 0)
-        assert got == (several, several), (
-            f"rank {RANK} on a host of {len(HOSTS[MY_HOST])}: (through the window, through "
-            f"MPI) = ({PATH.by_window}, {PATH.by_mpi})")
+        copies = several and cc.direct_copies_expected(PATH)
+        got = (PATH.by_copies > 0, PATH.by_window > 0, PATH.by_mpi > 0)
+        assert got == (copies, several, several), (
+            f"rank {RANK} on a host of {len(HOSTS[MY_HOST])}: (by copies, through the window, "
+            f"through MPI) = ({PATH.by_copies}, {PATH.by_window}, {PATH.by_mpi})")
         assert PATH.local_size == len(HOSTS[MY_HOST])
         assert [list(m) for m in PATH.hosts.members] == HOSTS
+
+    def copy_fails(case: str) -> None:
+        """Rank 1 of the first host with several ranks fails its copies from its peers."""
+        victim_host = next(i for i, h in enumerate(HOSTS) if len(h) > 1)
+        victim = HOSTS[victim_host][1]
+        here = PATH.direct is not None and PATH.direct.available
+        if not world.allreduce(here and MY_HOST == victim_host, op=MPI.LOR):
+            return   # this machine forbids direct copies (counters says whether that is allowed)
+        if RANK == victim:
+            def failing(pid, address, dst):
+                raise OSError(errno.EPERM, f"process_vm_readv in process {pid}: injected")
+            PATH.direct._copier.read = failing
+        work = inputs(case, "float32", "Sum", elements("big_single", "float32")[0])[RANK]
+        try:
+            hvd.allreduce_(work, op=hvd.Sum, name=case)
+        except hvd.HorovodInternalError as exc:
+            msg = str(exc)
+        else:
+            raise AssertionError(f"{case}: the allreduce whose copy failed returned normally")
+        for part in (repr(case), f"rank(s) [{victim}]", "incomplete"):
+            assert part in msg, f"{part!r} missing from: {msg}"
+        assert ("injected" in msg) == (RANK == victim), msg
+        assert ("on another host" in msg) == (MY_HOST != victim_host), msg
 
     def placement_ok() -> None:   # the layout the test expects is the one we run on
         names = world.allgather(socket.gethostname())
@@ -259,6 +293,11 @@ if __name__ == "__main__":
         assert sorted(by_host.values()) == sorted(HOSTS), f"placement {by_host} != {HOSTS}"
 
     placement_ok()
+    if sys.argv[1:] == ["copy_fails"]:
+        r.case("copy_fails", copy_fails, "copy_fails")
+        r.write()
+        hvd.shutdown()
+        sys.exit(0)
     for name in cases():
         parts = name.split(".")
         if parts[0] == "allreduce":

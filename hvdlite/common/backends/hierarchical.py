@@ -5,13 +5,15 @@ Allreduce, as Horovod's hierarchical allreduce does it (reduce-scatter within th
 allreduce of one's share across hosts, allgather within the host):
 
 1. within each host, local rank ``i`` reduces share ``i`` of the elements over its host's ranks
-   (through the host's shared-memory window where it takes the batch, else an MPI
+   (a single large tensor by direct copies between the ranks' memory where the host allows
+   them, else through the host's shared-memory window where it takes the batch, else an MPI
    ``Reduce_scatter`` on the host's communicator; a host with one rank holds everything);
 2. across hosts, each rank allreduces its share with the ranks that hold the same elements on
    the other hosts (:mod:`.hier_plan`: on homogeneous hosts, the ranks of equal local rank;
    hosts with different rank counts are handled too);
-3. within each host, every rank gathers the other shares (read straight out of the window, or
-   an MPI ``Allgatherv``) and applies the postscale.
+3. within each host, every rank gathers the other shares (written into its memory by their
+   owners, read straight out of the window, or an MPI ``Allgatherv``) and applies the
+   postscale.
 
 Each element crosses the network once per host instead of once per rank, and the intra-host
 traffic stays in memory.  Every rank of a host receives the same bits (each element is reduced
@@ -43,6 +45,9 @@ from hvdlite.common.engine.data_paths import Batch, PathContext
 from hvdlite.common.engine.fusion import FusionBuffer
 from hvdlite.common.engine.handle import Entry
 from hvdlite.common.engine.messages import ALLGATHER, ALLREDUCE, Response
+from hvdlite.common.errors import HvdliteError
+from hvdlite.common.intranode.direct import MIN_BYTES as COPIES_MIN_BYTES
+from hvdlite.common.intranode.direct import DirectAllreduce, DirectCopyError
 from hvdlite.common.intranode.node_buffer import NodeBuffer
 from hvdlite.common.intranode.shm_window import SharedFusion
 from hvdlite.common.reduce_ops import ReduceOp
@@ -57,8 +62,9 @@ class HierarchicalPath(DataPath):
     ``allreduce_on`` / ``allgather_on`` start as the knobs say (rank 0's values); a benchmark
     may flip them, on every rank at a point every rank reaches alike with nothing in flight.
     Counters for tests and benchmarks: ``allreduces`` and ``allgathers`` (batches run here),
-    ``by_window`` and ``by_mpi`` (allreduces whose intra-host steps went through this host's
-    shared-memory window or MPI; neither when the host has one rank).
+    ``by_copies``, ``by_window`` and ``by_mpi`` (allreduces whose intra-host steps went by
+    direct copies, through this host's shared-memory window or through MPI; none when the host
+    has one rank).
     """
 
     name = "hierarchical"
@@ -71,12 +77,15 @@ class HierarchicalPath(DataPath):
         self.allreduce_on = config.hierarchical_allreduce
         self.allgather_on = config.hierarchical_allgather
         self._window_bytes = config.shm_fusion_bytes
+        self._cma = config.cma
         self._max_sleep = context.max_sleep
         self._on_slow = context.on_slow
         self.hosts: Hosts | None = None     # found on first use (None: one host, or not yet)
         self._decided = False
         self.local = None                   # this host's ranks of the set
         self.local_size = 1
+        self.direct: DirectAllreduce | None = None  # single tensors by direct copies
+        self._copies_somewhere = False      # some host's ranks use direct copies (agreed)
         self.window: SharedFusion | None = None     # allreduce's intra-host window
         self.node_buffer: NodeBuffer | None = None  # allgather's result, one per host
         self._gather_slot = 0               # slot size every host's node buffer has (agreed)
@@ -86,6 +95,7 @@ class HierarchicalPath(DataPath):
         self._share = FusionBuffer()
         self.allreduces = 0
         self.allgathers = 0
+        self.by_copies = 0
         self.by_window = 0
         self.by_mpi = 0
 
@@ -123,7 +133,20 @@ class HierarchicalPath(DataPath):
                                            self._on_slow)
                 self.node_buffer = NodeBuffer(local, self._window_bytes, self._max_sleep,
                                               self._on_slow)
+            if self.local_size > 1 and self._cma != "off":
+                # Decided now, on every host at once (the probe is collective on the host), so
+                # that every rank knows whether a large tensor's outcome must be agreed on.
+                names = [self.context.global_ranks[r] for r in hosts.members[
+                    hosts.locate(self.rank)[0]]]
+                self.direct = DirectAllreduce(local, self._max_sleep, self._on_slow,
+                                              required=self._cma == "on", global_ranks=names)
+                self.direct.usable(COPIES_MIN_BYTES)   # the probe
+            self._copies_somewhere = bool(self.comm.allreduce(self._copies_here, op=MPI.LOR))
         return self.hosts is not None
+
+    @property
+    def _copies_here(self) -> bool:
+        return self.direct is not None and self.direct.available
 
     def _gather_room(self, response: Response) -> bool:
         """Whether every host's shared buffer holds this allgather's result, growing them if
@@ -184,11 +207,14 @@ class HierarchicalPath(DataPath):
         mpi_type, mpi_op = mpi_datatype(info), mpi_reduce_op(info, op)
         sizes = [e.array.size for _, e in batch]
         count = sum(sizes)
+        if count == 0:
+            return
         segments = reduce_segments(self.hosts, count, info.itemsize)
         for segment in segments:   # (first time: every rank makes the group together)
             self._group(segment.group)
         mine = my_segments(segments, self.rank)
-        polite = count * info.itemsize <= POLITE_MAX_BYTES
+        nbytes = count * info.itemsize
+        polite = nbytes <= POLITE_MAX_BYTES
 
         def across(lo: int, share: np.ndarray) -> None:
             """This host's reduction of elements lo.. -> every host's, segment by segment."""
@@ -201,29 +227,19 @@ class HierarchicalPath(DataPath):
                 else:
                     group.Allreduce(self._MPI.IN_PLACE, [part, mpi_type], op=mpi_op)
 
+        def within(src: np.ndarray, out: np.ndarray) -> None:
+            """MPI on the host's communicator: src reduced, across, gathered into out."""
+            self._by_mpi(batch, src, out, count, info, mpi_type, mpi_op, across, polite)
+
         post = postscale_factor(response, self.size)
         ufunc = numpy_reduce_ufunc(info, op)
-        nbytes = count * info.itemsize
-        single = len(batch) == 1
-        if count == 0:
-            return
-        if single:
+        if len(batch) == 1:
             src, out = flat(entry.array), flat(entry.output)
             prescale = 1.0 if entry.stand_in else response.prescale
-            if self.local_size == 1:   # this host's reduction is the input itself
-                scale_into(out, src, prescale)
-                across(0, out)
-                scale_in_place(out, post)
-            elif self.window is not None and self.window.usable(nbytes, single=True):
-                phase(batch, "SHM_REDUCESCATTER")
-                self.window.allreduce_one(src, out, ufunc, prescale, post, between=across)
-                self.by_window += 1
+            if self._copies_somewhere and nbytes >= COPIES_MIN_BYTES:
+                self._single_by_copies(batch, src, out, ufunc, prescale, post, across, within)
             else:
-                if prescale != 1.0 or out is src:
-                    scale_into(out, src, prescale)
-                    src = out
-                self._by_mpi(batch, src, out, count, info, mpi_type, mpi_op, across, polite)
-                scale_in_place(out, post)
+                self._single(batch, src, out, ufunc, prescale, post, across, within)
             return
         outputs = [flat(e.output) for _, e in batch]
         if self.local_size > 1 and self.window is not None and self.window.usable(nbytes):
@@ -237,10 +253,61 @@ class HierarchicalPath(DataPath):
             if self.local_size == 1:
                 across(0, buf)
             else:
-                self._by_mpi(batch, buf, buf, count, info, mpi_type, mpi_op, across, polite)
+                within(buf, buf)
             pieces = [(0, count, buf)]
         phase(batch, "MEMCPY_OUT_FUSION_BUFFER")
         copy_out_pieces(outputs, sizes, pieces, post)
+
+    def _single(self, batch: Batch, src: np.ndarray, out: np.ndarray, ufunc, prescale: float,
+                post: float, across, within) -> None:
+        """One tensor, reduced within the host through the window or MPI (or not at all)."""
+        if self.local_size == 1:   # this host's reduction is the input itself
+            scale_into(out, src, prescale)
+            across(0, out)
+            scale_in_place(out, post)
+        elif self.window is not None and self.window.usable(src.nbytes, single=True):
+            phase(batch, "SHM_REDUCESCATTER")
+            self.window.allreduce_one(src, out, ufunc, prescale, post, between=across)
+            self.by_window += 1
+        else:
+            if prescale != 1.0 or out is src:
+                scale_into(out, src, prescale)
+                src = out
+            within(src, out)
+            scale_in_place(out, post)
+
+    def _single_by_copies(self, batch: Batch, src: np.ndarray, out: np.ndarray, ufunc,
+                          prescale: float, post: float, across, within) -> None:
+        """A large tensor where some host reduces it by direct copies: those hosts do, the
+        others as usual; then every rank of the set learns whether a copy failed anywhere (a
+        failed copy leaves that host's share incomplete, which the other hosts received too),
+        so that no rank returns a wrong result silently."""
+        response = batch[0][0]
+        failure: DirectCopyError | None = None
+        if self._copies_here:
+            phase(batch, "CMA_REDUCESCATTER")
+            try:
+                self.direct.allreduce_one(src, out, ufunc, prescale, post, name=response.name,
+                                          between=across)
+                self.by_copies += 1
+            except DirectCopyError as exc:
+                failure = exc
+        else:
+            self._single(batch, src, out, ufunc, prescale, post, across, within)
+        me = self.context.global_ranks[self.rank]
+        mine = np.array([failure is not None and me in failure.ranks], dtype=np.int32)
+        every = np.empty(self.size, dtype=np.int32)
+        self._wait(self.comm.Iallgather([mine, self._MPI.INT32_T],
+                                        [every, self._MPI.INT32_T]))
+        if failure is not None:
+            raise failure
+        failed = np.flatnonzero(every).tolist()
+        if failed:
+            ranks = [self.context.global_ranks[i] for i in failed]
+            raise HvdliteError(
+                f"The allreduce of {response.name!r} failed: a direct copy between ranks' memory "
+                f"failed on rank(s) {ranks}, on another host, so its result is incomplete on "
+                f"every rank. Look at those ranks' errors; HVDLITE_CMA=0 avoids direct copies.")
 
     def _by_mpi(self, batch: Batch, src: np.ndarray, out: np.ndarray, count: int, info,
                 mpi_type, mpi_op, across, polite: bool) -> None:
