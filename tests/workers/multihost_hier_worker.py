@@ -6,14 +6,17 @@ HVDLITE_TEST_EXPECT (JSON): ``hosts``, the global ranks of each host in rank ord
 ``subset``, the ranks of a process set that spans hosts.  Cases (see :func:`cases`):
 
 * ``allreduce.<op>.<dtype>.<kind>``: every op and dtype (a dtype of each size and kind for the
-  big kinds), for each kind of batch the path runs differently: ``single`` (one small tensor: the host's steps through MPI), ``fused`` (a small
-  fused batch: MPI), ``big_fused`` (a fused batch of 64 KiB or more: the host's shared-memory
-  window) and ``big_single`` (one tensor of 2 MiB or more, in place and out of place: direct
-  copies between the host's ranks, where the kernel allows them, else the window without a
-  pack).  Sizes are odd, so shares and segments are uneven;
+  bigger kinds), for each kind of batch the path runs differently: ``single`` and ``fused``
+  (one small tensor, a small fused batch: onto each host's first rank, across hosts among
+  those, through MPI), ``mid_single`` (one tensor of 64 KiB to 1 MiB, in place and out of
+  place: shares, reduced and gathered within the host by MPI), ``big_fused`` (a fused batch of 64 KiB or more: shares,
+  through the host's shared-memory window) and ``big_single`` (one tensor of 2 MiB or more, in
+  place and out of place: direct copies between the host's ranks, where the kernel allows
+  them, else the window without a pack).  Sizes are odd, so shares and segments are uneven;
 * ``scaled.<op>.<dtype>.<kind>``: prescale and postscale (Sum and Average);
-* ``nowindow.<kind>``: the window taken away (as HVDLITE_SHM_FUSION_MB=0 does) on every host,
-  and on the first host only (hosts may differ in how they reduce within themselves);
+* ``nowindow.<kind>``: the window and the direct copies taken away (as HVDLITE_SHM_FUSION_MB=0
+  and HVDLITE_CMA=0 do) on every host, and on the first host only (hosts may differ in how they
+  reduce within themselves): MPI's reduce-scatter and allgather within the host;
 * ``join.<who>.<kind>``: the last rank, or every rank of the last host, has joined; the others
   reduce with them standing in (the identity, never prescaled);
 * ``allgather.<dtype>.<kind>``: uneven first dimensions (a rank with none), small and large;
@@ -44,9 +47,10 @@ import numpy as np  # noqa: E402
 import core_cases as cc  # noqa: E402
 from core_refs import allreduce_expected, attempt, check_array, check_exact, digest  # noqa: E402
 
-KINDS = ("single", "fused", "big_fused", "big_single")
+KINDS = ("single", "fused", "mid_single", "big_fused", "big_single")
 # bytes of each kind's tensors: (several, for fused kinds) odd counts of elements
-SIZES = {"single": (4099,), "fused": (1200, 52, 3001), "big_fused": (40001, 7, 60009),
+SIZES = {"single": (4099,), "fused": (1200, 52, 3001), "mid_single": (200001,),
+         "big_fused": (40001, 7, 60009),
          "big_single": ((2 << 20) + 4099,)}
 SCALED_DTYPES = ("uint8", "int32", "float16", "bfloat16", "float32", "float64")
 BIG_DTYPES = ("bool", "uint8", "int32", "float16", "bfloat16", "float64")
@@ -132,17 +136,15 @@ if __name__ == "__main__":
         x = per_tensor[0][me]
         if kind == "single":
             return [attempt(lambda: hvd.allreduce(x, name=case, **kw))], want
-        y = x.copy()   # big_single: out of place and in place, each its own batch
-        h1 = attempt(lambda: hvd.allreduce_async(x, name=case + ".out", **kw))
-        h2 = attempt(lambda: hvd.allreduce_async_(y, name=case + ".in", **kw))
-        got_out = attempt(lambda: hvd.synchronize(h1))
-        got_in = attempt(lambda: hvd.synchronize(h2))
+        y = x.copy()   # out of place and in place, one after the other: each its own batch
+        got_out = attempt(lambda: hvd.allreduce(x, name=case + ".out", **kw))
+        got_in = attempt(lambda: hvd.allreduce_(y, name=case + ".in", **kw))
         if got_in is not y and not isinstance(got_in, BaseException):
             got_in = AssertionError("allreduce_ did not return its input")
         return [got_out, got_in], want + want
 
     def runs_of(kind: str) -> int:
-        return 2 if kind == "big_single" else 1
+        return 2 if kind in ("mid_single", "big_single") else 1
 
     def check(case: str, got, want) -> None:
         if isinstance(got, BaseException):
@@ -160,14 +162,14 @@ if __name__ == "__main__":
         """The window taken away on every host or on the first only, at a point every rank
         reaches alike (nothing in flight after the barrier)."""
         hvd.barrier()
-        saved = PATH.window
+        saved = PATH.window, PATH.direct
         if where == "all" or MY_HOST == 0:
-            PATH.window = None
+            PATH.window = PATH.direct = None
         try:
             got, want = run_kind(case, kind, "float32", "Sum", 2.0, 0.5)
         finally:
             hvd.barrier()
-            PATH.window = saved
+            PATH.window, PATH.direct = saved
         expected_runs["global"] += runs_of(kind)
         check(case, got, want)
 
@@ -247,10 +249,12 @@ if __name__ == "__main__":
         check(case, got, want)
         assert PATH.allreduces == before, f"{case}: the path ran while switched off"
 
+    mismatches = {}   # case -> (batches the path ran, batches expected), where they differ
+
     def counters(case: str) -> None:
-        assert PATH.allreduces == expected_runs["global"], (
+        assert PATH.allreduces == expected_runs["global"] and not mismatches, (
             f"rank {RANK}: the hierarchical path ran {PATH.allreduces} allreduce batches, "
-            f"expected {expected_runs['global']}")
+            f"expected {expected_runs['global']}; (ran, expected) per case: {mismatches}")
         assert PATH.allgathers == expected_runs["allgathers"], (
             f"rank {RANK}: {PATH.allgathers} allgathers, expected {expected_runs['allgathers']}")
         several = len(HOSTS[MY_HOST]) > 1
@@ -292,13 +296,7 @@ if __name__ == "__main__":
             by_host.setdefault(name, []).append(g)
         assert sorted(by_host.values()) == sorted(HOSTS), f"placement {by_host} != {HOSTS}"
 
-    placement_ok()
-    if sys.argv[1:] == ["copy_fails"]:
-        r.case("copy_fails", copy_fails, "copy_fails")
-        r.write()
-        hvd.shutdown()
-        sys.exit(0)
-    for name in cases():
+    def run_case(name: str) -> None:
         parts = name.split(".")
         if parts[0] == "allreduce":
             r.case(name, allreduce_case, name, parts[1], parts[2], parts[3])
@@ -320,6 +318,20 @@ if __name__ == "__main__":
             r.case(name, off, name)
         else:
             r.case(name, counters, name)
+
+    placement_ok()
+    if sys.argv[1:] == ["copy_fails"]:
+        r.case("copy_fails", copy_fails, "copy_fails")
+        r.write()
+        hvd.shutdown()
+        sys.exit(0)
+    for name in cases():
+        ran, expected = PATH.allreduces, expected_runs["global"]
+        run_case(name)
+        ran, expected = PATH.allreduces - ran, expected_runs["global"] - expected
+        if ran != expected:
+            mismatches[name] = (ran, expected)
     r.write()
     world.Barrier()   # ranks outside the subset finish first: shut down together
     hvd.shutdown()
+

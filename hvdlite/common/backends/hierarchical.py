@@ -4,6 +4,9 @@
 Allreduce, as Horovod's hierarchical allreduce does it (reduce-scatter within the host,
 allreduce of one's share across hosts, allgather within the host):
 
+(A buffer under 64 KiB instead goes onto each host's first rank, across hosts among those, and
+back out within each host: one exchange across hosts instead of one per share.)
+
 1. within each host, local rank ``i`` reduces share ``i`` of the elements over its host's ranks
    (a single large tensor by direct copies between the ranks' memory where the host allows
    them, else through the host's shared-memory window where it takes the batch, else an MPI
@@ -36,7 +39,7 @@ import numpy as np
 
 from hvdlite.common.backends.base import DataPath
 from hvdlite.common.backends.hier_plan import (Hosts, gather_groups, my_segments,
-                                               reduce_segments, share_bounds)
+                                               reduce_segments, share_bounds, whole)
 from hvdlite.common.backends.mpi import (POLITE_MAX_BYTES, copy_out_pieces, displacements, flat,
                                          pack, phase, postscale_factor, row_layout)
 from hvdlite.common.dtypes import (dtype_info, mpi_datatype, mpi_reduce_op, numpy_reduce_ufunc,
@@ -229,7 +232,10 @@ class HierarchicalPath(DataPath):
 
         def within(src: np.ndarray, out: np.ndarray) -> None:
             """MPI on the host's communicator: src reduced, across, gathered into out."""
-            self._by_mpi(batch, src, out, count, info, mpi_type, mpi_op, across, polite)
+            if whole(count, info.itemsize):
+                self._by_mpi_root(batch, src, out, mpi_type, mpi_op, across)
+            else:
+                self._by_mpi(batch, src, out, count, info, mpi_type, mpi_op, across, polite)
 
         post = postscale_factor(response, self.size)
         ufunc = numpy_reduce_ufunc(info, op)
@@ -330,6 +336,23 @@ class HierarchicalPath(DataPath):
             self._wait(self.local.Iallgatherv([share, mpi_type], receive))
         else:
             self.local.Allgatherv([share, mpi_type], receive)
+        self.by_mpi += 1
+
+    def _by_mpi_root(self, batch: Batch, src: np.ndarray, out: np.ndarray, mpi_type, mpi_op,
+                     across) -> None:
+        """A small buffer within the host through MPI: ``Reduce`` of ``src`` onto the host's
+        first rank, which takes it ``across``, then ``Bcast`` into ``out`` (latency-bound, so
+        always waited for politely)."""
+        MPI = self._MPI
+        phase(batch, "MPI_REDUCE")
+        if self.local.Get_rank() == 0:
+            send = MPI.IN_PLACE if src is out else [src, mpi_type]
+            self._wait(self.local.Ireduce(send, [out, mpi_type], op=mpi_op, root=0))
+            across(0, out)
+        else:
+            self._wait(self.local.Ireduce([src, mpi_type], None, op=mpi_op, root=0))
+        phase(batch, "MPI_BCAST")
+        self._wait(self.local.Ibcast([out, mpi_type], root=0))
         self.by_mpi += 1
 
     def _allgather(self, response: Response, entry: Entry) -> None:
