@@ -58,13 +58,17 @@ def cases(document: dict) -> dict[str, dict]:
     found["lone"] = document["lone"]
     if document["round"] is not None:
         found["round"] = document["round"]
+    for result in document.get("gather", []):
+        nbytes = result["bytes"]
+        found[f"gather {nbytes >> 20} MiB" if nbytes >= 1 << 20 else
+              f"gather {nbytes >> 10} KiB"] = result
     return found
 
 
 def summary(runs: list[dict]) -> list[str]:
     """Per case and variant: the median over the runs (and min-max); the ratios of medians."""
     labels = list(cases(runs[0]))
-    lines = [f"{'case':>8} " + " ".join(f"{v + ' ms (min-max)':>26}" for v in VARIANTS)
+    lines = [f"{'case':>14} " + " ".join(f"{v + ' ms (min-max)':>26}" for v in VARIANTS)
              + f" {'flat/hier':>9} {'hier/raw':>9} {'flat/raw':>9}"]
     for label in labels:
         med = {}
@@ -73,7 +77,7 @@ def summary(runs: list[dict]) -> list[str]:
             values = [cases(run)[label][v]["median_ms"] for run in runs]
             med[v] = statistics.median(values)
             cells.append(f"{med[v]:>9.3f} ({min(values):.3f}-{max(values):.3f})")
-        lines.append(f"{label:>8} " + " ".join(f"{c:>26}" for c in cells)
+        lines.append(f"{label:>14} " + " ".join(f"{c:>26}" for c in cells)
                      + f" {med['flat'] / med['hierarchical']:>8.2f}x"
                      f" {med['hierarchical'] / med['raw']:>8.2f}x"
                      f" {med['flat'] / med['raw']:>8.2f}x")

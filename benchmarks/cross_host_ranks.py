@@ -17,7 +17,9 @@ barriers around every block, each rank's median per iteration, maximised over th
   hierarchical;
 * ``round``: ``--small-count`` tensors of ``--small-kib`` submitted with
   ``hvd.allreduce_async_`` and all waited for, against one raw ``Allreduce`` of their total
-  bytes: raw, flat, hierarchical.
+  bytes: raw, flat, hierarchical;
+* ``gather``: for each ``--gather-sizes`` (bytes per rank), ``hvd.allgather`` against raw
+  ``comm.Allgather``: raw, flat, hierarchical allgather.
 
 The hierarchical path is switched on and off on every rank between blocks (after a barrier, with
 nothing in flight), so both run in the same job, on the same buffers.  Every variant is checked
@@ -44,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lone-kib", type=int, default=4)
     p.add_argument("--small-count", type=int, default=200)
     p.add_argument("--small-kib", type=int, default=16)
+    p.add_argument("--gather-sizes", type=ab.parse_sizes, default=ab.parse_sizes("4KiB,4MiB"),
+                   help="allgather: bytes per rank (empty: none)")
     p.add_argument("--iterations", type=int, default=ab.DEFAULT_MAX_ITERATIONS)
     p.add_argument("--min-iterations", type=int, default=ab.DEFAULT_MIN_ITERATIONS)
     p.add_argument("--time-budget", type=float, default=6.0, metavar="S")
@@ -53,10 +57,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def hierarchical(on: bool) -> None:
-    """Switch the global set's hierarchical allreduce on or off on this rank (every rank does
-    it at the same point, after a barrier)."""
+    """Switch the global set's hierarchical allreduce and allgather on or off on this rank
+    (every rank does it at the same point, after a barrier)."""
     from hvdlite.common.runtime import state
-    state.engine().path("hierarchical").allreduce_on = on
+    path = state.engine().path("hierarchical")
+    path.allreduce_on = path.allgather_on = on
 
 
 def barrier_with(on: bool | None, comm):
@@ -160,6 +165,27 @@ def bench_round(args, comm) -> dict:
             "correct": ok, **timings(cases, comm)}
 
 
+def bench_gather(nbytes: int, args, comm) -> dict:
+    count = nbytes // 4
+    rank, size = comm.Get_rank(), comm.Get_size()
+    send = ab.rank_data(count, rank)
+    recv = np.empty(count * size, dtype=send.dtype)
+    want = np.concatenate([ab.rank_data(count, r) for r in range(size)])
+    got = {}
+    name = f"cross.gather.{nbytes}"
+
+    def hvd_step():
+        got["out"] = hvd.allgather(send, name=name)
+    ok = check(lambda: comm.Allgather(send, recv), lambda: np.array_equal(recv, want), None, comm)
+    for on in (False, True):
+        ok &= check(hvd_step, lambda: np.array_equal(got["out"], want), on, comm)
+    cases = {"raw": Case(lambda: comm.Allgather(send, recv), comm.Barrier),
+             "flat": Case(hvd_step, barrier_with(False, comm)),
+             "hierarchical": Case(hvd_step, barrier_with(True, comm))}
+    ab.measure(list(cases.values()), ab.iterations_for(recv.nbytes, args), args, comm)
+    return {"bytes": nbytes, "correct": ok, **timings(cases, comm)}
+
+
 def line(label: str, result: dict) -> str:
     raw, flat, hier = (result[v]["median_ms"] for v in VARIANTS)
     spread = " ".join(f"{v[:4]} {result[v]['p10_ms']:.3f}-{result[v]['p90_ms']:.3f}"
@@ -191,20 +217,26 @@ def main(argv=None) -> int:
     if args.small_count > 0:
         rounds = bench_round(args, comm)
         ab.say(line(f"{args.small_count}x{args.small_kib} KiB", rounds))
+    gathers = []
+    for nbytes in args.gather_sizes:
+        gathers.append(bench_gather(nbytes, args, comm))
+        ab.say(line(f"gather {ab.format_size(nbytes)}", gathers[-1]))
     used = comm.allreduce(path.allreduces, op=MPI.MIN)
-    ab.say("", f"hierarchical batches on the slowest-counting rank: {used}; times are each "
-           "rank's median per iteration, max over ranks; raw = one MPI Allreduce of the same "
-           "bytes")
-    correct = all(r["correct"] for r in large) and lone["correct"] and (
+    gathered = comm.allreduce(path.allgathers, op=MPI.MIN)
+    ab.say("", f"hierarchical allreduce batches / allgathers on the slowest-counting rank: "
+           f"{used} / {gathered}; times are each rank's median per iteration, max over ranks; "
+           f"raw = one MPI Allreduce (Allgather) of the same bytes")
+    correct = all(r["correct"] for r in large + gathers) and lone["correct"] and (
         rounds is None or rounds["correct"])
     if args.json and comm.Get_rank() == 0:
         Path(args.json).write_text(json.dumps({
             "environment": env, "large": large, "lone": lone, "round": rounds,
-            "hierarchical_batches": used}, indent=2) + "\n")
+            "gather": gathers, "hierarchical_batches": used, "hierarchical_allgathers": gathered},
+            indent=2) + "\n")
     hvd.barrier()
     hvd.shutdown()
     comm.Free()
-    return 0 if correct and used > 0 else 1
+    return 0 if correct and used > 0 and (gathered > 0 or not gathers) else 1
 
 
 if __name__ == "__main__":

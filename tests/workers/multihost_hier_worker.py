@@ -9,20 +9,23 @@ HVDLITE_TEST_EXPECT (JSON): ``hosts``, the global ranks of each host in rank ord
   bigger kinds), for each kind of batch the path runs differently: ``single`` and ``fused``
   (one small tensor, a small fused batch: onto each host's first rank, across hosts among
   those, through MPI), ``mid_single`` (one tensor of 64 KiB to 1 MiB, in place and out of
-  place: shares, reduced and gathered within the host by MPI), ``big_fused`` (a fused batch of 64 KiB or more: shares,
-  through the host's shared-memory window) and ``big_single`` (one tensor of 2 MiB or more, in
-  place and out of place: direct copies between the host's ranks, where the kernel allows
-  them, else the window without a pack).  Sizes are odd, so shares and segments are uneven;
+  place: shares, reduced and gathered within the host by MPI), ``big_fused`` (a fused batch of
+  64 KiB or more: shares, through the host's shared-memory window) and ``big_single`` (one
+  tensor of 2 MiB or more, in place and out of place: direct copies between the host's ranks,
+  where the kernel allows them, else the window without a pack).  Sizes are odd, so shares
+  and segments are uneven;
 * ``scaled.<op>.<dtype>.<kind>``: prescale and postscale (Sum and Average);
 * ``nowindow.<kind>``: the window and the direct copies taken away (as HVDLITE_SHM_FUSION_MB=0
   and HVDLITE_CMA=0 do) on every host, and on the first host only (hosts may differ in how they
   reduce within themselves): MPI's reduce-scatter and allgather within the host;
 * ``join.<who>.<kind>``: the last rank, or every rank of the last host, has joined; the others
   reduce with them standing in (the identity, never prescaled);
-* ``allgather.<dtype>.<kind>``: uneven first dimensions (a rank with none), small and large;
+* ``allgather.<dtype>.<kind>``: uneven first dimensions (a rank with none), small (under
+  64 KiB in all: MPI's allgather, the path stays out) and large;
 * ``identical.<op>``: random floats: every rank receives the same bits;
 * ``subset.<kind>``: the same on a process set that spans hosts (its own engine and path);
-* ``off``: with the path switched off, allreduces take the flat path (counters unchanged);
+* ``off``: with the path switched off, allreduces and allgathers (large ones too) take MPI's
+  flat collectives, exact as well (the path's counters unchanged);
 * ``counters``: the path ran every batch it should, and its host steps went by direct copies,
   through the window and through MPI on hosts with several ranks, none of these on hosts with
   one;
@@ -198,7 +201,8 @@ if __name__ == "__main__":
         firsts = [0 if g == 1 else g % 3 + 1 for g in range(SIZE)]
         xs = [cc.op_input(case, g, dtype, "Sum", (firsts[g], row)) for g in range(SIZE)]
         got = attempt(lambda: hvd.allgather(xs[RANK], name=case))
-        expected_runs["allgathers"] += 1
+        if kind == "big":   # a small allgather (under 64 KiB in all) is MPI's own
+            expected_runs["allgathers"] += 1
         check_exact(case, got, np.concatenate(xs))
 
     def identical(case: str, op: str) -> None:
@@ -231,23 +235,30 @@ if __name__ == "__main__":
         if RANK not in ranks:
             return
         before = path_of(SUBSET).allgathers
-        xs = [cc.op_input(case, g, "int64", "Sum", (g + 1, 3)) for g in ranks]
+        xs = [cc.op_input(case, g, "int64", "Sum", (g + 1, 3001)) for g in ranks]
         got = attempt(lambda: hvd.allgather(xs[ranks.index(RANK)], name=case,
                                             process_set=SUBSET))
         check_exact(case, got, np.concatenate(xs))
         assert path_of(SUBSET).allgathers - before == 1, f"{case}: not through the path"
 
     def off(case: str) -> None:
+        """Both switched off: MPI's flat collectives over every rank (the large ones waited
+        for inside MPI), exact as well; the path runs nothing."""
         hvd.barrier()
-        before = PATH.allreduces
-        PATH.allreduce_on = False
+        before = PATH.allreduces, PATH.allgathers
+        PATH.allreduce_on = PATH.allgather_on = False
         try:
-            got, want = run_kind(case, "big_fused", "int64", "Sum")
+            results = [run_kind(f"{case}.{kind}", kind, "int64", "Sum")
+                       for kind in ("big_fused", "big_single")]
+            xs = [cc.op_input(case, g, "float32", "Sum", (g + 1, 1 << 17)) for g in range(SIZE)]
+            gathered = attempt(lambda: hvd.allgather(xs[RANK], name=f"{case}.gather"))
         finally:
             hvd.barrier()
-            PATH.allreduce_on = True
-        check(case, got, want)
-        assert PATH.allreduces == before, f"{case}: the path ran while switched off"
+            PATH.allreduce_on = PATH.allgather_on = True
+        for i, (got, want) in enumerate(results):
+            check(f"{case}.{i}", got, want)
+        check_exact(f"{case}.gather", gathered, np.concatenate(xs))
+        assert (PATH.allreduces, PATH.allgathers) == before, f"{case}: the path ran while off"
 
     mismatches = {}   # case -> (batches the path ran, batches expected), where they differ
 

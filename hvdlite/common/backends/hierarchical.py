@@ -38,7 +38,7 @@ import logging
 import numpy as np
 
 from hvdlite.common.backends.base import DataPath
-from hvdlite.common.backends.hier_plan import (Hosts, gather_groups, my_segments,
+from hvdlite.common.backends.hier_plan import (SMALL_BYTES, Hosts, gather_groups, my_segments,
                                                reduce_segments, share_bounds, whole)
 from hvdlite.common.backends.mpi import (POLITE_MAX_BYTES, copy_out_pieces, displacements, flat,
                                          pack, phase, postscale_factor, row_layout)
@@ -158,7 +158,7 @@ class HierarchicalPath(DataPath):
             return False
         _, row = row_layout(response.shape)
         nbytes = sum(response.first_dims) * row * dtype_info(response.dtype).itemsize
-        if nbytes == 0:
+        if nbytes < SMALL_BYTES:   # latency-bound: one MPI allgather beats two barriers more
             return False
         if nbytes <= self._gather_slot:
             return True
@@ -203,6 +203,20 @@ class HierarchicalPath(DataPath):
         wait_until(request.Test, self._max_sleep, on_slow=self._on_slow,
                    spin_seconds=PEER_SPIN_SECONDS)
 
+    def _finish(self, requests, polite: bool) -> None:
+        """Wait for collectives (a request or a list): politely (small), or inside MPI
+        (large: see MPIPath)."""
+        if not isinstance(requests, list):
+            requests = [requests]
+        if not requests:
+            return
+        if polite:
+            MPI = self._MPI
+            self._wait(requests[0] if len(requests) == 1 else
+                       _AllOf(requests, MPI.Request.Testall))
+        else:
+            self._MPI.Request.Waitall(requests)
+
     def _allreduce(self, batch: Batch) -> None:
         response, entry = batch[0]
         info = dtype_info(response.dtype)
@@ -220,15 +234,13 @@ class HierarchicalPath(DataPath):
         polite = nbytes <= POLITE_MAX_BYTES
 
         def across(lo: int, share: np.ndarray) -> None:
-            """This host's reduction of elements lo.. -> every host's, segment by segment."""
+            """This host's reduction of elements lo.. -> every host's: one allreduce per
+            segment, all in flight at once (a rank in several groups would otherwise carry
+            its segments one after another)."""
             phase(batch, "MPI_CROSS_ALLREDUCE")
-            for segment in mine:
-                part = share[segment.lo - lo:segment.hi - lo]
-                group = self._groups[segment.group]
-                if polite:
-                    self._wait(group.Iallreduce(self._MPI.IN_PLACE, [part, mpi_type], mpi_op))
-                else:
-                    group.Allreduce(self._MPI.IN_PLACE, [part, mpi_type], op=mpi_op)
+            self._finish([self._groups[s.group].Iallreduce(
+                self._MPI.IN_PLACE, [share[s.lo - lo:s.hi - lo], mpi_type], mpi_op)
+                for s in mine], polite)
 
         def within(src: np.ndarray, out: np.ndarray) -> None:
             """MPI on the host's communicator: src reduced, across, gathered into out."""
@@ -331,11 +343,9 @@ class HierarchicalPath(DataPath):
             self.local.Reduce_scatter([src, mpi_type], [share, mpi_type], counts, op=mpi_op)
         across(bounds[me], share)
         phase(batch, "MPI_ALLGATHER")
-        receive = [out, (counts, bounds[:-1]), mpi_type]
-        if polite:
-            self._wait(self.local.Iallgatherv([share, mpi_type], receive))
-        else:
-            self.local.Allgatherv([share, mpi_type], receive)
+        request = self.local.Iallgatherv([share, mpi_type], [out, (counts, bounds[:-1]),
+                                                             mpi_type])
+        self._finish(request, polite)
         self.by_mpi += 1
 
     def _by_mpi_root(self, batch: Batch, src: np.ndarray, out: np.ndarray, mpi_type, mpi_op,
@@ -373,18 +383,14 @@ class HierarchicalPath(DataPath):
         np.copyto(result[displs[me]:displs[me] + counts[me]], entry.array.reshape(-1))
         if self.local_size > 1:
             self.node_buffer.barrier()
-        polite = total * info.itemsize <= POLITE_MAX_BYTES
+        requests = []   # every group this rank is in, all in flight at once
         for g in groups:
             comm = self._groups[g.group]
-            if comm is None:
-                continue
-            receive = [result, ([counts[m] if gives else 0
-                                 for m, gives in zip(g.group, g.contributes)],
-                                [displs[m] for m in g.group]), mpi_type]
-            if polite:
-                self._wait(comm.Iallgatherv(self._MPI.IN_PLACE, receive))
-            else:
-                comm.Allgatherv(self._MPI.IN_PLACE, receive)
+            if comm is not None:
+                requests.append(comm.Iallgatherv(self._MPI.IN_PLACE, [result, (
+                    [counts[m] if gives else 0 for m, gives in zip(g.group, g.contributes)],
+                    [displs[m] for m in g.group]), mpi_type]))
+        self._finish(requests, total * info.itemsize <= POLITE_MAX_BYTES)
         if self.local_size > 1:
             self.node_buffer.barrier()
             np.copyto(out, result)
@@ -402,3 +408,13 @@ class HierarchicalPath(DataPath):
                 self.local.Free()
         self._groups.clear()
         self.window = self.node_buffer = self.local = None
+
+
+class _AllOf:
+    """Several requests tested as one (``Test`` is true once every one has completed)."""
+
+    def __init__(self, requests: list, testall) -> None:
+        self.requests, self._testall = requests, testall
+
+    def Test(self) -> bool:
+        return self._testall(self.requests)
