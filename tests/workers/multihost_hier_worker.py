@@ -15,6 +15,8 @@ HVDLITE_TEST_EXPECT (JSON): ``hosts``, the global ranks of each host in rank ord
   where the kernel allows them, else the window without a pack).  Sizes are odd, so shares
   and segments are uneven;
 * ``scaled.<op>.<dtype>.<kind>``: prescale and postscale (Sum and Average);
+* ``scalar.<op>``: a 0-d array, in place and out of place (a 0-d array's flat view is a new
+  object each time: in place must still be recognised);
 * ``nowindow.<kind>``: the window and the direct copies taken away (as HVDLITE_SHM_FUSION_MB=0
   and HVDLITE_CMA=0 do) on every host, and on the first host only (hosts may differ in how they
   reduce within themselves): MPI's reduce-scatter and allgather within the host;
@@ -69,6 +71,7 @@ def cases() -> list[str]:
              if not (dt == "bool" and op == "Average")]
     names += [f"scaled.{op}.{dt}.{kind}" for op in ("Sum", "Average") for dt in SCALED_DTYPES
               for kind in KINDS]
+    names += [f"scalar.{op}" for op in cc.OPS]
     names += [f"nowindow.{where}.{kind}" for where in ("all", "first") for kind in KINDS]
     names += [f"join.{who}.{kind}" for who in ("rank", "host") for kind in KINDS]
     names += [f"allgather.{dt}.{kind}" for dt in GATHER_DTYPES for kind in GATHER_ROWS]
@@ -160,6 +163,15 @@ if __name__ == "__main__":
         got, want = run_kind(case, kind, dtype, op, pre, post)
         expected_runs["global"] += runs_of(kind)
         check(case, got, want)
+
+    def scalar(case: str, op: str) -> None:
+        xs = [cc.op_input(case, g, "int32", op, ()) for g in range(SIZE)]
+        want = allreduce_expected(xs, "int32", op, SIZE)
+        got_out = attempt(lambda: hvd.allreduce(xs[RANK], op=OP[op], name=case + ".out"))
+        y = xs[RANK].copy()
+        got_in = attempt(lambda: hvd.allreduce_(y, op=OP[op], name=case + ".in"))
+        expected_runs["global"] += 2
+        check(case, [got_out, y if got_in is y else got_in], [want, want])
 
     def nowindow(case: str, where: str, kind: str) -> None:
         """The window taken away on every host or on the first only, at a point every rank
@@ -313,6 +325,8 @@ if __name__ == "__main__":
             r.case(name, allreduce_case, name, parts[1], parts[2], parts[3])
         elif parts[0] == "scaled":
             r.case(name, allreduce_case, name, parts[1], parts[2], parts[3], 0.5, 3.0)
+        elif parts[0] == "scalar":
+            r.case(name, scalar, name, parts[1])
         elif parts[0] == "nowindow":
             r.case(name, nowindow, name, parts[1], parts[2])
         elif parts[0] == "join":

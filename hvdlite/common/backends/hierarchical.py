@@ -252,7 +252,8 @@ class HierarchicalPath(DataPath):
         post = postscale_factor(response, self.size)
         ufunc = numpy_reduce_ufunc(info, op)
         if len(batch) == 1:
-            src, out = flat(entry.array), flat(entry.output)
+            src = flat(entry.array)   # in place: the very same view (`out is src` below)
+            out = src if entry.output is entry.array else flat(entry.output)
             prescale = 1.0 if entry.stand_in else response.prescale
             if self._copies_somewhere and nbytes >= COPIES_MIN_BYTES:
                 self._single_by_copies(batch, src, out, ufunc, prescale, post, across, within)
