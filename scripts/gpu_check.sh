@@ -67,10 +67,27 @@ pick_python() {
   echo python3
 }
 
+use_carried_mpich() {   # use_carried_mpich DIR: make mpi4py load the MPICH carried under DIR
+  # mpi4py's wheels pick an MPI ABI at import; an image's own Open MPI (a system libmpi) would
+  # win, and every rank would then start as a singleton of its own under MPICH's mpiexec (seen
+  # on an H200 image, 2026-11-26: the 2-rank jobs failed). Not verified on a GPU machine yet.
+  local lib
+  lib="$(find "$1" -name 'libmpi.so.12' 2>/dev/null | head -1)"
+  if [ -n "$lib" ]; then
+    export MPI4PY_LIBMPI="$lib" MPI4PY_MPIABI=mpich
+    export LD_LIBRARY_PATH="$(dirname "$lib")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    echo "mpi4py will load MPICH from $lib"
+  else
+    echo "WARNING: no libmpi.so.12 under $1: mpi4py keeps the MPI it finds (jobs of 2+ ranks"
+    echo "WARNING: need mpi4py and mpiexec from the same MPI)"
+  fi
+}
+
 install_carried_wheels() {
   compgen -G ".whl/*.whl" >/dev/null || return 0
   echo "===== installing carried wheels: $(ls .whl/*.whl | xargs -n1 basename | tr '\n' ' ')"
   if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl; then
+    use_carried_mpich "$("$PY" -c 'import sys; print(sys.prefix)')"
     return 0
   fi
   echo "could not install into $PY's environment; installing into /tmp/hvdlite-site instead"
@@ -79,6 +96,7 @@ install_carried_wheels() {
   export PYTHONPATH="/tmp/hvdlite-site${PYTHONPATH:+:$PYTHONPATH}"
   export PATH="/tmp/hvdlite-site/bin:$PATH"
   export LD_LIBRARY_PATH="/tmp/hvdlite-site/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  use_carried_mpich /tmp/hvdlite-site
 }
 
 VERSIONS_PY='

@@ -76,7 +76,9 @@ def _reference_identifiers() -> list[tuple[str, str]]:
 # The modules whose names the reference may show: the modules behind them (hvdlite.common.*,
 # hvdlite.torch.mpi_ops, ...) are internal and will move.
 PUBLIC_MODULES = ("hvdlite", "hvdlite.torch", "hvdlite.tensorflow", "hvdlite.tensorflow.keras",
-                  "hvdlite.tensorflow.keras.callbacks", "hvdlite.keras", "hvdlite.runner")
+                  "hvdlite.tensorflow.keras.callbacks", "hvdlite.keras", "hvdlite.runner",
+                  "hvdlite.torch.elastic", "hvdlite.tensorflow.elastic",
+                  "hvdlite.tensorflow.keras.elastic", "hvdlite.keras.elastic")
 
 
 def test_reference_names_are_public():

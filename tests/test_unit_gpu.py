@@ -308,7 +308,7 @@ def test_shutdown_forgets_the_gpu(monkeypatch):
     engine = types.SimpleNamespace(shutdown=lambda: stopped.append(True),
                                    comm=types.SimpleNamespace(Free=lambda: None))
     monkeypatch.setattr(state, "current", types.SimpleNamespace(
-        sets={}, engine=engine, world=types.SimpleNamespace(Free=lambda: None)))
+        sets={}, engine=engine, world=types.SimpleNamespace(Free=lambda: None), watchdog=None))
     lifecycle.shutdown()
     assert stopped == [True]
     cuda.claim_device(0, "y")   # no error: the claim was forgotten

@@ -8,11 +8,16 @@ Layers below (imports run one way only; ``tests/unit/test_layers.py`` checks it)
 vocabulary (errors, reduce ops, dtypes, config, memory) -> gpu (CUDA runtime binding) ->
 runtime (process state, init/shutdown, topology, process sets, liveness, waiting) ->
 intranode (shared-memory window, direct copies) -> engine (background thread, negotiation,
-handles, fusion planning) -> backends (the data paths) -> api (the numpy API) -> this door.
+handles, fusion planning) -> backends (the data paths) -> api (the numpy API, and what the
+adapters share about gradients: scale factors, SyncBN moments, the layout vote) -> this door.
 """
 from hvdlite.common.api import ops as _ops
-from hvdlite.common.api.elastic import unsupported as elastic_unsupported
-from hvdlite.common.api.grouped import (announced_group, announcing_group,
+from hvdlite.common.api.elastic import ObjectState, State, run_fn as elastic_run_fn
+from hvdlite.common.api.elastic_sampler import ElasticSamplerBase
+from hvdlite.common.api.grad_layouts import vote_layouts, vote_layouts_async
+from hvdlite.common.api.gradients import (global_moments, moment_sums, predivide_factors,
+                                          sparse_postscale)
+from hvdlite.common.api.grouped import (announce_group_failure, announced_group, announcing_group,
                                         grouped_allgather, grouped_allgather_async,
                                         grouped_allreduce, grouped_allreduce_,
                                         grouped_allreduce_async, grouped_allreduce_async_,
@@ -24,8 +29,8 @@ from hvdlite.common.api.ops import (allgather, allgather_async, allreduce, allre
                                     allreduce_async, allreduce_async_, alltoall, alltoall_async,
                                     announce_failure, announced, announcing, barrier, broadcast,
                                     broadcast_, broadcast_async, broadcast_async_,
-                                    fast_host_allreduce, join, on_join, poll, reducescatter,
-                                    reducescatter_async, submit, synchronize)
+                                    fast_host_allreduce, join, on_join, poll, prepare_allreduce,
+                                    reducescatter, reducescatter_async, submit, synchronize)
 from hvdlite.common.backends.adasum import check_adasum_size
 from hvdlite.common.config import KNOBS, Flag, Knob
 from hvdlite.common.dtypes import dtype_info
@@ -34,18 +39,22 @@ from hvdlite.common.engine.messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BROA
                                             REDUCESCATTER, split_rows)
 from hvdlite.common.engine.thread import FUSE_BELOW_BYTES
 from hvdlite.common.errors import (DuplicateNameError, FailedOnRankError, GpuUnavailableError,
-                                   HorovodInternalError, HvdliteError, NotInitializedError,
-                                   RankChildProcessError, RankExitedError, ShutdownError,
-                                   StallError, TensorMismatchError, UnsupportedDtypeError,
-                                   UnsupportedOperationError)
+                                   HorovodInternalError, HostsUpdatedInterrupt, HvdliteError,
+                                   NotInitializedError, RankChildProcessError, RankExitedError,
+                                   ShutdownError, StallError, TensorMismatchError,
+                                   UnsupportedDtypeError, UnsupportedOperationError)
 from hvdlite.common.gpu import cuda
 from hvdlite.common.intranode import cma
 from hvdlite.common.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum, resolve_op
 from hvdlite.common.runtime.build import (ccl_built, cuda_built, ddl_built, gloo_built,
                                           gloo_enabled, mpi_built, mpi_enabled, nccl_built,
                                           rocm_built, sycl_built)
+from hvdlite.common.runtime import elastic_wire
 from hvdlite.common.runtime.child_process import LAUNCHER_RANK_VARIABLES
+from hvdlite.common.runtime.elastic_wire import (EXIT_RESET, Codec, HostUpdateResult,
+                                                 register_codec)
 from hvdlite.common.runtime.lifecycle import shutdown, start_timeline, stop_timeline
+from hvdlite.common.runtime.liveness import departed_ranks
 from hvdlite.common.runtime.process_sets import ProcessSet, global_process_set
 from hvdlite.common.runtime.registry import (add_process_set, comm_process_set,
                                              get_process_set_ids_and_ranks, process_set_engine,
@@ -65,7 +74,7 @@ __all__ = [
     "HvdliteError", "HorovodInternalError", "NotInitializedError", "ShutdownError",
     "RankExitedError", "TensorMismatchError", "DuplicateNameError", "UnsupportedDtypeError",
     "UnsupportedOperationError", "StallError", "GpuUnavailableError", "RankChildProcessError",
-    "FailedOnRankError",
+    "FailedOnRankError", "HostsUpdatedInterrupt",
     "allgather_object", "broadcast_object",
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
 ]

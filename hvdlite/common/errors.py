@@ -71,3 +71,16 @@ class StallError(HvdliteError):
 class GpuUnavailableError(HvdliteError):
     """A GPU tensor was submitted but the GPU data path it needs (CUDA through CuPy, or NCCL)
     is missing, or the tensor cannot use it (device or dtype)."""
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Elastic training (``hvd.elastic.run``): hosts were added to or removed from the job, and
+    every rank raises this at the same ``state.commit()`` / ``state.check_host_updates()`` so
+    that the job restarts at the new size from that point, with nothing rolled back (Horovod's
+    class of the same name; not a ``HorovodInternalError``).  ``skip_sync`` is True when hosts
+    were only removed (Horovod then skips the state broadcast; hvdlite always starts new
+    processes, which always synchronize)."""
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__(f"the job's hosts changed (skip_sync={skip_sync})")
+        self.skip_sync = skip_sync

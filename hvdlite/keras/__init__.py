@@ -9,4 +9,4 @@ from hvdlite.tensorflow.keras import *  # noqa: F401,F403 - the whole Keras adap
 from hvdlite.tensorflow.keras import load_model  # noqa: F401 - (listed for readers)
 
 from . import callbacks  # noqa: F401 - hvd.callbacks.* as in horovod.keras
-from . import elastic  # noqa: F401 - hvd.elastic.* raises a clear 'not supported'
+from . import elastic  # noqa: F401 - hvd.elastic.*: Horovod's elastic API

@@ -1,3 +1,4 @@
-"""Horovod's elastic API is not supported; every name here raises a clear
-``NotImplementedError`` (see :mod:`hvdlite.common.api.elastic`)."""
-from hvdlite.common.core import elastic_unsupported as __getattr__  # noqa: F401 - PEP 562 hook
+"""``hvdlite.keras.elastic``: Horovod's ``horovod.keras.elastic``, the same objects as
+:mod:`hvdlite.tensorflow.keras.elastic` (Keras 3 is the Keras TensorFlow runs)."""
+from hvdlite.tensorflow.keras.elastic import *  # noqa: F401,F403
+from hvdlite.tensorflow.keras.elastic import __all__  # noqa: F401

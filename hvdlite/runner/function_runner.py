@@ -16,17 +16,16 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 import sys
 import threading
 import warnings
 from typing import Any, Callable, Sequence
 
-from . import launch
+from . import elastic, launch
+from .addresses import listen_address as _listen_address
 
 ADDRESS_VARIABLE = "HVDLITE_RUN_ADDRESS"   # "host:port" of the driver's listener
 KEY_VARIABLE = "HVDLITE_RUN_KEY"           # its authentication key, hex
-_LOCAL_NAMES = {"localhost", "127.0.0.1", "::1"}
 
 
 def _cloudpickle():
@@ -75,33 +74,6 @@ def _parse(argv: Sequence[str]):
     return launch.parse_args(argv, parser)
 
 
-def _is_local(name: str) -> bool:
-    if name in _LOCAL_NAMES or name in (socket.gethostname(), socket.getfqdn()):
-        return True
-    try:
-        return socket.gethostbyname(name).startswith("127.")
-    except OSError:
-        return False
-
-
-def _listen_address(hosts) -> tuple[str, str]:
-    """(address to bind, address the ranks connect to) for the driver's listener, for a job
-    on ``hosts`` (None: this host)."""
-    remote = [host.name for host in hosts or () if not _is_local(host.name)]
-    if not remote:
-        return "127.0.0.1", "127.0.0.1"
-    # The local address on the route to a remote host (a UDP connect sends nothing).  A name
-    # that does not resolve is passed over: the launcher's host check names it.
-    for name in remote:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            try:
-                probe.connect((name, 9))
-            except OSError:
-                continue
-            return "0.0.0.0", probe.getsockname()[0]
-    return "0.0.0.0", socket.gethostname()
-
-
 class _Driver:
     """Serves the pickled function to the ranks and collects what they send back."""
 
@@ -109,7 +81,8 @@ class _Driver:
         from multiprocessing.connection import Listener
         self.key = secrets.token_bytes(32)
         self.payload = payload
-        self.results: dict[int, tuple[bool, Any]] = {}   # rank -> (succeeded, data)
+        # (world, rank) -> (succeeded, data); an elastic job runs a world after each reset
+        self.results: dict[tuple[int, int], tuple[bool, Any]] = {}
         self._listener = Listener((bind, 0), authkey=self.key)
         self.port = self._listener.address[1]
         self._stop = False
@@ -138,8 +111,8 @@ class _Driver:
                 if request[0] == "payload":
                     conn.send_bytes(self.payload)
                 elif request[0] == "result":
-                    _, rank, succeeded, data = request
-                    self.results[rank] = (succeeded, data)
+                    _, rank, succeeded, data, world = request
+                    self.results[(world, rank)] = (succeeded, data)
                     conn.send("ok")
             except (EOFError, OSError):
                 pass   # the rank died mid-way; its missing result is reported
@@ -178,10 +151,16 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None 
     ``ssh_identity_file`` (``-p``/``-i``), ``start_timeout`` (for the check that every remote
     host can be reached), ``mpi_args``, ``network_interface``, ``output_filename``,
     ``verbose``; ``executable`` is the Python the ranks run (default: this one).  ``np``,
-    ``min_np`` and ``max_np`` are Horovod's deprecated spellings.  Elastic arguments
-    (``min_num_proc``, ``max_num_proc``, ``slots``, ``reset_limit``, ``cooldown_range``) and
-    ``use_gloo`` raise ``ValueError`` saying why and what to use instead, as the launcher does;
-    a remote host that cannot be reached raises ``RuntimeError`` naming it.
+    ``min_np`` and ``max_np`` are Horovod's deprecated spellings.  ``use_gloo`` raises
+    ``ValueError`` saying why and what to use instead, as the launcher does; a remote host that
+    cannot be reached raises ``RuntimeError`` naming it.
+
+    Elastic jobs (docs/elastic.md): ``min_num_proc``, ``max_num_proc``, ``slots``,
+    ``reset_limit``, ``cooldown_range`` are ``hvdlite run``'s ``--min-np``, ``--max-np``,
+    ``--slots-per-host``, ``--reset-limit`` and ``--blacklist-cooldown-range``, with ``hosts``
+    or ``hostfile`` as the pool (``num_proc`` below ``min_num_proc`` is raised to it).  ``func``
+    then wraps its training in ``hvd.elastic.run``; the return values are those of the last
+    world (its size may differ from ``num_proc``).
 
     The ranks' output is copied to this process's ``sys.stdout``/``sys.stderr`` (so it shows
     in a notebook).  If ``func`` raises on some rank, or a rank exits without returning, this
@@ -201,6 +180,8 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None 
         warnings.warn("max_np is deprecated, use max_num_proc instead", DeprecationWarning, 2)
     if not callable(func):
         raise TypeError(f"hvdlite.run(): func must be callable, got {type(func).__name__}.")
+    if min_num_proc is not None and num_proc < min_num_proc:
+        num_proc = min_num_proc
     if hosts is not None and hostfile is not None:
         raise ValueError("hvdlite.run(): give hosts or hostfile, not both.")
     parsed = _parse(_launcher_argv(
@@ -209,23 +190,32 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None 
         verbose, use_gloo, use_mpi, mpi_args, network_interface, executable))
     try:
         hosts, _ = launch.resolve_hosts(parsed)
-        size = launch.process_count(parsed, hosts)
+        if elastic.requested(parsed):
+            elastic.settings_from_args(parsed, os.environ)
+        else:
+            launch.process_count(parsed, hosts)
     except launch.LaunchError as exc:
         raise ValueError(f"hvdlite.run(): {exc}") from None
     payload = _cloudpickle().dumps((func, tuple(args), dict(kwargs or {})))
     bind, advertised = _listen_address(hosts)
+    if elastic.requested(parsed) and parsed.host_discovery_script:
+        bind = "0.0.0.0"   # the hosts are not known yet
     driver = _Driver(payload, bind)
     environ = dict(os.environ)
     environ[ADDRESS_VARIABLE] = f"{advertised}:{driver.port}"
     environ[KEY_VARIABLE] = driver.key.hex()
+    worlds: list[tuple[int, int]] = []   # (index, size) of each world started
     try:
         status = launch.launch(parsed, environ, forward=(ADDRESS_VARIABLE, KEY_VARIABLE),
-                               output=(sys.stdout, sys.stderr))
+                               output=(sys.stdout, sys.stderr),
+                               on_world=lambda index, size: worlds.append((index, size)))
     except launch.LaunchError as exc:
         raise RuntimeError(f"hvdlite.run(): {exc}") from None
     finally:
         driver.close()
-    return _collect(driver.results, size, status)
+    world, size = worlds[-1] if worlds else (0, 0)
+    return _collect({rank: result for (w, rank), result in driver.results.items()
+                     if w == world}, size, status)
 
 
 def _collect(results: dict[int, tuple[bool, Any]], size: int, status: int) -> list[Any]:

@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 from typing import Sequence
 
-_ELASTIC = ("hvdlite has no elastic mode: it runs a fixed set of MPI processes (see the "
-            "docs, docs/elastic.md). Start the job with -np N and -H/--hostfile.")
 _AUTOTUNE = ("hvdlite has no autotuner; set --fusion-threshold-mb and --cycle-time-ms "
              "(docs/knobs.md lists every knob).")
 
@@ -28,13 +26,6 @@ UNSUPPORTED: dict[tuple[str, ...], tuple[int, str]] = {
     ("--jsrun",): (0, "hvdlite does not drive jsrun; it uses the installed mpiexec/mpirun "
                       "(choose one with --mpiexec)."),
     ("--gloo-timeout-seconds",): (1, "hvdlite has no Gloo controller; drop this flag."),
-    ("--min-np", "--min-num-proc"): (1, _ELASTIC),
-    ("--max-np", "--max-num-proc"): (1, _ELASTIC),
-    ("--slots-per-host",): (1, _ELASTIC),
-    ("--host-discovery-script",): (1, _ELASTIC),
-    ("--elastic-timeout",): (1, _ELASTIC),
-    ("--reset-limit",): (1, _ELASTIC),
-    ("--blacklist-cooldown-range",): (2, _ELASTIC),
     ("--autotune",): (0, _AUTOTUNE),
     ("--autotune-log-file",): (1, _AUTOTUNE),
     ("--autotune-warmup-samples",): (1, _AUTOTUNE),

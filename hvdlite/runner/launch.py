@@ -23,9 +23,10 @@ import time
 from pathlib import Path
 from typing import BinaryIO, Callable, Mapping, Sequence, TextIO, TypeVar
 
-from . import check_build, horovodrun_flags, host_check, mpi_flavor
+from . import check_build, elastic, horovodrun_flags, host_check, mpi_flavor
 from hvdlite.common.core import KNOBS, Flag, Knob
 from ..version import __version__
+from .launch_errors import LaunchError, UsageError
 from .mpi_flavor import Host, HostfileError, JobSpec
 
 Number = TypeVar("Number", int, float)
@@ -37,18 +38,6 @@ INSTALL_HINT = ("install one with `pip install mpich` (or your system's MPI, e.g
 # Where launchers find their hosts when none are given on the command line (the Kubernetes MPI
 # Operator sets the one of its MPI; a batch system's allocation is read by the launcher itself).
 ENV_HOSTFILES = ("HYDRA_HOST_FILE", "I_MPI_HYDRA_HOST_FILE", "OMPI_MCA_orte_default_hostfile")
-
-
-class LaunchError(Exception):
-    """A problem that stops the job from starting; the message is shown to the user."""
-
-    exit_status = 1
-
-
-class UsageError(LaunchError):
-    """A mistake on the command line (exit status 2, like argparse's errors)."""
-
-    exit_status = 2
 
 
 # --- argument parsing ----------------------------------------------------------------------------
@@ -139,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Launch an hvdlite (Horovod-compatible) job with the installed MPI.",
         epilog="Example: hvdlite run -np 4 -H host1:2,host2:2 python train.py")
     _add_launch_options(parser)
+    elastic.add_options(parser)
     _add_knob_options(parser)
     horovodrun_flags.add_options(parser, __version__)
     parser.add_argument("command", nargs=argparse.REMAINDER,
@@ -344,6 +334,27 @@ def check_hosts(args: argparse.Namespace, spec: JobSpec, hosts: list[Host] | Non
                                               timeout))
 
 
+def unreachable_hosts(args: argparse.Namespace, names: Sequence[str],
+                      environ: Mapping[str, str]) -> list[tuple[str, str]]:
+    """The hosts among ``names`` that the host check cannot reach, each with what ssh said
+    (for the elastic driver, which blacklists them instead of stopping)."""
+    launcher, flavor = detect_launcher(args.mpiexec)
+    try:
+        ssh_args = mpi_flavor.ssh_arguments(flavor, ssh_options(args), environ)
+    except ValueError as exc:
+        raise UsageError(f"-p/-i: {exc}") from None
+    mpi_args = _mpi_args(args.binding_args, "--binding-args") + _mpi_args(args.mpi_args)
+    shell = host_check.remote_shell(flavor, mpi_args, environ, ssh_args)
+    remote = host_check.remote_hosts(list(names)) if shell else []
+    if not remote:
+        return []
+    probe, _ = host_check.probe_command(flavor, launcher)
+    problems = host_check.check(remote, shell, probe,
+                                args.start_timeout or host_check.DEFAULT_TIMEOUT)
+    return [(p.host, f"exit status {p.status}" + (f": {p.output.splitlines()[-1]}"
+                                                   if p.output else "")) for p in problems]
+
+
 # --- running -------------------------------------------------------------------------------------
 def _exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
@@ -391,6 +402,26 @@ def _stop_with_this_process() -> Callable[[], None] | None:
     return preexec
 
 
+def start_job(argv: Sequence[str], env: Mapping[str, str],
+              output: tuple[TextIO, TextIO] | None = None
+              ) -> tuple[subprocess.Popen, list[threading.Thread]]:
+    """Start the launcher in its own process group (stopped by Linux if this process dies,
+    see :func:`_stop_with_this_process`); with ``output`` (stdout, stderr text streams) the
+    job's output is copied there by the returned threads."""
+    pipe = subprocess.PIPE if output is not None else None
+    try:
+        proc = subprocess.Popen(list(argv), env=dict(env), start_new_session=True,
+                                stdout=pipe, stderr=pipe,
+                                preexec_fn=_stop_with_this_process())
+    except OSError as exc:
+        raise LaunchError(f"cannot start {argv[0]}: {exc.strerror}") from None
+    pumps = [threading.Thread(target=_pump, args=(source, sink), daemon=True)
+             for source, sink in zip((proc.stdout, proc.stderr), output or ())]
+    for pump in pumps:
+        pump.start()
+    return proc, pumps
+
+
 def run_job(argv: Sequence[str], env: Mapping[str, str],
             output: tuple[TextIO, TextIO] | None = None) -> int:
     """Run the launcher in its own process group and return the job's exit status.
@@ -403,17 +434,7 @@ def run_job(argv: Sequence[str], env: Mapping[str, str],
     stderr text streams) the job's output is copied there instead of going to this process's
     file descriptors.
     """
-    pipe = subprocess.PIPE if output is not None else None
-    try:
-        proc = subprocess.Popen(list(argv), env=dict(env), start_new_session=True,
-                                stdout=pipe, stderr=pipe,
-                                preexec_fn=_stop_with_this_process())
-    except OSError as exc:
-        raise LaunchError(f"cannot start {argv[0]}: {exc.strerror}") from None
-    pumps = [threading.Thread(target=_pump, args=(source, sink), daemon=True)
-             for source, sink in zip((proc.stdout, proc.stderr), output or ())]
-    for pump in pumps:
-        pump.start()
+    proc, pumps = start_job(argv, env, output)
     received: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:
@@ -451,16 +472,10 @@ def _print_verbose(argv: Sequence[str], env: Mapping[str, str], flavor: mpi_flav
     print(f"hvdlite: {shlex.join(argv)}", file=err, flush=True)
 
 
-def launch(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
-           forward: Sequence[str] = (), output: tuple[TextIO, TextIO] | None = None) -> int:
-    """Build the MPI command for ``args`` and run it; returns the job's exit status.
-
-    ``environ`` (default ``os.environ``) is the environment the ranks inherit; ``forward``
-    names variables of it that must reach remote ranks without appearing on the launcher's
-    command line (Hydra forwards the whole environment anyway; Open MPI gets ``-x NAME``).
-    ``output``: see :func:`run_job`.
-    """
-    environ = os.environ if environ is None else environ
+def prepare(args: argparse.Namespace, environ: Mapping[str, str], forward: Sequence[str],
+            workdir: str) -> tuple[list[str], dict[str, str]]:
+    """The launcher's command line and environment for ``args`` (hostfiles go to
+    ``workdir``), after the host check (unless ``--skip-host-check``)."""
     spec, from_file = plan_job(args, environ)
     options = ssh_options(args)
     launcher, flavor = detect_launcher(args.mpiexec)
@@ -473,21 +488,42 @@ def launch(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
     if spec.ssh_args is not None and given:
         raise UsageError(f"-p/-i and --mpi-args' {given} both set the launcher's ssh "
                          f"arguments; give them in one place")
+    env = mpi_flavor.child_environment(environ, spec.env, bin_dir)
+    env.update(mpi_flavor.launcher_environment(flavor, spec))
+    hosts = spec.hosts
+    place_hosts(spec, flavor, from_file, workdir)
+    try:
+        argv = mpi_flavor.build_command(
+            launcher, flavor, spec, is_root=os.geteuid() == 0,
+            forward=mpi_flavor.open_mpi_forward(env) + list(forward))
+    except ValueError as exc:   # e.g. several network interfaces for a Hydra launcher
+        raise UsageError(str(exc)) from None
+    check_hosts(args, spec, hosts, launcher, flavor, env)
+    if args.verbose:
+        _print_verbose(argv, {**spec.env, **mpi_flavor.launcher_environment(flavor, spec)},
+                       flavor, env["PATH"])
+    return argv, env
+
+
+def launch(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
+           forward: Sequence[str] = (), output: tuple[TextIO, TextIO] | None = None,
+           on_world: Callable[[int, int], None] | None = None) -> int:
+    """Build the MPI command for ``args`` and run it; returns the job's exit status.
+
+    ``environ`` (default ``os.environ``) is the environment the ranks inherit; ``forward``
+    names variables of it that must reach remote ranks without appearing on the launcher's
+    command line (Hydra forwards the whole environment anyway; Open MPI gets ``-x NAME``).
+    ``output``: see :func:`run_job`.  With elastic flags the elastic driver runs the job
+    (:mod:`.elastic`); ``on_world(index, size)`` is then called as each world starts.
+    """
+    environ = os.environ if environ is None else environ
+    if elastic.requested(args):
+        return elastic.run(args, environ, forward, output, on_world,
+                           prepare=prepare, start=start_job, check=unreachable_hosts)
     with tempfile.TemporaryDirectory(prefix="hvdlite-run-") as workdir:
-        env = mpi_flavor.child_environment(environ, spec.env, bin_dir)
-        env.update(mpi_flavor.launcher_environment(flavor, spec))
-        hosts = spec.hosts
-        place_hosts(spec, flavor, from_file, workdir)
-        try:
-            argv = mpi_flavor.build_command(
-                launcher, flavor, spec, is_root=os.geteuid() == 0,
-                forward=mpi_flavor.open_mpi_forward(env) + list(forward))
-        except ValueError as exc:   # e.g. several network interfaces for a Hydra launcher
-            raise UsageError(str(exc)) from None
-        check_hosts(args, spec, hosts, launcher, flavor, env)
-        if args.verbose:
-            _print_verbose(argv, {**spec.env, **mpi_flavor.launcher_environment(flavor, spec)},
-                           flavor, env["PATH"])
+        argv, env = prepare(args, environ, forward, workdir)
+        if on_world is not None:
+            on_world(0, plan_job(args, environ)[0].np)
         return run_job(argv, env, output)
 
 

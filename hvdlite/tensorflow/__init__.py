@@ -18,7 +18,7 @@ from .mpi_ops import (allreduce, grouped_allreduce, allgather, grouped_allgather
                       grouped_reducescatter, barrier, join, size_op, process_set_included_op,
                       rank_op, local_size_op, local_rank_op, cross_size_op, cross_rank_op)
 from .gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
-from . import elastic  # noqa: F401 - hvd.elastic.* raises a clear 'not supported'
+from . import elastic  # noqa: F401 - hvd.elastic.*: Horovod's elastic API
 from .sync_batch_norm import SyncBatchNormalization
 
 

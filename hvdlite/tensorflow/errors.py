@@ -21,8 +21,12 @@ errors are raised while the graph is built, with the classes above.
 """
 from __future__ import annotations
 
+import functools
+import inspect
+
 import tensorflow as tf
 
+from hvdlite.common import core
 from hvdlite.common.core import (DuplicateNameError, HvdliteError, NotInitializedError,
                                  TensorMismatchError, UnsupportedDtypeError)
 
@@ -70,4 +74,54 @@ def to_tf_error(exc: BaseException) -> BaseException:
         return exc
     converted = _both(tf_class, type(exc))(None, None, str(exc))
     converted.__traceback__ = exc.__traceback__
+    if getattr(exc, "_hvdlite_announced", False):   # (raised after submission, or announced)
+        converted._hvdlite_announced = True
     return converted
+
+
+def _public(fn=None, *, kind: str | None = None, items: str | None = None):
+    """Decorator for the public ops: never converted by AutoGraph (they are plain Python that
+    builds graph nodes); errors reach the caller as Horovod's TensorFlow error classes (see
+    :func:`to_tf_error`), raised directly (AutoGraph would otherwise re-wrap some of them as
+    StagingError).  ``kind`` (``items``: the argument holding a group's tensors): an eager op
+    of that kind whose own checks fail before it is submitted is announced to the other ranks
+    (see ``hvdlite.common.api.ops.announce_failure``), so an unnamed op's failure on one rank
+    fails it everywhere instead of shifting the automatic names.  (Inside a graph the names
+    are fixed when it is traced, alike on every rank.)"""
+    if fn is None:
+        return lambda f: _public(f, kind=kind, items=items)
+    signature = inspect.signature(fn) if kind is not None else None
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - re-raised as Horovod's class
+            if signature is not None and tf.executing_eagerly():
+                _announce(kind, items, signature, args, kwargs, exc)
+            converted = to_tf_error(exc)
+            try:
+                converted.ag_pass_through = True
+            except AttributeError:
+                pass
+            if converted is exc:
+                raise
+            raise converted from None
+
+    return tf.autograph.experimental.do_not_convert(wrapper)
+
+
+def _announce(kind: str, items: str | None, signature, args, kwargs, exc: Exception) -> None:
+    try:
+        bound = signature.bind(*args, **kwargs).arguments
+    except TypeError:   # a malformed call fails alike on every rank
+        return
+    name, process_set = bound.get("name"), bound.get("process_set")
+    if items is None:
+        core.announce_failure(kind, name, process_set, exc)
+        return
+    try:
+        count = len(bound[items])
+    except Exception:   # noqa: BLE001 - not a sized group: nothing to pair
+        return
+    core.announce_group_failure(kind, name, process_set, count, exc)

@@ -7,8 +7,9 @@ flow, a branch that this rank's data skipped) and ``tf.IndexedSlices`` for an em
 only a gather reached.  A rank that left such a gradient out while the others sent theirs made
 every rank wait for ever.
 
-Eagerly, the ranks first agree with one small Sum allreduce on what each position holds
-somewhere (dense, sparse with int32 or int64 indices, or nothing), and each rank brings its
+Eagerly, the ranks first agree with one small allreduce on what each position holds
+somewhere (dense, sparse with int32 or int64 indices, or nothing: the vote of
+:mod:`hvdlite.common.api.grad_layouts`, which the PyTorch adapter shares), and each rank brings its
 gradient to that layout: zeros where it has none, an empty ``IndexedSlices`` where the others'
 are sparse, a dense tensor where any rank's is dense.  A gradient that no rank has stays
 ``None``.  Inside ``tf.function`` the layout of each gradient is fixed when the function is
@@ -21,11 +22,10 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from hvdlite.common.core import ReduceOp
+from hvdlite.common import core
 
-from .mpi_ops import allreduce
-
-NONE, DENSE, SPARSE32, SPARSE64 = range(4)
+# Numbered for the vote: the highest that any rank holds wins (a joined rank votes NONE).
+NONE, SPARSE32, SPARSE64, DENSE = range(4)
 _LABELS = {NONE: "None", DENSE: "dense", SPARSE32: "tf.IndexedSlices", SPARSE64: "tf.IndexedSlices"}
 
 
@@ -40,20 +40,7 @@ def kind_of(grad, sparse_as_dense: bool) -> int:
 def agree(kinds: list[int], name: str, process_set) -> list[int]:
     """The layout of each position across the ranks (eager only): dense if any rank's is
     dense, else sparse if any rank's is (int64 indices if any rank's are), else NONE."""
-    counts = tf.one_hot(kinds, 4, dtype=tf.int32)
-    total = allreduce(counts, op=ReduceOp.Sum, name=f"{name}.layouts",
-                      process_set=process_set).numpy()
-    agreed = []
-    for row in total:
-        if row[DENSE]:
-            agreed.append(DENSE)
-        elif row[SPARSE64]:
-            agreed.append(SPARSE64)
-        elif row[SPARSE32]:
-            agreed.append(SPARSE32)
-        else:
-            agreed.append(NONE)
-    return agreed
+    return core.vote_layouts(kinds, f"{name}.layouts", process_set)
 
 
 def conform(grad, kind: int, variable, what: str):

@@ -6,7 +6,8 @@ import warnings
 import tensorflow as tf
 
 from hvdlite.common import core
-from hvdlite.common.core import global_process_set, ProcessSet, ReduceOp, resolve_op
+from hvdlite.common.core import (global_process_set, predivide_factors, ProcessSet, ReduceOp,
+                                 resolve_op)
 
 from . import grad_layouts as layouts
 from .compression import Compression
@@ -92,12 +93,7 @@ def make_allreduce_grads_fn(name: str, compression=Compression.none, sparse_as_d
     Horovod, so that they are on the scale of the averaged ones.
     """
     op = resolve_op(op)
-    if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
-        raise ValueError("gradient_predivide_factor is only supported with op=Average")
-    if op == ReduceOp.Average and gradient_predivide_factor != 1.0:
-        prescale, postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
-    else:
-        prescale = postscale = 1.0
+    prescale, postscale = predivide_factors(op, gradient_predivide_factor)
 
     def allreduce_grads(grads, variables=None, local=None):
         grads = list(grads)

@@ -112,17 +112,15 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             centred = tf.where(keep, centred, tf.zeros_like(centred))
         var = tf.reduce_sum(centred, axes) / denom
 
-        count64, mean64 = tf.cast(count, tf.float64), tf.cast(mean, tf.float64)
-        sums = count64 * mean64
-        sumsq = count64 * (tf.cast(var, tf.float64) + tf.square(mean64))
+        count64 = tf.cast(count, tf.float64)
+        sums, sumsq = core.moment_sums(count64, tf.cast(mean, tf.float64), tf.cast(var, tf.float64))
         total = allreduce(tf.concat([count64, sums, sumsq], 0), op=ReduceOp.Sum,
                           name=self._collective_name())
         n, s, ss = total[:channels], total[channels:2 * channels], total[2 * channels:]
 
         if mask is None:
-            safe_n = tf.maximum(n, tf.ones_like(n))
-            g_mean = s / safe_n
-            g_var = tf.maximum(ss / safe_n - tf.square(g_mean), tf.zeros_like(ss))
+            g_mean, g_var = core.global_moments(tf.maximum(n, tf.ones_like(n)), s, ss)
+            g_var = tf.maximum(g_var, tf.zeros_like(ss))
             # every rank empty: the moving statistics stay as they are (Keras would get NaN)
             seen = n > 0
             g_mean = tf.where(seen, g_mean, tf.cast(self.moving_mean, tf.float64))

@@ -16,4 +16,4 @@ from .sparse import sparse_allreduce, sparse_allreduce_async
 from .sync_batch_norm import SyncBatchNorm
 from .optimizer import DistributedOptimizer
 from .functions import broadcast_parameters, broadcast_optimizer_state
-from . import elastic  # noqa: F401 - hvd.elastic.* raises a clear 'not supported'
+from . import elastic  # noqa: F401 - hvd.elastic.*: Horovod's elastic API

@@ -12,17 +12,22 @@ of it; the reduced values are copied back into each ``.grad`` the same way.  Lar
 The plan (which gradients share a bucket, in which order) depends only on what every rank
 agrees on: the parameters' order, shapes and dtypes, and the layout (dense) agreed the first
 time each gradient was reduced, so every rank builds the same buckets under the same names
-(the optimizer checks that with one tiny allreduce).
+(one tiny allreduce checks that, see :func:`plan_buckets`).
 """
 from __future__ import annotations
 
+import zlib
 from typing import Hashable, Sequence
 
 import torch
 
-from hvdlite.common.core import FUSE_BELOW_BYTES
+from hvdlite.common.core import (FUSE_BELOW_BYTES, ReduceOp, prepare_allreduce,
+                                 process_set_engine)
 
 from .compression import BF16Compressor, FP16Compressor, NoneCompressor
+from .async_ops import allreduce_async_
+from .mpi_ops import allreduce
+from .tensor_bridge import as_core_array, check_tensor, order_after_producer
 
 # Compressions a bucket can apply on its own (a cast of floating-point gradients to this wire
 # dtype, None: none); any other compressor sees each gradient by itself.
@@ -75,7 +80,7 @@ class GradientBucket:
     """Parameters whose gradients travel together in ``flat`` (one view per parameter)."""
 
     __slots__ = ("name", "params", "names", "layout", "flat", "views", "ready", "handle",
-                 "reshaped")
+                 "reshaped", "_prepared", "_prepared_for")
 
     def __init__(self, name: str, params: list[torch.Tensor], names: list[str],
                  dtype: torch.dtype) -> None:
@@ -89,6 +94,10 @@ class GradientBucket:
         self.ready = 0       # members whose gradient is complete for the coming reduction
         self.handle = None   # the flat tensor's reduction while it is in flight
         self.reshaped = None   # this time's gradients, when they no longer fit (see pack)
+        # ``flat``'s reduction checked once and resubmitted every step (core.prepare_allreduce),
+        # and what it was prepared with (engine, op, factors)
+        self._prepared = None
+        self._prepared_for = None
 
     @staticmethod
     def signature(params: list[torch.Tensor]) -> tuple:
@@ -100,6 +109,28 @@ class GradientBucket:
     def busy(self) -> bool:
         """In flight, or holding gradients that wait for the rest of the bucket."""
         return bool(self.ready) or self.handle is not None
+
+    def submit(self, op: ReduceOp, prescale: float, postscale: float, process_set):
+        """Pack the members' gradients and start the bucket's in-place reduction; returns its
+        handle.  The reduction of ``flat`` is checked and described once and then resubmitted
+        as it is (a bucket is submitted every step: the general path's per-call checks and
+        views cost ~50 us of host time per bucket on a GPU), ordered after the producer's
+        stream on a GPU as every tensor handed to the core is."""
+        flat = self.pack()
+        if flat is not self.flat:   # reshaped members (rare): the general path
+            return allreduce_async_(flat, name=self.name, op=op, prescale_factor=prescale,
+                                    postscale_factor=postscale, process_set=process_set)
+        engine = process_set_engine(process_set, f"reducing {self.describe()}")[0]
+        prepared = self._prepared
+        if prepared is None or self._prepared_for != (engine, op, prescale, postscale):
+            check_tensor(flat, f"allreduce_ of {self.name}")
+            array, dtype = as_core_array(flat)   # (orders the streams, as below)
+            prepared = self._prepared = prepare_allreduce(array, self.name, op, prescale,
+                                                          postscale, process_set, dtype)
+            self._prepared_for = (engine, op, prescale, postscale)
+        elif flat.is_cuda:
+            order_after_producer(flat)
+        return prepared.submit()
 
     def pack(self) -> torch.Tensor:
         """Copy the members' gradients into one flat tensor and return it.  A member without a
@@ -152,3 +183,84 @@ class GradientBucket:
                    for name, p, v in zip(self.names, self.params, self.views)
                    if p.shape != v.shape]
         return f"; on this rank {', '.join(changed)}" if changed else ""
+
+
+def in_bucket(exc: BaseException, bucket: GradientBucket) -> BaseException:
+    """``exc``, an error of ``bucket``'s reduction (of the same type where it can be), with the
+    bucket's parameters named."""
+    text = (f"{bucket.describe()}: {exc} (the buckets are planned from the parameters' order, "
+            f"shapes and dtypes: every rank must wrap the same model; a shape mismatch here "
+            f"means that a member changed shape on some ranks only"
+            f"{bucket.describe_reshaped()})")
+    try:
+        wrapped = type(exc)(text)
+    except Exception:  # noqa: BLE001 - an exception type with another constructor
+        exc.add_note(text)
+        return exc
+    wrapped.__cause__ = exc
+    return wrapped
+
+
+# --- the plan of an optimizer's buckets ------------------------------------------------------
+def bucket_cap(op: ReduceOp, compression, process_set) -> int:
+    """Largest bucket in bytes (``HVDLITE_GRADIENT_BUCKET_MB``); 0: no buckets (Adasum combines
+    each gradient as a whole, and a custom compressor sees each gradient by itself)."""
+    if op == ReduceOp.Adasum or not bucketable_compression(compression):
+        return 0
+    engine = process_set_engine(process_set, "DistributedOptimizer")[0]
+    return engine.config.gradient_bucket_bytes
+
+
+def wire_bytes(p: torch.Tensor, compression) -> int:
+    """Bytes of ``p``'s gradient on the wire."""
+    return p.numel() * wire_dtype(compression, p.dtype).itemsize
+
+
+def goes_alone(p: torch.Tensor, cap: int, compression) -> bool:
+    """``p``'s gradient is reduced on its own, whatever the other ranks do: no buckets, not a
+    floating-point gradient, or too large (see :func:`alone_from`)."""
+    return (cap == 0 or not p.dtype.is_floating_point
+            or wire_bytes(p, compression) >= alone_from(p.device, cap))
+
+
+def plan_buckets(candidates: list, cap: int, compression, names: dict, stem: int,
+                 kept: list[GradientBucket], process_set) -> list[GradientBucket]:
+    """The buckets of ``candidates`` (the parameters that may share one, in the order their
+    gradients are expected), the same on every rank.  ``names`` maps every parameter of the
+    optimizer to its name on the wire (``stem`` characters of it are the optimizer's prefix);
+    buckets of ``kept`` whose members did not change are reused."""
+    groups = _group_into_buckets(candidates, cap, compression)
+    if cap and names and not _same_plan_everywhere(groups, names, process_set):
+        # The parameters were registered in another order on some rank (a model built by
+        # iterating over a set, say): names are what the ranks share, so order by them.
+        candidates = sorted(candidates, key=names.__getitem__)
+        groups = _group_into_buckets(candidates, cap, compression)
+    reusable = {b.layout: b for b in kept}
+    buckets = []
+    for members in groups:
+        bucket = reusable.get(GradientBucket.signature(members))
+        if bucket is None:
+            bucket = GradientBucket(f"{names[members[0]]}+{len(members) - 1}", members,
+                                    [names[p][stem:] for p in members],
+                                    wire_dtype(compression, members[0].dtype))
+        buckets.append(bucket)
+    return buckets
+
+
+def _group_into_buckets(candidates: list, cap: int, compression) -> list[list[torch.Tensor]]:
+    items = [((p.device, p.dtype, wire_dtype(compression, p.dtype)), wire_bytes(p, compression))
+             for p in candidates]
+    return [[candidates[i] for i in indices] for indices in plan(items, cap)]
+
+
+def _same_plan_everywhere(groups: list, names: dict, process_set) -> bool:
+    """One tiny allreduce: did every rank plan the same buckets?  (The maxima of the digest
+    d and of 2**32 - d sum to 2**32 exactly when every rank has the same d; a rank that
+    has joined contributes zeros, which change neither maximum.)"""
+    text = "\n".join(",".join(f"{names[p]}:{tuple(p.shape)}:{p.dtype}" for p in g)
+                     for g in groups)
+    digest = zlib.crc32(text.encode())
+    maxima = allreduce(torch.tensor([digest, 2**32 - digest], dtype=torch.int64),
+                       name=f"{min(names.values())}.bucket_plan", op=ReduceOp.Max,
+                       process_set=process_set)
+    return int(maxima[0]) + int(maxima[1]) == 2**32

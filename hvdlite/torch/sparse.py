@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from hvdlite.common.core import Handle, ReduceOp, resolve_op, size
+from hvdlite.common.core import Handle, ReduceOp, resolve_op, size, sparse_postscale
 
 from .mpi_ops import allgather_async, synchronize
 from .tensor_bridge import check_tensor
@@ -112,7 +112,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None,
     values_handle = allgather_async(values, name=None if name is None else f"{name}.values",
                                     process_set=process_set)
     shape = tensor.shape
-    factor = postscale_factor * (1.0 / ranks) if op == ReduceOp.Average else postscale_factor
+    factor = sparse_postscale(op, postscale_factor, ranks)
 
     def finish(all_values: torch.Tensor) -> torch.Tensor:
         all_indices = synchronize(indices_handle).t()

@@ -11,7 +11,7 @@ import itertools
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from hvdlite.common.core import ReduceOp, global_process_set
+from hvdlite.common.core import ReduceOp, global_moments, global_process_set, moment_sums
 
 from .mpi_ops import allreduce
 
@@ -121,9 +121,7 @@ class SyncBatchNorm(_BatchNorm):
         x = input if input.dtype in (torch.float32, torch.float64) else input.float()
         if local > 0:
             var, mean = torch.var_mean(x, dim=dims, correction=0)
-            mean = mean.double()
-            sums = mean * local
-            sumsq = (var.double() + mean * mean) * local
+            sums, sumsq = moment_sums(local, mean.double(), var.double())
         else:   # empty batch: zero contributions, still attached to the graph
             sums = sumsq = x.sum(dim=dims).double()
         count = torch.full((1,), float(local), dtype=torch.float64)
@@ -131,9 +129,8 @@ class SyncBatchNorm(_BatchNorm):
         total = allreduce(stats, op=ReduceOp.Sum, name=self._name(),
                           process_set=self.process_set)
         n = int(total[0].item())
-        mean = total[1:channels + 1] / max(n, 1)
-        var = (total[channels + 1:] / max(n, 1) - mean * mean).clamp(min=0.0)
-        return mean, var, n
+        mean, var = global_moments(max(n, 1), total[1:channels + 1], total[channels + 1:])
+        return mean, var.clamp(min=0.0), n
 
     def _name(self) -> str:
         """This instance's allreduce name, fixed at its first synchronised forward pass.

@@ -69,6 +69,15 @@ def as_core_array(tensor: torch.Tensor) -> tuple[np.ndarray, str | None]:
     return array, (view_as[1] if view_as is not None else None)
 
 
+def order_after_producer(tensor: torch.Tensor) -> None:
+    """Make hvdlite's stream wait (on the device) for the work queued so far on the calling
+    thread's current stream, which produced the CUDA ``tensor`` (as :func:`as_core_array`
+    does, for a tensor whose core view is kept from an earlier call)."""
+    from hvdlite.common.core import cuda
+    device = tensor.get_device()
+    cuda.runtime().wait_for_producer(_current_stream(device), device, "tensor on a GPU")
+
+
 # torch's own accessor of the raw current stream (what torch.compile's generated code calls);
 # torch.cuda.current_stream() builds a Stream object around the same pointer, which costs more
 # on a path that runs for every gradient and every wait.

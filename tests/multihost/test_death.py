@@ -1,6 +1,7 @@
 """A rank that ends without ``hvd.shutdown()`` on another host, by any means: every rank that
-still runs on the other hosts raises RankExitedError naming the rank and its host within 10 s,
-and the job exits non-zero with nothing left running on any host (the bed checks), under
+still runs on the other hosts raises RankExitedError naming the rank and its host within 10 s
+(unless mpiexec, after a signal or a lost host, kills it first), and the job exits non-zero
+with nothing left running on any host (the bed checks), under
 ``mpiexec`` and under ``hvdlite run`` (tests/workers/multihost_death_worker.py)."""
 from __future__ import annotations
 
@@ -35,14 +36,19 @@ def _check(job, how: str, victim: int) -> None:
         found = re.search(rf"\[death-worker rank {rank} on {HOSTS_OF[rank]}\] caught (\w+)",
                           job.stderr)
         caught[rank] = found.group(1) if found else None
-    # When a whole host goes, Hydra's mpiexec loses its proxy there and tears the job down
-    # itself, racing the watchdog: the survivors may be killed before they can report (then
-    # what counts is that nothing hangs and nothing is left).  Otherwise each survivor raised
-    # RankExitedError.
-    may_be_torn_down = how == "host"
+    # When a rank dies of a signal or its whole host goes, Hydra's mpiexec tears the job down
+    # itself ("BAD TERMINATION"), racing the watchdog: a survivor may be killed before it can
+    # report.  Then what counts is that nothing hangs, nothing is left, and whoever did report
+    # raised RankExitedError; at least one of the two teardowns must be visible.  After an
+    # exit with a code (which Hydra does not act on) every survivor raised RankExitedError.
+    may_be_torn_down = how in ("host", "signal")
     for rank, what in caught.items():
         assert what in ("RankExitedError",) + ((None,) if may_be_torn_down else ()), \
             f"rank {rank} caught {what}\n{job.output}"
+    if may_be_torn_down:
+        assert ("RankExitedError" in caught.values()
+                or "BAD TERMINATION" in job.output or "terminated badly" in job.output), \
+            f"neither the watchdog nor mpiexec reported rank {victim}'s end\n{job.output}"
     for rep in job.results:
         if "victim_reported" in rep:
             assert rep["victim_reported"] is None, f"{rep['victim_reported']}\n{job.output}"

@@ -90,6 +90,36 @@ def exit_early():
     return hvd.rank()
 
 
+def elastic_training(fail_in_world0):
+    """An elastic job whose rank 1 exits with status 3 in its first world: the next world
+    (without that rank's host) resumes from the last commit and its return values come back."""
+    import os
+    import hvdlite.torch as hvd
+    import torch
+    hvd.init()
+    world = int(os.environ.get("HVDLITE_ELASTIC_WORLD", "0"))
+    model = torch.nn.Linear(2, 1)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters())
+    state = hvd.elastic.TorchState(model, optimizer, step=0)
+
+    @hvd.elastic.run
+    def train(state):
+        resumed = state.step
+        while state.step < 10:
+            optimizer.zero_grad()
+            model(torch.ones(1, 2)).sum().backward()
+            optimizer.step()
+            state.step += 1
+            if fail_in_world0 and world == 0 and state.step == 4 and hvd.rank() == 1:
+                os._exit(3)
+            state.commit()
+        return resumed
+
+    resumed = train(state)
+    return [world, hvd.rank(), hvd.size(), resumed, state.step]
+
+
 MODES = {
     "collectives": lambda np_: hvdlite.run(collectives, args=(3,), kwargs={"offset": 7},
                                            num_proc=np_),
@@ -98,7 +128,9 @@ MODES = {
     "unpicklable_result": lambda np_: hvdlite.run(unpicklable_result, num_proc=np_),
     "exit_early": lambda np_: hvdlite.run(exit_early, num_proc=np_),
     "use_gloo": lambda np_: hvdlite.run(len, num_proc=np_, use_gloo=True),
-    "elastic": lambda np_: hvdlite.run(len, num_proc=np_, min_num_proc=1),
+    "elastic_without_hosts": lambda np_: hvdlite.run(len, num_proc=np_, min_num_proc=1),
+    "elastic": lambda np_: hvdlite.run(elastic_training, args=(True,), num_proc=np_,
+                                       min_num_proc=1, hosts="localhost:1,127.0.0.1:1"),
     # a job on this host only: the launcher starts its ranks without ssh, whatever its options
     "ssh_port": lambda np_: hvdlite.run(lambda: "no ssh needed", num_proc=np_, ssh_port=2222,
                                         ssh_identity_file=__file__),

@@ -37,6 +37,10 @@ OTHER_CASES = [
     "nonmember.legacy_optimizer",
     "tape.horovod_signature",
     "optimizer.groups_arguments",
+    "unnamed.eager_dtype",
+    "unnamed.eager_root_rank",
+    "unnamed.eager_splits",
+    "unnamed.eager_grouped_member",
 ]
 
 CASES = ([f"{c}.{m}" for m in MODES for c in PER_MODE]

@@ -797,6 +797,61 @@ def optimizer_groups_arguments():
 
 
 # --- run: graph modes first, eager last ----------------------------------------------------------
+# --- item 8: an eager op that fails on one rank before it is submitted --------------------------
+LAST = SIZE - 1
+
+
+def unnamed_follow_ups():
+    """Unnamed eager ops of different shapes after the error pair across ranks (with drifting
+    automatic names they would pair with the wrong tensors, or wait for ever)."""
+    for k in range(3):
+        got = hvd.allreduce(tf.constant(np.arange(k + 2, dtype=np.float64) * (RANK + 1)),
+                            op=hvd.Sum).numpy()
+        np.testing.assert_array_equal(got, np.arange(k + 2) * sum(range(1, SIZE + 1)))
+    got = hvd.allgather(tf.fill([RANK + 1, 2], float(RANK))).numpy()
+    np.testing.assert_array_equal(got, np.concatenate([np.full((q + 1, 2), float(q))
+                                                       for q in range(SIZE)]))
+
+
+def unnamed_one_rank(bad, good, cause):
+    """Rank LAST's eager op raises in its own checks; the others' op fails with
+    FailedOnRankError naming rank LAST and ``cause``; then unnamed ops pair again."""
+    try:
+        (bad if RANK == LAST else good)()
+        outcome = None
+    except Exception as exc:  # noqa: BLE001 - checked below
+        outcome = exc
+    unnamed_follow_ups()
+    assert outcome is not None, "nothing raised"
+    if RANK != LAST:
+        assert isinstance(outcome, hvd.FailedOnRankError), repr(outcome)
+        assert f"ranks [{LAST}]" in str(outcome) and cause in str(outcome), str(outcome)
+    else:
+        assert not isinstance(outcome, hvd.FailedOnRankError), repr(outcome)
+
+
+def unnamed_eager_dtype():
+    unnamed_one_rank(lambda: hvd.allreduce(tf.constant([1 + 2j, 3j], dtype=tf.complex64)),
+                     lambda: hvd.allreduce(tf.ones([2])), "complex64")
+
+
+def unnamed_eager_root_rank():
+    unnamed_one_rank(lambda: hvd.broadcast(tf.ones([3]), root_rank=SIZE + 5),
+                     lambda: hvd.broadcast(tf.ones([3]), root_rank=0), "root")
+
+
+def unnamed_eager_splits():
+    x = tf.ones([2 * SIZE, 2])
+    unnamed_one_rank(lambda: hvd.alltoall(x, splits=[1] * (SIZE + 1)),
+                     lambda: hvd.alltoall(x), "splits")
+
+
+def unnamed_eager_grouped_member():
+    unnamed_one_rank(
+        lambda: hvd.grouped_allreduce([tf.ones([2]), tf.constant([1j], dtype=tf.complex64)]),
+        lambda: hvd.grouped_allreduce([tf.ones([2]), tf.ones([1])]), "complex64")
+
+
 for mode in MODES:
     for c in GRAD_CASES:
         r.case(f"grad.{c}.{mode}", GRAD_FUNCS[c], mode)
@@ -818,6 +873,10 @@ r.case("nonmember.keras", nonmember_keras)
 r.case("nonmember.legacy_optimizer", nonmember_legacy_optimizer)
 r.case("tape.horovod_signature", tape_horovod_signature)
 r.case("optimizer.groups_arguments", optimizer_groups_arguments)
+r.case("unnamed.eager_dtype", unnamed_eager_dtype)
+r.case("unnamed.eager_root_rank", unnamed_eager_root_rank)
+r.case("unnamed.eager_splits", unnamed_eager_splits)
+r.case("unnamed.eager_grouped_member", unnamed_eager_grouped_member)
 
 missing = sorted(set(CASES) - set(r.results))
 assert not missing, missing

@@ -20,7 +20,7 @@ torch.set_num_threads(1)
 import hvdlite.torch as hvd  # noqa: E402
 import torch_cases as C  # noqa: E402
 from hvdlite.common.runtime.registry import process_set_engine  # noqa: E402
-from hvdlite.torch import optimizer as optimizer_module  # noqa: E402
+from hvdlite.torch import reducer as reducer_module  # noqa: E402
 
 hvd.init()
 from mpi4py import MPI  # noqa: E402
@@ -105,15 +105,25 @@ def ref_step(case, step, ref, ref_opt, use_extra=lambda k: False):
 def count_submissions():
     """Count DistributedOptimizer's in-place allreduce submissions (buckets and gradients on
     their own); returns (counter list, restore function)."""
+    from hvdlite.torch.buckets import GradientBucket
     calls = []
-    real = optimizer_module.allreduce_async_
+    real, real_bucket = reducer_module.allreduce_async_, GradientBucket.submit
 
     def counting(tensor, *args, **kwargs):
         calls.append(kwargs.get("name"))
         return real(tensor, *args, **kwargs)
 
-    optimizer_module.allreduce_async_ = counting
-    return calls, lambda: setattr(optimizer_module, "allreduce_async_", real)
+    def counting_bucket(bucket, *args, **kwargs):
+        calls.append(bucket.name)
+        return real_bucket(bucket, *args, **kwargs)
+
+    def restore():
+        reducer_module.allreduce_async_ = real
+        GradientBucket.submit = real_bucket
+
+    reducer_module.allreduce_async_ = counting
+    GradientBucket.submit = counting_bucket
+    return calls, restore
 
 
 def plan_names(opt):

@@ -509,19 +509,19 @@ def fast_path_taken():
     and async, with scale factors.  Tensors that need the general path (autograd, bfloat16,
     non-contiguous, a Parameter) are then shown to still get there."""
     from hvdlite.common.api import ops as core_ops
-    from hvdlite.torch import mpi_ops
+    from hvdlite.torch import async_ops
     fast = [dt for dt in C.DTYPES if dt != "bfloat16"]
     pairs = [(op, dt) for op in ("Sum", "Max", "Average") for dt in fast
              if not (dt == "bool" and op == "Average")]
     for op, dt in pairs:   # warm: the general path registers each pair with the core
         hvd.allreduce(C.op_input("fast.warm", RANK, dt, op, (3,)), op=OP[op],
                       name=f"fast.warm.{op}.{dt}")
-    originals = (mpi_ops._submit, core_ops.make_entry)
+    originals = (async_ops._submit, core_ops.make_entry)
 
     def general_path(*args, **kwargs):
         raise AssertionError("the general path ran: the fast path was not taken")
 
-    mpi_ops._submit = core_ops.make_entry = general_path
+    async_ops._submit = core_ops.make_entry = general_path
     try:
         for op, dt in pairs:
             case = f"fast.{op}.{dt}"
@@ -544,9 +544,9 @@ def fast_path_taken():
         check_values(res, C.reduce_reference(inputs, "Sum", "float32") * 1.5, "float32",
                      exact=False, what="scaled")
     finally:
-        mpi_ops._submit, core_ops.make_entry = originals
+        async_ops._submit, core_ops.make_entry = originals
     taken = []
-    mpi_ops._submit = lambda *a, **k: (taken.append(a[0]), originals[0](*a, **k))[1]
+    async_ops._submit = lambda *a, **k: (taken.append(a[0]), originals[0](*a, **k))[1]
     try:
         inputs = [C.op_input("fast.not", k, "float32", "Sum", (3, 4)) for k in range(SIZE)]
         expected = C.reduce_reference(inputs, "Sum", "float32")
@@ -559,7 +559,7 @@ def fast_path_taken():
             want = expected.t() if label == "non-contiguous" else expected
             torch.testing.assert_close(res.detach().to(F64), want, msg=lambda m: f"{label}: {m}")
     finally:
-        mpi_ops._submit = originals[0]
+        async_ops._submit = originals[0]
     assert len(taken) == len(others), f"general path ran {len(taken)} times, not {len(others)}"
 
 

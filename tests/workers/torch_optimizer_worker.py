@@ -446,18 +446,18 @@ def gradients_take_fast_path(case):
     gradient goes through the adapter's fast path: with the general path disabled, training
     goes on (an integer predivide factor and the default process_set=None included) and
     matches the reference."""
-    from hvdlite.torch import mpi_ops
+    from hvdlite.torch import async_ops
     model = make_model()
     init, ref = copy.deepcopy(model), copy.deepcopy(model)
     opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters(),
                                    gradient_predivide_factor=2)
     train_dist(case, model, opt, steps=1)
-    general = mpi_ops._submit
+    general = async_ops._submit
 
     def general_path(*args, **kwargs):
         raise AssertionError("a gradient took the general path, not the fast one")
 
-    mpi_ops._submit = general_path
+    async_ops._submit = general_path
     try:
         for step in range(1, STEPS):
             x, y = batch(case, step)
@@ -465,7 +465,7 @@ def gradients_take_fast_path(case):
             F.mse_loss(model(shard(x)), shard(y)).backward()
             opt.step()
     finally:
-        mpi_ops._submit = general
+        async_ops._submit = general
     train_ref(case, ref, sgd(ref))
     same_on_all_ranks(model)
     moved(model, init)

@@ -19,7 +19,7 @@ import torch_cases as C
 
 import hvdlite.torch as hvd
 import hvdlite.torch.sync_batch_norm as sbn_module
-from hvdlite.torch import mpi_ops
+from hvdlite.torch import autograd
 from hvdlite.torch.sync_batch_norm import SyncBatchNorm
 from tests.test_torch_syncbn import SYNCBN_CASES
 
@@ -72,7 +72,7 @@ class Counter:
 
     def __enter__(self):
         self.forward = self.backward = 0
-        self._saved = sbn_module.allreduce, mpi_ops.allreduce
+        self._saved = sbn_module.allreduce, autograd.differentiable_allreduce
 
         def fwd(*args, **kwargs):
             self.forward += 1
@@ -82,11 +82,11 @@ class Counter:
             self.backward += 1
             return self._saved[1](*args, **kwargs)
 
-        sbn_module.allreduce, mpi_ops.allreduce = fwd, bwd
+        sbn_module.allreduce, autograd.differentiable_allreduce = fwd, bwd
         return self
 
     def __exit__(self, *exc):
-        sbn_module.allreduce, mpi_ops.allreduce = self._saved
+        sbn_module.allreduce, autograd.differentiable_allreduce = self._saved
 
 
 def step_and_compare(case, step, sync, ref, shape, dtype, ref_dtype, rows, shift=0.0,

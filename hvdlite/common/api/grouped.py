@@ -8,14 +8,12 @@ validation, every member fails with an error naming it.
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 from typing import Iterator, Sequence
 
 import numpy as np
 
 from hvdlite.common.api.ops import (_NOTHING_TO_ANNOUNCE, _announce, _auto_name, _contiguous,
-                                    make_entry)
+                                    announcing_with, make_entry)
 from hvdlite.common.engine.handle import GroupHandle
 from hvdlite.common.engine.messages import ALLGATHER, ALLREDUCE, REDUCESCATTER
 from hvdlite.common.reduce_ops import ReduceOp, resolve_op
@@ -64,25 +62,13 @@ def announcing_group(kind: str, items: str = "arrays"):
     """:func:`hvdlite.common.api.ops.announcing` for grouped operations (``items``: the argument
     holding the group's tensors): an unnamed group that fails before it is submitted takes the
     names the other ranks' group took, and fails there as one unit."""
-    def decorate(fn):
-        signature = inspect.signature(fn)
-
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
-            try:
-                return fn(*args, **kwargs)
-            except Exception as exc:
-                if not getattr(exc, "_hvdlite_announced", False):
-                    try:
-                        bound = signature.bind(*args, **kwargs).arguments
-                        count = len(bound[items])
-                    except Exception:   # noqa: BLE001 - a malformed call: nothing to pair
-                        raise exc from None
-                    announce_group_failure(kind, bound.get("name"), bound.get("process_set"),
-                                           count, exc)
-                raise
-        return call
-    return decorate
+    def announce(bound: dict, exc: Exception) -> None:
+        try:
+            count = len(bound[items])
+        except Exception:   # noqa: BLE001 - not a sized group: nothing to pair
+            return
+        announce_group_failure(kind, bound.get("name"), bound.get("process_set"), count, exc)
+    return announcing_with(announce)
 
 
 @contextlib.contextmanager

@@ -102,6 +102,42 @@ def fast_host_allreduce(array, output, name, reduce_op, prescale_factor, postsca
                                engine.new_handle(name)))
 
 
+class PreparedAllreduce:
+    """One named allreduce submitted again and again on the same memory (a gradient bucket's
+    flat buffer): checked once by :func:`prepare_allreduce`, after which each :meth:`submit`
+    is an entry and a hand-off to the engine.  ``engine`` is the one it was prepared for (a
+    new ``init()`` makes a new one: prepare again when ``engine`` is no longer current)."""
+
+    __slots__ = ("engine", "request", "array", "allocate", "name")
+
+    def __init__(self, engine, entry: Entry) -> None:
+        self.engine = engine
+        self.request, self.array, self.allocate = entry.request, entry.array, entry.allocate
+        self.name = entry.request.name
+
+    def submit(self) -> Handle:
+        """Submit the allreduce, in place, again (the memory holds this step's values)."""
+        engine = self.engine
+        return engine.submit(Entry(self.request, self.array, self.array, self.allocate,
+                                   engine.new_handle(self.name)))
+
+
+def prepare_allreduce(array, name: str, reduce_op: ReduceOp, prescale_factor: float,
+                      postscale_factor: float, process_set: ProcessSet | None = None,
+                      dtype: str | None = None) -> PreparedAllreduce:
+    """Check an in-place allreduce of ``array`` (contiguous; a CuPy view for GPU memory) under
+    ``name`` once, as :func:`submit` would, for repeated submissions (see
+    :class:`PreparedAllreduce`)."""
+    if process_set is None or process_set is global_process_set:
+        engine, members, set_id = state.engine(), None, 0
+    else:
+        engine, members = registry.process_set_engine(process_set, f"allreduce of {name}")
+        set_id = 0 if members is None else process_set.process_set_id
+    entry = make_entry(engine, members, ALLREDUCE, array, name, array, None, reduce_op, -1,
+                       prescale_factor, postscale_factor, dtype, -1, None, set_id)
+    return PreparedAllreduce(engine, entry)
+
+
 def submit(kind: str, array: np.ndarray | None, *, name: str | None = None,
            output: np.ndarray | None = None,
            allocate: Callable[[tuple, np.dtype], np.ndarray] | None = None,
@@ -180,10 +216,11 @@ def announced(kind: str, name: str | None, process_set: ProcessSet | None) -> It
         raise
 
 
-def announcing(kind: str) -> Callable[[Callable], Callable]:
-    """Decorator for a public operation that returns a handle and takes ``name`` and
-    ``process_set`` arguments: an error it raises (always before its submission was taken) is
-    announced (see :func:`announce_failure`), whichever check raised it."""
+def announcing_with(announce: Callable[[dict, Exception], None]) -> Callable[[Callable], Callable]:
+    """Decorator factory: an error the decorated public operation raises (always before its
+    submission was taken) and nothing announced yet is passed to ``announce(arguments, error)``
+    with the call's bound arguments, then re-raised.  A malformed call (arguments that do not
+    bind) is not announced: it fails alike on every rank."""
     def decorate(fn: Callable) -> Callable:
         signature = inspect.signature(fn)
 
@@ -195,12 +232,20 @@ def announcing(kind: str) -> Callable[[Callable], Callable]:
                 if not getattr(exc, "_hvdlite_announced", False):
                     try:
                         bound = signature.bind(*args, **kwargs).arguments
-                    except TypeError:   # the call itself was malformed: announce it unnamed
-                        bound = {}
-                    announce_failure(kind, bound.get("name"), bound.get("process_set"), exc)
+                    except TypeError:
+                        raise exc from None
+                    announce(bound, exc)
                 raise
         return call
     return decorate
+
+
+def announcing(kind: str) -> Callable[[Callable], Callable]:
+    """Decorator for a public operation that returns a handle and takes ``name`` and
+    ``process_set`` arguments: an error it raises (always before its submission was taken) is
+    announced (see :func:`announce_failure`), whichever check raised it."""
+    return announcing_with(lambda bound, exc: announce_failure(
+        kind, bound.get("name"), bound.get("process_set"), exc))
 
 
 def _announce(engine, members: list[int] | None, names: list[str], error: BaseException,

@@ -12,6 +12,7 @@ form for (alltoall, reducescatter, Adasum) are left to the staged path next in t
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -59,6 +60,14 @@ def unique_id_for_binding(arr: np.ndarray, cupy_version: str) -> bytes | tuple[i
     if int(cupy_version.split(".")[0]) >= 14:
         return arr.tobytes()
     return tuple(int(b) for b in arr)
+
+
+@functools.lru_cache(maxsize=None)
+def _nccl_type_and_op(dtype_name: str, reduce_op: int) -> tuple[int, int]:
+    """NCCL's data type and reduction for a response's dtype and op (looked up once each)."""
+    op = ReduceOp(reduce_op)
+    nccl_op = _NCCL_BOOL_OPS[op] if dtype_info(dtype_name).is_bool else _NCCL_OPS[op]
+    return NCCL_TYPES[dtype_name], nccl_op
 
 
 def nccl_reduce_check(dtype_name: str, op: ReduceOp, what: str) -> None:
@@ -188,19 +197,15 @@ class NCCLPath(DataPath):
     def _reduce(self, nccl_comm, stream, src, dst, count: int, response: Response) -> None:
         if count == 0:
             return   # same on every rank (shapes are negotiated); empty buffers may be null
-        info = dtype_info(response.dtype)
-        op = ReduceOp(response.reduce_op)
-        nccl_op = _NCCL_BOOL_OPS[op] if info.is_bool else _NCCL_OPS[op]
-        nccl_comm.allReduce(src.data.ptr, dst.data.ptr, count, NCCL_TYPES[response.dtype],
-                            nccl_op, stream.ptr)
+        nccl_type, nccl_op = _nccl_type_and_op(response.dtype, response.reduce_op)
+        nccl_comm.allReduce(src.data.ptr, dst.data.ptr, count, nccl_type, nccl_op, stream.ptr)
 
     def _postscale(self, out, response: Response) -> None:
         if not dtype_info(response.dtype).is_bool:
             self._rt.scale(out, postscale_factor(response, self.size), response.dtype)
 
     def _allreduce_one(self, nccl_comm, stream, response: Response, entry: Entry) -> None:
-        src = entry.array.ravel()
-        out = entry.output.ravel()
+        src, out = entry.array, entry.output   # contiguous (checked at submission), any shape
         if response.prescale != 1.0 and not entry.stand_in:
             if entry.output is not entry.array:
                 out[...] = src   # scale a copy: the caller's input stays untouched

@@ -69,6 +69,10 @@ class Handle:
             with caller_blocked():
                 self._block(timeout)
         if self._error is not None:
+            try:   # the operation was submitted: its error must not be announced again
+                self._error._hvdlite_announced = True
+            except AttributeError:
+                pass
             raise self._error
         if self._device_ready is not None:
             ready, self._device_ready = self._device_ready, None

@@ -344,14 +344,16 @@ class Engine:
         """Before a GPU batch's collective: did every rank prepare its part (device copies,
         buffers)?  If any failed, every rank raises (naming those ranks) and none enters the
         collective, so a local failure cannot leave the others waiting inside it."""
-        mine = np.array([0 if error is None else 1], dtype=np.int32)
-        if self.controller.size == 1:   # nobody else to tell (a collective per batch saved)
-            every = mine
+        if self.controller.size == 1:   # nobody else to tell: no collective, no arrays
+            if error is None:
+                return
+            failed = [self.rank]
         else:
+            mine = np.array([0 if error is None else 1], dtype=np.int32)
             every = np.empty(self.controller.size, dtype=np.int32)
             request = self.comm.Iallgather(mine, every)
             wait_until(request.Test, self.controller.max_sleep)
-        failed = [self.controller.global_ranks[i] for i in np.flatnonzero(every)]
+            failed = [self.controller.global_ranks[i] for i in np.flatnonzero(every)]
         if not failed:
             return
         if error is not None:

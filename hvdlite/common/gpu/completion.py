@@ -64,5 +64,8 @@ class GpuCompletions:
                 for entry in entries:
                     self._fail(entry, error)
                 continue
+            recycle = getattr(self._rt, "recycle", None)
+            if recycle is not None:
+                recycle(event)
             if not completed:
                 self._complete(entries)

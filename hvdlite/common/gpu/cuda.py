@@ -15,6 +15,7 @@ handle completes only after the event has fired on the host instead.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import math
@@ -83,6 +84,8 @@ class GpuRuntime:
         self._lock = threading.Lock()
         self._scale_kernels: dict[str, Any] = {}
         self._thread_events = threading.local()   # wait_for_producer's event, per device
+        self._free_events: dict[int, collections.deque] = {}   # record()'s pool, per device
+        self._event_device: dict[int, int] = {}   # id(event) -> its device, for recycle()
 
     # --- availability ---------------------------------------------------------------------------
     def require(self, what: str) -> Any:
@@ -131,12 +134,32 @@ class GpuRuntime:
 
     def record(self, device_id: int) -> Any:
         """An event behind all work queued so far on hvdlite's stream.  Blocking-sync events make
-        a waiting thread sleep instead of spinning a core."""
+        a waiting thread sleep instead of spinning a core.  Events come from a pool that
+        :meth:`recycle` refills: creating one per batch cost a CUDA call and a Python object on
+        every step's critical path."""
         cp = self.require("a GPU operation")
+        free = self._free_events.get(device_id)
+        if free:
+            try:
+                event = free.pop()
+            except IndexError:   # taken by another thread meanwhile
+                event = None
+            if event is not None:
+                cp.cuda.runtime.eventRecord(event.ptr, self.stream(device_id).ptr)
+                return event
         with cp.cuda.Device(device_id):
             event = cp.cuda.Event(block=True, disable_timing=True)
             event.record(self.stream(device_id))
+        self._event_device[id(event)] = device_id
         return event
+
+    def recycle(self, event: Any) -> None:
+        """``event`` (from :meth:`record`) has fired and nothing waits for it on the host any
+        more: :meth:`record` may record it again.  A late device-side wait on it (a handle
+        waited for long after) then waits for later work of the same stream: never too early."""
+        device_id = self._event_device.get(id(event))
+        if device_id is not None:
+            self._free_events.setdefault(device_id, collections.deque()).append(event)
 
     @staticmethod
     def event_done(event: Any) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import socket
 import sys
 import time
 from typing import Callable
@@ -14,7 +15,8 @@ from hvdlite.common.config import Config
 from hvdlite.common.errors import HvdliteError
 from hvdlite.common.gpu.cuda import reset_process_device
 from hvdlite.common.memory import result_pool
-from hvdlite.common.runtime import child_process, liveness, registry, state as _state, timeline
+from hvdlite.common.runtime import (child_process, elastic_channel, liveness, registry,
+                                    state as _state, timeline)
 from hvdlite.common.runtime.process_sets import ProcessSet, global_process_set
 from hvdlite.common.runtime.state import EngineFactory, ProcessState
 from hvdlite.common.runtime.topology import discover
@@ -119,6 +121,8 @@ def init(comm=None, process_sets=None, *, make_engine: EngineFactory) -> None:
                 timeline.stop()
                 world.Free()
                 raise HvdliteError(str(exc)) from None
+        if elastic_channel.driven():   # started by hvdlite run's elastic driver: report in
+            _connect_to_elastic_driver(world, watchdog)
         if own != config and rank != 0:
             log.info("using rank 0's settings %s (this rank's environment says %s)", config, own)
         engine = make_engine(world.Dup(), config, None)
@@ -134,6 +138,21 @@ def init(comm=None, process_sets=None, *, make_engine: EngineFactory) -> None:
         for ps in static:
             registry.register(state, ps)
         child_process.mark_rank_process(rank)
+
+
+def _connect_to_elastic_driver(world, watchdog) -> None:
+    """Connect this rank to the elastic driver (collective: if any rank cannot, every rank
+    raises, naming it)."""
+    problem = elastic_channel.connect(world.Get_rank(), world.Get_size(), socket.gethostname())
+    problems = world.allgather(problem)
+    if any(problems):
+        if watchdog is not None:
+            watchdog.close()
+        timeline.stop()
+        world.Free()
+        bad = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
+        raise HvdliteError(f"hvd.init(): {bad}. The workers of an elastic job must reach the "
+                           f"host that runs `hvdlite run` over TCP.")
 
 
 # Before aborting a job whose peer vanished, the other survivors get this long to notice it

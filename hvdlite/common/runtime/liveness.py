@@ -79,6 +79,11 @@ def departed_among(ranks) -> list[str]:
     return [_departed[r] for r in ranks if r in _departed]
 
 
+def departed_ranks() -> list[int]:
+    """Every rank found gone so far, by the watchdog or the node-local check."""
+    return sorted(set(_departed) | _seen_gone)
+
+
 def forget_departed() -> None:
     """A new job (``init()`` after ``shutdown()``): no rank of it has departed yet."""
     _departed.clear()

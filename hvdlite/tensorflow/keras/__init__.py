@@ -26,7 +26,7 @@ from ..mpi_ops import (allreduce as _tf_allreduce, allgather as _tf_allgather,
                        broadcast as _tf_broadcast, reducescatter as _tf_reducescatter,
                        broadcast_variables, barrier)
 from . import callbacks
-from . import elastic  # noqa: F401 - hvd.elastic.* raises a clear 'not supported'
+from . import elastic  # noqa: F401 - hvd.elastic.*: Horovod's elastic API
 from . import loss_scale
 
 loss_scale.install()   # mixed precision: see hvdlite.tensorflow.keras.loss_scale

@@ -1,0 +1,122 @@
+"""TensorFlow tensors to the core and back: each collective's inputs go to the core as numpy
+arrays (a CPU tensor's ``numpy()`` shares its buffer), one core op per tensor
+(:func:`_collective`) or one core group (:func:`_group`), all in one graph node; the results come
+back as tensors with the static shapes the op promises."""
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from hvdlite.common import core
+from hvdlite.common.core import ALLGATHER, dtype_info, split_rows, TensorMismatchError
+
+from .graph import _label, _node, _set_shapes
+from .membership import _set_rank, _set_size
+
+
+def _dtype_name(tensor, what: str) -> str:
+    """Canonical core dtype name; raises the core's UnsupportedDtypeError for other dtypes."""
+    dt = tensor.dtype
+    if dt == tf.bfloat16:
+        return dtype_info("bfloat16", what).name
+    try:
+        np_dtype = dt.as_numpy_dtype
+    except TypeError:
+        np_dtype = dt.name
+    return dtype_info(np_dtype, what).name
+
+
+def _contiguous(array) -> np.ndarray:
+    array = np.asarray(array)
+    if not array.flags.c_contiguous:   # (np.ascontiguousarray would turn 0-d into 1-d)
+        array = np.ascontiguousarray(array).reshape(array.shape)
+    return array
+
+
+def _execute(kind: str, arrays, names, dtypes, kwargs: dict) -> list:
+    """Submit every array as its own op, then wait for all; raise the first error after all
+    finished."""
+    handles, error = [], None
+    for array, name, dtype in zip(arrays, names, dtypes):
+        try:
+            handles.append(core.submit(kind, _contiguous(array), name=name, dtype=dtype,
+                                       **kwargs))
+        except Exception as exc:  # noqa: BLE001 - re-raised below once submitted ones finished
+            error = exc
+            break
+    results = []
+    for handle in handles:
+        try:
+            results.append(handle.wait())
+        except Exception as exc:  # noqa: BLE001
+            if error is None:
+                error = exc
+    if error is not None:
+        raise error
+    return results
+
+
+def _execute_group(kind: str, arrays, name, dtypes, kwargs: dict) -> list:
+    """Submit the arrays as one core group (negotiated and executed as a unit) and wait."""
+    return core.submit_group(kind, [_contiguous(a) for a in arrays], name=name,
+                                     dtypes=list(dtypes), **kwargs).wait()
+
+
+def _gathered_shape(t) -> tf.TensorShape | None:
+    """Static shape of an allgather/alltoall output: first dimension unknown."""
+    if t.shape.rank is None:
+        return None
+    return tf.TensorShape([None] + (t.shape.as_list()[1:] if t.shape.rank else []))
+
+
+def _scattered_shape(t, members) -> tf.TensorShape | None:
+    """Static shape of this rank's reducescatter output."""
+    if t.shape.rank is None or t.shape.rank == 0:
+        return None
+    dims = t.shape.as_list()
+    rows = dims[0]
+    if rows is not None:
+        rows = split_rows(rows, _set_size(members))[_set_rank(members)]
+    return tf.TensorShape([rows] + dims[1:])
+
+
+def _collective(kind: str, tensors: list, names: list, kwargs: dict,
+                process_set=None, chained: bool = True) -> list:
+    """One ``kind`` op per tensor (submitted together, waited together, one graph node)."""
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if not tensors:
+        return []
+    dtypes = [_dtype_name(t, f"{kind} of {n or 'unnamed tensor'}")
+              for t, n in zip(tensors, names)]
+    kwargs = dict(kwargs, process_set=process_set)
+
+    def fn(*arrays):
+        return _execute(kind, arrays, names, dtypes, kwargs)
+
+    outs = _node(_label(kind, names[0]), fn, tensors, [t.dtype for t in tensors], chained)
+    _set_shapes(outs, [_gathered_shape(t) if kind == ALLGATHER else t.shape for t in tensors])
+    return outs
+
+
+def _group(kind: str, tensors: list, name, kwargs: dict, process_set=None,
+           shapes=None, mismatch_hint: str | None = None) -> list:
+    """One grouped ``kind`` op over ``tensors`` (one graph node).  ``mismatch_hint`` is added
+    to the message of a TensorMismatchError (what this rank knows about the likely cause)."""
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if not tensors:
+        return []
+    dtypes = [_dtype_name(t, f"grouped {kind} of {name or 'unnamed tensors'}.{i}")
+              for i, t in enumerate(tensors)]
+    kwargs = dict(kwargs, process_set=process_set)
+
+    def fn(*arrays):
+        try:
+            return _execute_group(kind, arrays, name, dtypes, kwargs)
+        except TensorMismatchError as exc:
+            if mismatch_hint is None:
+                raise
+            raise TensorMismatchError(f"{exc}\n{mismatch_hint}") from exc
+
+    outs = _node(_label(f"grouped_{kind}", name), fn, tensors, [t.dtype for t in tensors])
+    _set_shapes(outs, shapes if shapes is not None else [t.shape for t in tensors])
+    return outs
