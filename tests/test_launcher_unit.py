@@ -271,6 +271,14 @@ FLAG_CASES = {
                                "timeline_mark_cycles", True),
     "--no-timeline-mark-cycles": ([], "HVDLITE_TIMELINE_MARK_CYCLES", "0",
                                   "timeline_mark_cycles", False),
+    "--hierarchical-allreduce": ([], "HVDLITE_HIERARCHICAL_ALLREDUCE", "1",
+                                 "hierarchical_allreduce", True),
+    "--no-hierarchical-allreduce": ([], "HVDLITE_HIERARCHICAL_ALLREDUCE", "0",
+                                    "hierarchical_allreduce", False),
+    "--hierarchical-allgather": ([], "HVDLITE_HIERARCHICAL_ALLGATHER", "1",
+                                 "hierarchical_allgather", True),
+    "--no-hierarchical-allgather": ([], "HVDLITE_HIERARCHICAL_ALLGATHER", "0",
+                                    "hierarchical_allgather", False),
 }
 
 
@@ -290,7 +298,9 @@ def test_every_flag_exports_its_variable_in_the_variable_s_unit(flag):
 
 
 @pytest.mark.parametrize("pair", [("--no-stall-check", "--stall-check"),
-                                  ("--timeline-mark-cycles", "--no-timeline-mark-cycles")])
+                                  ("--timeline-mark-cycles", "--no-timeline-mark-cycles"),
+                                  ("--hierarchical-allreduce", "--no-hierarchical-allreduce"),
+                                  ("--hierarchical-allgather", "--no-hierarchical-allgather")])
 def test_on_off_flags_exclude_each_other(pair, capsys):
     """As in horovodrun (a mutually exclusive group)."""
     assert launch.main(["-np", "2", *pair, "cmd"]) == 2

@@ -244,6 +244,8 @@ ROUND_TRIPS = {
     "TIMELINE_MARK_CYCLES": ("timeline_mark_cycles", "on", True),
     "GRADIENT_BUCKET_MB": ("gradient_bucket_bytes", "2", 2 * 2**20),
     "RESULT_POOL_MB": ("result_pool_bytes", "3", 3 * 2**20),
+    "HIERARCHICAL_ALLREDUCE": ("hierarchical_allreduce", "0", False),
+    "HIERARCHICAL_ALLGATHER": ("hierarchical_allgather", "true", True),
     "WATCHDOG": ("watchdog", "0", False),
     "WATCHDOG_PORT": ("watchdog_port", "29511", 29511),
 }

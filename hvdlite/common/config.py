@@ -334,6 +334,31 @@ KNOBS: tuple[Knob, ...] = (
                  "(how-it-works.md#direct-copies-between-ranks)). `auto` finds out by trying, "
                  "once; under Yama's `ptrace_scope` 1 each rank first lets in the job's launcher "
                  "process and its descendants. `0`: no probe, no `prctl`."),
+    Knob("HIERARCHICAL_ALLREDUCE", "hierarchical_allreduce", Switch(), True, RANK0,
+         "1: allreduces of process sets spanning hosts reduce within each host first, and "
+         "only one rank per host exchanges each part of the buffer across hosts; 0: one "
+         "MPI allreduce over all the ranks",
+         flags=(on_off_flag("--hierarchical-allreduce", sets="1",
+                            help="hierarchical allreduce across hosts (the default)"),
+                on_off_flag("--no-hierarchical-allreduce", sets="0",
+                            help="one flat MPI allreduce across hosts")),
+         horovod="yes (off by default; GPU tensors only)",
+         details="Host tensors only, not Adasum; used only where a process set spans hosts "
+                 "and some host holds several of its ranks. On by default: measured as fast "
+                 "as a flat allreduce or faster (see [Multi-host]"
+                 "(multi-host.md#hierarchical-allreduce-and-allgather))."),
+    Knob("HIERARCHICAL_ALLGATHER", "hierarchical_allgather", Switch(), False, RANK0,
+         "1: allgathers of process sets spanning hosts gather each host's rows in shared "
+         "memory and exchange them across hosts once per host; 0: one MPI allgather over "
+         "all the ranks",
+         flags=(on_off_flag("--hierarchical-allgather", sets="1",
+                            help="hierarchical allgather across hosts"),
+                on_off_flag("--no-hierarchical-allgather", sets="0",
+                            help="one flat MPI allgather across hosts")),
+         horovod="yes (off by default)",
+         details="Host tensors only, results of 64 KiB up to `HVDLITE_SHM_FUSION_MB`; off by "
+                 "default: measured slower than MPI's allgather on these machines (see "
+                 "[Multi-host](multi-host.md#hierarchical-allreduce-and-allgather))."),
     Knob("WATCHDOG", "watchdog", Switch(), True, RANK0,
          "1: every rank keeps a TCP connection to rank 0, so a rank that ends without "
          "hvd.shutdown() on any host (killed, os._exit, its host gone) makes every other rank "
@@ -392,6 +417,8 @@ class Config:
     shm_fusion_bytes: int = _default("shm_fusion_bytes")
     cma: str = _default("cma")
     gradient_bucket_bytes: int = _default("gradient_bucket_bytes")
+    hierarchical_allreduce: bool = _default("hierarchical_allreduce")
+    hierarchical_allgather: bool = _default("hierarchical_allgather")
     watchdog: bool = _default("watchdog")
     watchdog_port: int = _default("watchdog_port")
     timeline_filename: str | None = _default("timeline_filename")

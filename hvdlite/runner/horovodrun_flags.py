@@ -32,11 +32,6 @@ UNSUPPORTED: dict[tuple[str, ...], tuple[int, str]] = {
     ("--autotune-steps-per-sample",): (1, _AUTOTUNE),
     ("--autotune-bayes-opt-max-samples",): (1, _AUTOTUNE),
     ("--autotune-gaussian-process-noise",): (1, _AUTOTUNE),
-    ("--hierarchical-allreduce",): (0, "hvdlite has no hierarchical allreduce: ranks on one "
-                                       "node reduce through shared memory, and across nodes "
-                                       "MPI picks the algorithm."),
-    ("--hierarchical-allgather",): (0, "hvdlite has no hierarchical allgather; MPI picks the "
-                                       "allgather algorithm."),
     ("--num-nccl-streams",): (1, "hvdlite runs NCCL operations on one stream; drop this flag."),
     ("--thread-affinity",): (1, "hvdlite does not pin its background thread; bind processes "
                                 "with --binding-args or your launcher's options instead."),

@@ -20,7 +20,7 @@ class DirectCopyPath(DataPath):
         super().__init__(context)
         cma = context.config.cma
         self.direct = (DirectAllreduce(context.comm, context.max_sleep, context.on_slow,
-                                       required=cma == "on")
+                                       required=cma == "on", global_ranks=context.global_ranks)
                        if cma != "off" and self.size > 1 else None)
 
     def enabled(self, batch: Batch) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from hvdlite.common.backends.adasum import AdasumPath
 from hvdlite.common.backends.base import DataPath
 from hvdlite.common.backends.direct import DirectCopyPath
+from hvdlite.common.backends.hierarchical import HierarchicalPath
 from hvdlite.common.backends.mpi import MPIPath
 from hvdlite.common.backends.nccl import NCCLPath
 from hvdlite.common.backends.shared_window import SharedWindowPath
@@ -13,10 +14,11 @@ from hvdlite.common.backends.staged import StagedPath
 from hvdlite.common.engine.data_paths import PathContext
 
 # GPU batches: NCCL where it can, else through host memory.  Host batches: the intra-node
-# paths first (direct copies for one large tensor, then the shared-memory window), Adasum,
-# and MPI, which serves everything.
-PATHS: list[type[DataPath]] = [NCCLPath, StagedPath,
-                               DirectCopyPath, SharedWindowPath, AdasumPath, MPIPath]
+# paths first (direct copies for one large tensor, then the shared-memory window; sets within
+# one host), Adasum, the hierarchical path (sets spanning hosts), and MPI, which serves
+# everything.
+PATHS: list[type[DataPath]] = [NCCLPath, StagedPath, DirectCopyPath, SharedWindowPath,
+                               AdasumPath, HierarchicalPath, MPIPath]
 
 
 def standard_paths(context: PathContext) -> list[DataPath]:

@@ -39,7 +39,7 @@ import numpy as np
 from hvdlite.common.dtypes import scale_into
 from hvdlite.common.errors import HvdliteError
 from hvdlite.common.intranode import cma
-from hvdlite.common.intranode.shm_window import SharedFusion, all_on_one_node
+from hvdlite.common.intranode.shm_window import Between, SharedFusion, all_on_one_node
 from hvdlite.common.runtime.waiting import PEER_SPIN_SECONDS, wait_until
 
 log = logging.getLogger("hvdlite")
@@ -112,16 +112,23 @@ def _release_launcher() -> None:
 
 
 class DirectCopyError(HvdliteError):
-    """A copy between two ranks' memory failed in the middle of an allreduce."""
+    """A copy between two ranks' memory failed in the middle of an allreduce; ``ranks``: the
+    (global) ranks whose copies failed."""
+
+    def __init__(self, message: str, ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.ranks = ranks or []
 
 
 class DirectAllreduce:
     """Single-tensor allreduces of one process set's communicator by cross-memory attach."""
 
     def __init__(self, comm, max_sleep: float = 1e-3,
-                 on_slow: Callable[[float], None] | None = None, required: bool = False) -> None:
+                 on_slow: Callable[[float], None] | None = None, required: bool = False,
+                 global_ranks: list[int] | None = None) -> None:
         """``required``: the user asked for direct copies (``HVDLITE_CMA=1``), so their
-        absence is a warning instead of a note in the log."""
+        absence is a warning instead of a note in the log.  ``global_ranks``: the global rank
+        of each rank of ``comm``, for error messages (default: their ranks in ``comm``)."""
         from mpi4py import MPI
         self._MPI = MPI
         self.comm = comm
@@ -130,6 +137,7 @@ class DirectAllreduce:
         self.max_sleep = max_sleep
         self.on_slow = on_slow
         self.required = required
+        self._names = list(global_ranks) if global_ranks is not None else list(range(self.size))
         self._copier: cma.CrossMemory | None = None
         self._decided = False
         self.unavailable_reason: str | None = None   # why not, once decided (tests, logs)
@@ -222,12 +230,16 @@ class DirectAllreduce:
 
     # --- one tensor ----------------------------------------------------------------------------
     def allreduce_one(self, src: np.ndarray, out: np.ndarray, ufunc, prescale: float,
-                      postscale: float, name: str = "") -> None:
+                      postscale: float, name: str = "", between: Between | None = None) -> None:
         """``out = postscale * reduce(prescale_r * src_r over ranks r)`` for one flat contiguous
         array (``out`` may be ``src``); ``prescale`` is this rank's factor (a joined rank's
-        stand-in passes 1.0, so the identity stays neutral)."""
+        stand-in passes 1.0, so the identity stays neutral).  ``between(lo, share)``, if given,
+        is called with this rank's reduced share of ``out`` (elements ``lo`` onwards) before
+        the postscale and before it is written to the peers (the hierarchical path combines it
+        with other hosts' there); it is called even when a copy failed, so that ranks on other
+        hosts are not left waiting, and the failure is raised after it."""
         try:
-            self._allreduce_one(src, out, ufunc, prescale, postscale, name)
+            self._allreduce_one(src, out, ufunc, prescale, postscale, name, between)
         except BaseException:
             # Abandoned half-way (a stall shutdown or a vanished rank raised from a wait): a
             # peer that is late, or stopped inside its copies, may still read this rank's input
@@ -237,7 +249,7 @@ class DirectAllreduce:
             raise
 
     def _allreduce_one(self, src: np.ndarray, out: np.ndarray, ufunc, prescale: float,
-                       postscale: float, name: str) -> None:
+                       postscale: float, name: str, between: Between | None) -> None:
         MPI = self._MPI
         copier, pids = self._copier, self._pids
         itemsize = src.dtype.itemsize
@@ -256,6 +268,13 @@ class DirectAllreduce:
         scratch = self._scratch[:step * itemsize].view(src.dtype)
         failure: OSError | None = None
         peer = -1   # the peer of the copy in progress
+
+        def write(x: int, y: int) -> None:   # the finished chunk x..y into every peer
+            nonlocal peer
+            chunk = out[x:y]
+            scale_into(chunk, chunk, postscale)
+            for peer, pid, _, out_at, _ in peers:
+                copier.write(pid, out_at + x * itemsize, chunk)
         try:
             with np.errstate(all="ignore"):   # overflow wraps/saturates silently, as in MPI
                 for x in range(lo, hi, step):
@@ -271,14 +290,22 @@ class DirectAllreduce:
                         copier.read(pid, src_at + offset, part)
                         scale_into(part, part, scale)
                         ufunc(chunk, part, out=chunk)
-                    scale_into(chunk, chunk, postscale)
-                    for peer, pid, _, out_at, _ in peers:
-                        copier.write(pid, out_at + offset, chunk)
+                    if between is None:   # finish each chunk while it is in cache
+                        write(x, y)
         except OSError as exc:   # the others must still reach the end: tell them, then raise
             failure = exc
+        if between is not None:
+            between(lo, out[lo:hi])
+            if failure is None:
+                try:
+                    with np.errstate(all="ignore"):
+                        for x in range(lo, hi, step):
+                            write(x, min(hi, x + step))
+                except OSError as exc:
+                    failure = exc
         self._flag[0] = failure is not None
         self._wait(self.comm.Iallgather([self._flag, MPI.INT32_T], [self._flags, MPI.INT32_T]))
-        failed = [r for r in range(self.size) if self._flags[r]]
+        failed = [self._names[r] for r in range(self.size) if self._flags[r]]
         if not failed:
             self.singles += 1
             return
@@ -288,14 +315,15 @@ class DirectAllreduce:
             # The peer's buffers are held until it leaves the operation, and kept for ever if
             # it leaves by an error: its process has gone (or is going) away.
             raise DirectCopyError(
-                f"{head}: rank {peer}'s memory could not be reached ({failure}). Its process has "
-                f"exited, or gave up on this allreduce and is ending (for instance after "
-                f"HVDLITE_STALL_SHUTDOWN_TIME_SECONDS while this rank was not responding); "
-                f"look at rank {peer}'s errors. The result is incomplete.")
+                f"{head}: rank {self._names[peer]}'s memory could not be reached ({failure}). "
+                f"Its process has exited, or gave up on this allreduce and is ending (for "
+                f"instance after HVDLITE_STALL_SHUTDOWN_TIME_SECONDS while this rank was not "
+                f"responding); look at rank {self._names[peer]}'s errors. The result is "
+                f"incomplete.", failed)
         here = f" (here: {failure})" if failure is not None else ""
         raise DirectCopyError(
             f"{head}{here}. Its result is incomplete on every rank. Set HVDLITE_CMA=0 to "
-            f"reduce through the shared-memory window instead.")
+            f"reduce through the shared-memory window instead.", failed)
 
     def _wait(self, request) -> None:
         wait_until(request.Test, self.max_sleep, on_slow=self.on_slow,

@@ -39,6 +39,10 @@ from hvdlite.common.runtime.waiting import PEER_SPIN_SECONDS, wait_until
 
 log = logging.getLogger("hvdlite")
 
+# ``between(lo, share)``: called with this rank's reduced share (elements lo onwards) before the
+# peers read it (see SharedFusion.reduce).
+Between = Callable[[int, np.ndarray], None]
+
 # Below these the two barriers cost more than MPI's own allreduce (measured): a fused batch
 # saves MPI's copies of a buffer packed anyway; a lone tensor must also pay for publishing.
 MIN_BYTES = 64 * 1024
@@ -137,11 +141,14 @@ class SharedFusion:
         self._slot ^= 1
         return [seg[start:stop].view(dtype) for seg in self._segments]
 
-    def reduce(self, count: int, dtype: np.dtype, ufunc) -> list[tuple[int, int, np.ndarray]]:
+    def reduce(self, count: int, dtype: np.dtype, ufunc,
+               between: Between | None = None) -> list[tuple[int, int, np.ndarray]]:
         """Reduce the packed buffers of every rank with ``ufunc`` (after all ranks packed).
 
         Returns the result as pieces ``(start, stop, elements start..stop)`` in element order;
-        they stay valid until the batch after next.
+        they stay valid until the batch after next.  ``between(lo, share)``, if given, is
+        called with this rank's reduced share (elements ``lo`` onwards, writable) before the
+        peers read it: the hierarchical path combines it with other hosts' there.
         """
         views = self._next_views(count, dtype)
         bounds = self.shares(count, dtype.itemsize, self.size)
@@ -150,6 +157,8 @@ class SharedFusion:
         if hi > lo:
             with np.errstate(all="ignore"):   # overflow wraps/saturates silently, as in MPI
                 self._fold_peers(views[self.rank][lo:hi], views, lo, hi, ufunc)
+        if between is not None:
+            between(lo, views[self.rank][lo:hi])
         self._barrier()
         self.batches += 1
         return [(bounds[r], bounds[r + 1], views[r][bounds[r]:bounds[r + 1]])
@@ -192,9 +201,10 @@ class SharedFusion:
         self.batches += 1
 
     def allreduce_one(self, src: np.ndarray, out: np.ndarray, ufunc, prescale: float,
-                      postscale: float) -> None:
+                      postscale: float, between: Between | None = None) -> None:
         """``out = postscale * reduce(prescale * src of every rank)`` for one flat contiguous
-        array (``out`` may be ``src``), publishing only what the peers need."""
+        array (``out`` may be ``src``), publishing only what the peers need.  ``between``: as
+        in :meth:`reduce`, called with this rank's reduced share before the postscale."""
         count, dtype = src.size, src.dtype
         views = self._next_views(count, dtype)
         bounds = self.shares(count, dtype.itemsize, self.size)
@@ -212,8 +222,13 @@ class SharedFusion:
                 chunk = out[x:y]
                 scale_into(chunk, src[x:y], prescale)
                 self._fold_peers(chunk, views, x, y, ufunc)
-                scale_into(chunk, chunk, postscale)
-                np.copyto(published[x:y], chunk)
+                if between is None:   # finish each chunk while it is in cache
+                    scale_into(chunk, chunk, postscale)
+                    np.copyto(published[x:y], chunk)
+            if between is not None:   # the share is complete only after the other hosts'
+                between(lo, out[lo:hi])
+                scale_into(out[lo:hi], out[lo:hi], postscale)
+                np.copyto(published[lo:hi], out[lo:hi])
             self._barrier()
         for r in others:   # the peers' results
             np.copyto(out[bounds[r]:bounds[r + 1]], views[r][bounds[r]:bounds[r + 1]])

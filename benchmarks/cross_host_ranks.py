@@ -1,0 +1,249 @@
+#!/usr/bin/env python3
+"""The ranks' side of ``cross_host_benchmark.py``: flat against hierarchical allreduce, and
+small messages, against raw MPI, in one job whose ranks span hosts.
+
+Run it under MPI with the ranks on several hosts (``cross_host_benchmark.py`` does that on
+simulated hosts)::
+
+    mpiexec -n 4 -hosts a:2,b:2 python benchmarks/cross_host_ranks.py --json out.json
+
+Cases, each timed in interleaved blocks with :mod:`allreduce_benchmark`'s machinery (warm-up,
+barriers around every block, each rank's median per iteration, maximised over the ranks):
+
+* ``large``: for each ``--sizes`` buffer, raw ``comm.Allreduce`` (out of place), hvdlite's
+  in-place ``hvd.allreduce_`` with the hierarchical path off (``flat``: one MPI allreduce over
+  every rank) and on (``hierarchical``);
+* ``lone``: one ``--lone-kib`` allreduce (out of place, ``hvd.allreduce``): raw, flat,
+  hierarchical;
+* ``round``: ``--small-count`` tensors of ``--small-kib`` submitted with
+  ``hvd.allreduce_async_`` and all waited for, against one raw ``Allreduce`` of their total
+  bytes: raw, flat, hierarchical;
+* ``gather``: for each ``--gather-sizes`` (bytes per rank), ``hvd.allgather`` against raw
+  ``comm.Allgather``: raw, flat, hierarchical allgather.
+
+The hierarchical path is switched on and off on every rank between blocks (after a barrier, with
+nothing in flight), so both run in the same job, on the same buffers.  Every variant is checked
+against numpy once.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import allreduce_benchmark as ab  # noqa: E402  (sets OMP_NUM_THREADS, imports this hvdlite)
+from allreduce_benchmark import MPI, Case, KIB, hvd, np  # noqa: E402
+
+VARIANTS = ("raw", "flat", "hierarchical")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", type=ab.parse_sizes, default=ab.parse_sizes("16MiB,32MiB,64MiB"))
+    p.add_argument("--lone-kib", type=int, default=4)
+    p.add_argument("--small-count", type=int, default=200)
+    p.add_argument("--small-kib", type=int, default=16)
+    p.add_argument("--gather-sizes", type=ab.parse_sizes, default=ab.parse_sizes("4KiB,4MiB"),
+                   help="allgather: bytes per rank (empty: none)")
+    p.add_argument("--iterations", type=int, default=ab.DEFAULT_MAX_ITERATIONS)
+    p.add_argument("--min-iterations", type=int, default=ab.DEFAULT_MIN_ITERATIONS)
+    p.add_argument("--time-budget", type=float, default=6.0, metavar="S")
+    p.add_argument("--blocks", type=int, default=ab.DEFAULT_BLOCKS)
+    p.add_argument("--json", metavar="PATH")
+    return p.parse_args(argv)
+
+
+def hierarchical(on: bool) -> None:
+    """Switch the global set's hierarchical allreduce and allgather on or off on this rank
+    (every rank does it at the same point, after a barrier)."""
+    from hvdlite.common.runtime import state
+    path = state.engine().path("hierarchical")
+    path.allreduce_on = path.allgather_on = on
+
+
+def barrier_with(on: bool | None, comm):
+    """The barrier of a variant's blocks: raw MPI's, or hvdlite's after setting the path."""
+    if on is None:
+        return comm.Barrier
+
+    def barrier() -> None:
+        hierarchical(on)
+        hvd.barrier()
+    return barrier
+
+
+def timings(cases: dict[str, Case], comm) -> dict:
+    return {name: dataclasses.asdict(ab.summarize(case.samples, comm))
+            for name, case in cases.items()}
+
+
+def check(step, verify, on: bool | None, comm) -> bool:
+    """Run ``step`` once with the path as ``on`` says; ``verify()`` on every rank."""
+    if on is not None:
+        hierarchical(on)
+    step()
+    return ab.agree(verify(), comm)
+
+
+def bench_large(nbytes: int, args, comm) -> dict:
+    count = nbytes // 4
+    send = ab.rank_data(count, comm.Get_rank())
+    recv = np.empty_like(send)
+    work = np.empty_like(send)
+    want = ab.expected_sum(count, comm.Get_size())
+    name = f"cross.large.{nbytes}"
+
+    def hvd_step():
+        hvd.allreduce_(work, op=hvd.Sum, name=name)
+
+    def refill():
+        np.copyto(work, send)
+    ok = check(lambda: comm.Allreduce(send, recv, op=MPI.SUM),
+               lambda: np.array_equal(recv, want), None, comm)
+    for on in (False, True):
+        refill()
+        ok &= check(hvd_step, lambda: np.array_equal(work, want), on, comm)
+    cases = {"raw": Case(lambda: comm.Allreduce(send, recv, op=MPI.SUM), comm.Barrier),
+             "flat": Case(hvd_step, barrier_with(False, comm), prepare=refill),
+             "hierarchical": Case(hvd_step, barrier_with(True, comm), prepare=refill)}
+    ab.measure(list(cases.values()), ab.iterations_for(nbytes, args), args, comm)
+    return {"bytes": nbytes, "correct": ok, **timings(cases, comm)}
+
+
+def bench_lone(args, comm) -> dict:
+    count = args.lone_kib * KIB // 4
+    send = ab.rank_data(count, comm.Get_rank())
+    recv = np.empty_like(send)
+    want = ab.expected_sum(count, comm.Get_size())
+    got = {}
+
+    def hvd_step():
+        got["out"] = hvd.allreduce(send, op=hvd.Sum, name="cross.lone")
+    ok = check(lambda: comm.Allreduce(send, recv, op=MPI.SUM),
+               lambda: np.array_equal(recv, want), None, comm)
+    for on in (False, True):
+        ok &= check(hvd_step, lambda: np.array_equal(got["out"], want), on, comm)
+    cases = {"raw": Case(lambda: comm.Allreduce(send, recv, op=MPI.SUM), comm.Barrier),
+             "flat": Case(hvd_step, barrier_with(False, comm)),
+             "hierarchical": Case(hvd_step, barrier_with(True, comm))}
+    ab.measure(list(cases.values()), ab.iterations_for(send.nbytes, args), args, comm)
+    return {"bytes": send.nbytes, "correct": ok, **timings(cases, comm)}
+
+
+def bench_round(args, comm) -> dict:
+    count = args.small_kib * KIB // 4
+    rank, size = comm.Get_rank(), comm.Get_size()
+    sources = [ab.rank_data(count, rank, offset=i) for i in range(args.small_count)]
+    tensors = [s.copy() for s in sources]
+    total = np.concatenate(sources)
+    total_out = np.empty_like(total)
+
+    def hvd_step():
+        ab.small_round(tensors)
+
+    def refill():
+        ab.refill(tensors, sources)
+
+    def verify():
+        return all(np.array_equal(t, ab.expected_sum(count, size, offset=i))
+                   for i, t in enumerate(tensors))
+    ok = check(lambda: comm.Allreduce(total, total_out, op=MPI.SUM),
+               lambda: np.array_equal(total_out, np.concatenate(
+                   [ab.expected_sum(count, size, offset=i) for i in range(len(sources))])),
+               None, comm)
+    for on in (False, True):
+        refill()
+        ok &= check(hvd_step, verify, on, comm)
+    cases = {"raw": Case(lambda: comm.Allreduce(total, total_out, op=MPI.SUM), comm.Barrier),
+             "flat": Case(hvd_step, barrier_with(False, comm), prepare=refill),
+             "hierarchical": Case(hvd_step, barrier_with(True, comm), prepare=refill)}
+    ab.measure(list(cases.values()), ab.iterations_for(total.nbytes, args), args, comm)
+    return {"count": args.small_count, "tensor_bytes": count * 4, "bytes": total.nbytes,
+            "correct": ok, **timings(cases, comm)}
+
+
+def bench_gather(nbytes: int, args, comm) -> dict:
+    count = nbytes // 4
+    rank, size = comm.Get_rank(), comm.Get_size()
+    send = ab.rank_data(count, rank)
+    recv = np.empty(count * size, dtype=send.dtype)
+    want = np.concatenate([ab.rank_data(count, r) for r in range(size)])
+    got = {}
+    name = f"cross.gather.{nbytes}"
+
+    def hvd_step():
+        got["out"] = hvd.allgather(send, name=name)
+    ok = check(lambda: comm.Allgather(send, recv), lambda: np.array_equal(recv, want), None, comm)
+    for on in (False, True):
+        ok &= check(hvd_step, lambda: np.array_equal(got["out"], want), on, comm)
+    cases = {"raw": Case(lambda: comm.Allgather(send, recv), comm.Barrier),
+             "flat": Case(hvd_step, barrier_with(False, comm)),
+             "hierarchical": Case(hvd_step, barrier_with(True, comm))}
+    ab.measure(list(cases.values()), ab.iterations_for(recv.nbytes, args), args, comm)
+    return {"bytes": nbytes, "correct": ok, **timings(cases, comm)}
+
+
+def line(label: str, result: dict) -> str:
+    raw, flat, hier = (result[v]["median_ms"] for v in VARIANTS)
+    spread = " ".join(f"{v[:4]} {result[v]['p10_ms']:.3f}-{result[v]['p90_ms']:.3f}"
+                      for v in VARIANTS)
+    return (f"{label:>16} {raw:>9.3f} {flat:>9.3f} {hier:>9.3f} {flat / hier:>9.2f}x "
+            f"{hier / raw:>8.2f}x {flat / raw:>8.2f}x  {'ok' if result['correct'] else 'WRONG'}"
+            f"   (p10-p90: {spread})")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    comm = MPI.COMM_WORLD.Dup()
+    hvd.init()
+    env = ab.environment(comm)
+    from hvdlite.common.runtime import state
+    path = state.engine().path("hierarchical")
+    ab.say("hvdlite across hosts: flat against hierarchical allreduce, raw MPI alongside",
+           *ab.environment_lines(env),
+           f"local size {hvd.local_size()} x {hvd.cross_size()} hosts (rank 0's view)", "",
+           f"{'case':>16} {'raw ms':>9} {'flat ms':>9} {'hier ms':>9} {'flat/hier':>10} "
+           f"{'hier/raw':>9} {'flat/raw':>9}")
+    large = []
+    for nbytes in args.sizes:
+        large.append(bench_large(nbytes, args, comm))
+        ab.say(line(ab.format_size(nbytes), large[-1]))
+    lone = bench_lone(args, comm)
+    ab.say(line(f"lone {args.lone_kib} KiB", lone))
+    rounds = None
+    if args.small_count > 0:
+        rounds = bench_round(args, comm)
+        ab.say(line(f"{args.small_count}x{args.small_kib} KiB", rounds))
+    gathers = []
+    for nbytes in args.gather_sizes:
+        gathers.append(bench_gather(nbytes, args, comm))
+        ab.say(line(f"gather {ab.format_size(nbytes)}", gathers[-1]))
+    used = comm.allreduce(path.allreduces, op=MPI.MIN)
+    gathered = comm.allreduce(path.allgathers, op=MPI.MIN)
+    ab.say("", f"hierarchical allreduce batches / allgathers on the slowest-counting rank: "
+           f"{used} / {gathered}; times are each rank's median per iteration, max over ranks; "
+           f"raw = one MPI Allreduce (Allgather) of the same bytes")
+    correct = all(r["correct"] for r in large + gathers) and lone["correct"] and (
+        rounds is None or rounds["correct"])
+    if args.json and comm.Get_rank() == 0:
+        Path(args.json).write_text(json.dumps({
+            "environment": env, "large": large, "lone": lone, "round": rounds,
+            "gather": gathers, "hierarchical_batches": used, "hierarchical_allgathers": gathered},
+            indent=2) + "\n")
+    hvd.barrier()
+    hvd.shutdown()
+    comm.Free()
+    return 0 if correct and used > 0 and (gathered > 0 or not gathers) else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except Exception:   # noqa: BLE001 - take every rank down rather than leave them waiting
+        import traceback
+        traceback.print_exc()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
