@@ -26,6 +26,8 @@ from hvdlite.common.api.grouped import (announce_group_failure, announced_group,
 from hvdlite.common.api.lifecycle import init
 from hvdlite.common.api.objects import allgather_object, broadcast_object
 from hvdlite.common.api.announce import announce_failure, announced, announcing
+from hvdlite.common.api.compression import (BF16_DOC, FP16_DOC, Compressor, NoneCompressor,
+                                            casting_compressor)
 from hvdlite.common.api.ops import (allgather, allgather_async, allreduce, allreduce_,
                                     allreduce_async, allreduce_async_, alltoall, alltoall_async,
                                     barrier, broadcast, broadcast_, broadcast_async,

@@ -4,50 +4,17 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-
-class Compressor:
-    """Interface: ``compress`` returns (tensor to send, context); ``decompress`` undoes it."""
-
-    @staticmethod
-    def compress(tensor):
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        raise NotImplementedError
+from hvdlite.common.core import (BF16_DOC, FP16_DOC, Compressor, NoneCompressor,
+                                 casting_compressor)
 
 
-class NoneCompressor(Compressor):
-    """Send tensors as they are."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
+def _is_floating(dtype: tf.dtypes.DType) -> bool:
+    return dtype.is_floating
 
 
-def _casting(target, name: str, doc: str):
-    def compress(tensor):
-        dtype = tensor.dtype
-        if dtype.is_floating and dtype != target:
-            return tf.cast(tensor, target), dtype
-        return tensor, None
-
-    def decompress(tensor, ctx):
-        return tensor if ctx is None else tf.cast(tensor, ctx)
-
-    return type(name, (Compressor,), {"__doc__": doc, "compress": staticmethod(compress),
-                                      "decompress": staticmethod(decompress)})
-
-
-FP16Compressor = _casting(tf.float16, "FP16Compressor",
-                          "Send floating-point tensors as float16 (halves the bytes).")
-BF16Compressor = _casting(tf.bfloat16, "BF16Compressor",
-                          "Send floating-point tensors as bfloat16 (halves the bytes, keeps "
-                          "float32's range).")
+FP16Compressor = casting_compressor("FP16Compressor", FP16_DOC, tf.float16, _is_floating, tf.cast)
+BF16Compressor = casting_compressor("BF16Compressor", BF16_DOC, tf.bfloat16, _is_floating,
+                                    tf.cast)
 
 
 class Compression:
@@ -56,3 +23,6 @@ class Compression:
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+
+
+__all__ = ["BF16Compressor", "Compression", "Compressor", "FP16Compressor", "NoneCompressor"]

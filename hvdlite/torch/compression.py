@@ -4,49 +4,21 @@ from __future__ import annotations
 
 import torch
 
-
-class Compressor:
-    """Interface: ``compress`` returns (tensor to send, context); ``decompress`` undoes it."""
-
-    @staticmethod
-    def compress(tensor: torch.Tensor):
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx):
-        raise NotImplementedError
+from hvdlite.common.core import (BF16_DOC, FP16_DOC, Compressor, NoneCompressor,
+                                 casting_compressor)
 
 
-class NoneCompressor(Compressor):
-    """Send tensors as they are."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
+def _is_floating(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point
 
 
-def _casting(target: torch.dtype, name: str, doc: str):
-    def compress(tensor):
-        if tensor.dtype.is_floating_point and tensor.dtype != target:
-            return tensor.to(target), tensor.dtype
-        return tensor, None
-
-    def decompress(tensor, ctx):
-        return tensor if ctx is None else tensor.to(ctx)
-
-    return type(name, (Compressor,), {"__doc__": doc, "compress": staticmethod(compress),
-                                      "decompress": staticmethod(decompress)})
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(dtype)
 
 
-FP16Compressor = _casting(torch.float16, "FP16Compressor",
-                          "Send floating-point tensors as float16 (halves the bytes).")
-BF16Compressor = _casting(torch.bfloat16, "BF16Compressor",
-                          "Send floating-point tensors as bfloat16 (halves the bytes, keeps "
-                          "float32's range).")
+FP16Compressor = casting_compressor("FP16Compressor", FP16_DOC, torch.float16, _is_floating, _cast)
+BF16Compressor = casting_compressor("BF16Compressor", BF16_DOC, torch.bfloat16, _is_floating,
+                                    _cast)
 
 
 class Compression:
@@ -55,3 +27,6 @@ class Compression:
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+
+
+__all__ = ["BF16Compressor", "Compression", "Compressor", "FP16Compressor", "NoneCompressor"]
