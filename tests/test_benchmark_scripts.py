@@ -33,6 +33,36 @@ def test_allreduce_benchmark_short_run(tmp_path, np_):
         assert "targets:" in job.stdout
 
 
+FRAMEWORK_SHORT = ["--small-count", "6", "--small-kib", "4", "--large-mib", "1",
+                   "--iterations", "10", "--min-iterations", "3", "--time-budget", "0.3",
+                   "--blocks", "2"]
+
+
+@pytest.mark.parametrize("framework,variants", [
+    ("torch", {"torch allreduce (sync)", "torch allreduce_async_",
+               "torch grouped_allreduce_async"}),
+    ("tf", {"tf allreduce (eager)", "tf allreduce in tf.function",
+            "tf grouped_allreduce in tf.function"})])
+def test_framework_benchmark_short_run(tmp_path, framework, variants):
+    """benchmarks/framework_benchmark.py times every adapter variant against raw MPI and
+    checks each one's results against numpy (a wrong result fails the job)."""
+    pytest.importorskip("torch" if framework == "torch" else "tensorflow")
+    out = tmp_path / "result.json"
+    job = run_job(2, [sys.executable, str(REPO / "benchmarks" / "framework_benchmark.py"),
+                      "--framework", framework, *FRAMEWORK_SHORT, "--json", str(out)],
+                  timeout=300)
+    assert not job.timed_out, job.output
+    assert job.returncode == 0, job.output
+    groups = json.loads(out.read_text())["groups"]
+    assert set(groups) == {"lone", "round", "large"}
+    assert groups["round"]["count"] == 6
+    for group in groups.values():
+        names = set(group["variants"])
+        assert "raw MPI (one Allreduce of all the bytes)" in names
+        assert all(v["correct"] and v["iterations"] >= 3 for v in group["variants"].values())
+    assert variants <= set(groups["round"]["variants"])
+
+
 def _run_driver(script: str, args: list[str], timeout: float) -> str:
     """Run a benchmark driver (it launches mpiexec jobs itself) in its own process group, kill
     the whole group if it hangs; return its output, failing the test on a non-zero exit."""
