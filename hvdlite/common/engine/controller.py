@@ -181,11 +181,14 @@ class Controller:
             self._stall_scan_at = min(self._stall_scan_at,
                                       first_due(min(e.submitted_at for e in new_entries), cfg))
         if grouped:   # a group is announced through the cache only if all its members hit
+            seen: set[int] = set()   # each group once: its members are all new entries
             for entry in new_entries:
-                if entry.group is not None and entry.slot is not None and any(
-                        m.slot is None for m in entry.group):
-                    for member in entry.group:
-                        member.slot = None
+                group = entry.group
+                if group is not None and id(group) not in seen:
+                    seen.add(id(group))
+                    if any(m.slot is None for m in group):
+                        for member in group:
+                            member.slot = None
         if self._someone_joined:
             route_unjoinable(self.pending, self.cache)
         now = time.monotonic()

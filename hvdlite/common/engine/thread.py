@@ -136,8 +136,10 @@ class Engine:
         if self._shutdown_requested:
             raise ShutdownError("hvdlite is shutting down; no new operations are accepted.")
         names = [entry.name for entry in entries]
+        repeated = set() if len(set(names)) == len(names) else {   # a set: groups are large
+            name for name in names if names.count(name) > 1}
         for name in names:
-            if name in self._in_flight or names.count(name) > 1:
+            if name in self._in_flight or name in repeated:
                 raise DuplicateNameError(
                     f"A tensor named {name!r} is already in flight on rank {self.rank}. "
                     f"Names must be unique among pending operations: wait for the first one "

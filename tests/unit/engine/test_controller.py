@@ -196,6 +196,42 @@ def test_a_group_fails_as_one_when_a_member_mismatches():
         assert "because of its member 'h.1'" in errors["h.0"]
 
 
+def test_a_cached_group_with_one_changed_member_is_negotiated_again_as_one():
+    """Rounds 0-1 cache a 3-member group; in round 2 one member changes shape on every rank
+    (a cache miss for it, hits for the others): the whole group goes back to the coordinator
+    and is released together, correctly, in that round; round 3 hits the cache again."""
+    def script(rank, rnd):
+        members = grouped(["c.0", "c.1", "c.2"], "c")
+        if rnd >= 2:
+            changed = entry("c.1", shape=(6,), group="c", group_size=3)
+            members = [members[0], changed, members[2]]
+            for m in members:
+                m.group = members
+        return members, False
+    logs, network = run(2, script, rounds=4)
+    for log in logs:
+        for rnd in range(4):
+            assert sorted(log.ready[rnd]) == [("c.0", None, None), ("c.1", None, None),
+                                              ("c.2", None, None)], (rnd, log.ready[rnd])
+    # rank 1 sent full requests in round 0 and again for the changed group in round 2 only
+    assert network.messages_sent[(1, "requests")] == 2
+
+
+def test_duplicate_names_within_one_group_are_refused_before_anything_is_in_flight():
+    """Engine._admit: a group naming one tensor twice raises DuplicateNameError naming it, and
+    none of the group's members stays registered (all or nothing)."""
+    from hvdlite.common.engine.thread import Engine
+    from hvdlite.common.errors import DuplicateNameError
+    engine = Engine.__new__(Engine)   # only the admission state: no communicator, no thread
+    engine._stopped, engine._shutdown_requested, engine._in_flight, engine.rank = None, False, {}, 0
+    members = [entry(f"m.{i}") for i in range(200)] + [entry("m.7")]
+    with pytest.raises(DuplicateNameError, match="'m.7'"):
+        engine._admit(members)
+    assert engine._in_flight == {}
+    engine._admit(members[:200])
+    assert len(engine._in_flight) == 200
+
+
 def test_joined_rank_stands_in_for_reductions_and_join_ends_when_all_joined():
     def script(rank, rnd):
         if rank == 1 and rnd == 0:
