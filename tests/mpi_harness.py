@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
-WORKERS = Path(__file__).resolve().parent / "workers"
+TESTS = Path(__file__).resolve().parent
+WORKERS = TESTS / "workers"
 
 
 def mpiexec_path() -> str:
@@ -68,10 +69,14 @@ class JobResult:
 
 
 def worker_argv(argv: list[str]) -> list[str]:
-    """``argv`` with a leading worker script name (under tests/workers) run by this Python."""
+    """``argv`` with a leading worker script, named by its path under tests/ (such as
+    ``"torch/workers/torch_ops_worker.py"``: each group keeps its workers in its own
+    ``workers/``), run by this Python."""
     first = argv[0]
-    if first.endswith(".py") and not os.path.isabs(first) and (WORKERS / first).exists():
-        return [sys.executable, str(WORKERS / first)] + list(argv[1:])
+    if first.endswith(".py") and not os.path.isabs(first):
+        for where in (TESTS, WORKERS):
+            if (where / first).exists():
+                return [sys.executable, str(where / first)] + list(argv[1:])
     return list(argv)
 
 

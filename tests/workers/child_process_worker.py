@@ -13,7 +13,7 @@ import threading
 import numpy as np
 
 import hvdlite as hvd
-from _report import Reporter
+from tests.workers._report import Reporter
 
 CHILD_TIMEOUT = 60.0   # seconds; a child that hangs fails its case
 

@@ -235,7 +235,7 @@ def non_power_of_two_raises_valueerror(comm) -> None:
 
 
 def main() -> None:
-    from _report import Reporter  # next to this script
+    from tests.workers._report import Reporter
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD

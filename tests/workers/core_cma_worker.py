@@ -27,11 +27,11 @@ import sys
 import numpy as np
 
 import hvdlite as hvd
-from nodes import intranode  # noqa: E402
+from tests.workers.nodes import intranode  # noqa: E402
 from hvdlite.common.runtime import state, registry
 from hvdlite.common.intranode import cma
 from hvdlite.common.intranode import direct as direct_allreduce
-from _report import Reporter
+from tests.workers._report import Reporter
 
 MODE = sys.argv[1]
 

@@ -20,10 +20,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # sibling helpe
 import numpy as np  # noqa: E402
 
 import hvdlite as hvd  # noqa: E402
-from _report import CaseRegistry, pow2  # noqa: E402
-import core_cases as cc  # noqa: E402
+from tests.workers._report import CaseRegistry, pow2  # noqa: E402
+from tests.workers import core_cases as cc  # noqa: E402
 from core_adasum_kernel_worker import adasum_tree, check_close  # noqa: E402
-from core_refs import Expected, allreduce_expected, attempt, check_array, check_exact  # noqa: E402
+from tests.workers.core_refs import (Expected, allreduce_expected, attempt,  # noqa: E402
+                                     check_array, check_exact)
 
 RANK = SIZE = LAST = -1      # set by main() after hvd.init()
 OP = {name: getattr(hvd, name) for name in cc.OPS}
@@ -1136,7 +1137,7 @@ def adasum_not_pow2():
 # -----------------------------------------------------------------------------------------------
 def main() -> None:
     global RANK, SIZE, LAST
-    from _report import Reporter
+    from tests.workers._report import Reporter
     hvd.init()
     RANK, SIZE = hvd.rank(), hvd.size()
     LAST = SIZE - 1

@@ -8,9 +8,9 @@ by the submitting call itself.
 import numpy as np
 
 import hvdlite as hvd
-import core_cases as cc
-from core_refs import allreduce_expected, attempt, check_array, check_exact
-from _report import Reporter
+from tests.workers import core_cases as cc
+from tests.workers.core_refs import allreduce_expected, attempt, check_array, check_exact
+from tests.workers._report import Reporter
 
 hvd.init()
 RANK, SIZE = hvd.rank(), hvd.size()

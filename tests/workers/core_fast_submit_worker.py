@@ -7,8 +7,9 @@ import numpy as np
 
 import hvdlite as hvd
 from hvdlite.common.api import ops
-from core_refs import allreduce_expected, attempt, check_array, check_exact, noncontiguous
-from _report import Reporter
+from tests.workers.core_refs import (allreduce_expected, attempt, check_array, check_exact,
+                                     noncontiguous)
+from tests.workers._report import Reporter
 
 hvd.init()
 RANK, SIZE = hvd.rank(), hvd.size()

@@ -32,8 +32,8 @@ import numpy as np
 from mpi4py import MPI
 
 import hvdlite as hvd
-from core_refs import attempt, check_exact
-from _report import Reporter
+from tests.workers.core_refs import attempt, check_exact
+from tests.workers._report import Reporter
 
 SCENARIO = sys.argv[1]
 hvd.init()

@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import hvdlite as hvd  # noqa: E402
-from _report import Reporter  # noqa: E402
+from tests.workers._report import Reporter  # noqa: E402
 
 SEEDS = [int(s) for s in sys.argv[1].split(",")]
 STEPS = int(sys.argv[2])

@@ -14,8 +14,8 @@ import numpy as np
 from mpi4py import MPI
 
 import hvdlite as hvd
-from core_refs import check_exact
-from _report import Reporter
+from tests.workers.core_refs import check_exact
+from tests.workers._report import Reporter
 
 VARIABLE, VALUE, WHERE = sys.argv[1], sys.argv[2], sys.argv[3]
 RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()

@@ -10,10 +10,10 @@ import numpy as np
 from mpi4py import MPI
 
 import hvdlite as hvd
-import core_cases as cc
-from core_refs import (Expected, allreduce_expected, attempt, check_array, check_exact, digest,
-                       noncontiguous)
-from _report import Reporter
+from tests.workers import core_cases as cc
+from tests.workers.core_refs import (Expected, allreduce_expected, attempt, check_array,
+                                     check_exact, digest, noncontiguous)
+from tests.workers._report import Reporter
 
 hvd.init()
 RANK, SIZE = hvd.rank(), hvd.size()

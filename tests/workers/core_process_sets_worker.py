@@ -88,9 +88,9 @@ if __name__ == "__main__":
     from mpi4py import MPI
 
     import hvdlite as hvd
-    from core_refs import allreduce_expected, attempt, check_array, check_exact
-    from nodes import host_of_rank, intranode, on_one_node
-    from _report import Reporter
+    from tests.workers.core_refs import allreduce_expected, attempt, check_array, check_exact
+    from tests.workers.nodes import host_of_rank, intranode, on_one_node
+    from tests.workers._report import Reporter
 
     MODE = sys.argv[1]
     world = MPI.COMM_WORLD

@@ -12,11 +12,11 @@ import sys
 import numpy as np
 
 import hvdlite as hvd
-from nodes import intranode  # noqa: E402
+from tests.workers.nodes import intranode  # noqa: E402
 from hvdlite.common.runtime import state
 from hvdlite.common.intranode import shm_window as shm_fusion
-from core_refs import allreduce_expected, check_array
-from _report import Reporter
+from tests.workers.core_refs import allreduce_expected, check_array
+from tests.workers._report import Reporter
 
 MODE = sys.argv[1]
 if MODE == "no_space":

@@ -15,10 +15,11 @@ import hvdlite as hvd
 from hvdlite.common.runtime import state
 from hvdlite.common.intranode import direct as direct_allreduce
 from hvdlite.common.memory import result_pool
-import core_cases as cc
-from nodes import host_of_rank, intranode, on_one_node
-from core_refs import allreduce_expected, attempt, check_array, check_exact, noncontiguous
-from _report import Reporter
+from tests.workers import core_cases as cc
+from tests.workers.nodes import host_of_rank, intranode, on_one_node
+from tests.workers.core_refs import (allreduce_expected, attempt, check_array, check_exact,
+                                     noncontiguous)
+from tests.workers._report import Reporter
 
 CONFIG = sys.argv[1]
 hvd.init()

@@ -16,12 +16,12 @@ from collections import defaultdict
 import numpy as np
 
 import hvdlite as hvd
-from nodes import intranode  # noqa: E402
+from tests.workers.nodes import intranode  # noqa: E402
 from hvdlite.common.runtime import state
 from hvdlite.common.runtime import timeline
-from core_refs import attempt
-from core_cases import direct_copies_expected
-from _report import Reporter
+from tests.workers.core_refs import attempt
+from tests.workers.core_cases import direct_copies_expected
+from tests.workers._report import Reporter
 
 MODE = sys.argv[1]
 OUT = os.environ["HVDLITE_TEST_OUT"]

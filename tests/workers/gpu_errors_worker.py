@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # sibling helpe
 import numpy as np  # noqa: E402
 
 import hvdlite as hvd  # noqa: E402
-import gpu_loopback  # noqa: E402
-from core_refs import attempt, check_exact  # noqa: E402
+from tests.workers import gpu_loopback  # noqa: E402
+from tests.workers.core_refs import attempt, check_exact  # noqa: E402
 from hvdlite.common.runtime import state
 from hvdlite.common.gpu import cuda
 from hvdlite.common.api import grouped
@@ -207,7 +207,7 @@ for _kind in KINDS:
 
 def main() -> None:
     global RANK, SIZE, RT
-    from _report import Reporter
+    from tests.workers._report import Reporter
     RT = ErrorsLoopback(nccl=False)
     cuda.set_runtime_for_tests(RT)
     hvd.init()

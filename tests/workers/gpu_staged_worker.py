@@ -30,10 +30,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # sibling helpe
 import numpy as np  # noqa: E402
 
 import hvdlite as hvd  # noqa: E402
-from _report import CaseRegistry, pow2  # noqa: E402
-import core_cases as cc  # noqa: E402
-import gpu_loopback  # noqa: E402
-from core_refs import Expected, allreduce_expected, attempt, check_array, check_exact  # noqa: E402
+from tests.workers._report import CaseRegistry, pow2  # noqa: E402
+from tests.workers import core_cases as cc  # noqa: E402
+from tests.workers import gpu_loopback  # noqa: E402
+from tests.workers.core_refs import (Expected, allreduce_expected, attempt,  # noqa: E402
+                                     check_array, check_exact)
 from hvdlite.common.runtime import state
 from hvdlite.common.gpu import cuda
 from hvdlite.common.api import grouped
@@ -910,7 +911,7 @@ def shutdown_then_reinit():
 def main() -> None:
     global RANK, SIZE, RT, PSET
     from mpi4py import MPI
-    from _report import Reporter
+    from tests.workers._report import Reporter
     RT = StagedLoopback()
     cuda.set_runtime_for_tests(RT)   # before init: the engine must only ever see the loopback
     world = MPI.COMM_WORLD.Get_size()

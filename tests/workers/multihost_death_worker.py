@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 import hvdlite as hvd
-from _report import Reporter
+from tests.workers._report import Reporter
 
 HOW, VICTIM = sys.argv[1], int(sys.argv[2])
 hvd.init()

@@ -49,8 +49,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 
-import core_cases as cc  # noqa: E402
-from core_refs import allreduce_expected, attempt, check_array, check_exact, digest  # noqa: E402
+from tests.workers import core_cases as cc  # noqa: E402
+from tests.workers.core_refs import (allreduce_expected, attempt, check_array,  # noqa: E402
+                                     check_exact, digest)
 
 KINDS = ("single", "fused", "mid_single", "big_fused", "big_single")
 # bytes of each kind's tensors: (several, for fused kinds) odd counts of elements
@@ -91,7 +92,7 @@ if __name__ == "__main__":
 
     import hvdlite as hvd
     from hvdlite.common.runtime import registry
-    from _report import Reporter
+    from tests.workers._report import Reporter
 
     EXPECT = json.loads(os.environ["HVDLITE_TEST_EXPECT"])
     HOSTS = [list(h) for h in EXPECT["hosts"]]

@@ -7,9 +7,9 @@ import time
 import numpy as np
 
 import hvdlite as hvd
-from nodes import intranode  # noqa: E402
+from tests.workers.nodes import intranode  # noqa: E402
 from hvdlite.common.runtime import registry
-from _report import Reporter
+from tests.workers._report import Reporter
 
 HOST_SETS = [hvd.ProcessSet([0, 1]), hvd.ProcessSet([2, 3])]
 hvd.init(process_sets=HOST_SETS)

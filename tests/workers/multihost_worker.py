@@ -21,11 +21,11 @@ import numpy as np
 from mpi4py import MPI
 
 import hvdlite as hvd
-from nodes import intranode  # noqa: E402
+from tests.workers.nodes import intranode  # noqa: E402
 from hvdlite.common.runtime import registry
-import core_cases as cc
-from core_refs import allreduce_expected, check_array
-from _report import Reporter
+from tests.workers import core_cases as cc
+from tests.workers.core_refs import allreduce_expected, check_array
+from tests.workers._report import Reporter
 
 EXPECT = json.loads(os.environ["HVDLITE_TEST_EXPECT"])
 SETS = {name: hvd.ProcessSet(ranks) for name, (ranks, _) in EXPECT["sets"].items()

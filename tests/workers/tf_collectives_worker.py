@@ -19,7 +19,7 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 
 import hvdlite.tensorflow as hvd  # noqa: E402
 import hvdlite.tensorflow.keras as hvdk  # noqa: E402
-from _report import Reporter  # noqa: E402
+from tests.workers._report import Reporter  # noqa: E402
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "main"
 

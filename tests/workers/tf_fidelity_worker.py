@@ -22,7 +22,7 @@ from mpi4py import MPI  # noqa: E402
 
 import hvdlite.tensorflow as hvd  # noqa: E402
 import hvdlite.tensorflow.keras as hvdk  # noqa: E402
-from _report import Reporter  # noqa: E402
+from tests.workers._report import Reporter  # noqa: E402
 from tf_fidelity_cases import (CASES, GRAPH_BUILD_MODES, GRAD_CASES, MODES,  # noqa: E402
                                SPARSE_CASES)
 

@@ -24,7 +24,7 @@ from hvdlite.common import core as core_ops  # noqa: E402 - the door the adapter
 import hvdlite.tensorflow as hvd  # noqa: E402
 import hvdlite.tensorflow.keras as hvdk  # noqa: E402
 from hvdlite.tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: E402
-from _report import Reporter  # noqa: E402
+from tests.workers._report import Reporter  # noqa: E402
 from tf_syncbn_cases import cases_for  # noqa: E402
 
 hvd.init()

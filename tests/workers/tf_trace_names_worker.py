@@ -25,7 +25,7 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 
 import hvdlite.tensorflow as hvd  # noqa: E402
 from hvdlite.common import core  # noqa: E402
-from _report import Reporter  # noqa: E402
+from tests.workers._report import Reporter  # noqa: E402
 from tf_trace_names_cases import CASES, EXPECTED, SET_RANKS  # noqa: E402
 
 PAIR = hvd.ProcessSet(list(SET_RANKS))

@@ -26,7 +26,7 @@ import keras  # noqa: E402
 
 import hvdlite.tensorflow as hvd  # noqa: E402
 import hvdlite.tensorflow.keras as hvdk  # noqa: E402
-from _report import Reporter  # noqa: E402
+from tests.workers._report import Reporter  # noqa: E402
 from tf_training_cases import CASES  # noqa: E402
 
 hvd.init()

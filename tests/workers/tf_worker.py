@@ -17,7 +17,7 @@ import ml_dtypes  # noqa: E402
 
 import hvdlite.tensorflow as hvd  # noqa: E402
 import hvdlite.tensorflow.keras as hvdk  # noqa: E402
-from _report import Reporter  # noqa: E402
+from tests.workers._report import Reporter  # noqa: E402
 from tf_cases import DTYPES, KINDS, OTHER_CASES  # noqa: E402
 
 hvd.init()

@@ -2,7 +2,7 @@
 import numpy as np
 
 import hvdlite as hvd
-from _report import Reporter
+from tests.workers._report import Reporter
 
 r = Reporter(int(__import__("os").environ.get("PMI_RANK", "0")))
 

@@ -325,7 +325,7 @@ FLOAT_TOL = {  # (rtol, atol) for results that involve rounding
 
 def synced_reporter(rank: int, comm):
     """A ``_report.Reporter`` whose ``case`` ends with an mpi4py barrier on ``comm``."""
-    from _report import Reporter
+    from tests.workers._report import Reporter
 
     class SyncedReporter(Reporter):
         def case(self, name, fn, *args, **kwargs):

@@ -15,7 +15,7 @@ torch.set_num_threads(1)
 
 import hvdlite.torch as hvd  # noqa: E402
 from hvdlite.common.runtime import state
-from _report import Reporter  # noqa: E402
+from tests.workers._report import Reporter  # noqa: E402
 
 hvd.init()
 RANK, SIZE = hvd.rank(), hvd.size()
