@@ -1,7 +1,7 @@
 """The cross-memory attach binding (hvdlite/common/intranode/cma.py) between two real processes:
 this
 test and a child it starts (the multi-rank behaviour is tested under mpiexec in
-tests/test_core_cma.py and by steady.large_single)."""
+tests/core/test_cma.py and by steady.large_single)."""
 import errno
 import os
 import subprocess
@@ -179,7 +179,7 @@ def test_nearest_common_ancestor(lineages, common):
 
 def test_one_declaration_for_every_process_set(monkeypatch):
     """The bookkeeping behind each rank's prctl(PR_SET_PTRACER) (pure logic: the calls are
-    recorded; tests/test_core_cma.py runs it under mpiexec)."""
+    recorded; tests/core/test_cma.py runs it under mpiexec)."""
     from hvdlite.common.intranode import direct as da
     calls = []
     monkeypatch.setattr(da.cma, "allow_tracer", calls.append)

@@ -2,7 +2,7 @@
 check, the lazy CuPy/NCCL probes and their error messages, nccl_built()/cuda_built(), the
 one-GPU-per-process claim, submission checks (ops.make_entry with a stand-in engine), the
 host-staged backend's copies around a stand-in MPI backend, and the GPU completion thread.
-Multi-rank behaviour under real MPI is in tests/test_gpu_staged.py.
+Multi-rank behaviour under real MPI is in tests/core/test_gpu_staged.py.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Pure logic of the shared-memory fusion path: how elements are split into the ranks' shares,
 how a result held as pieces is scattered into the outputs, and which numpy ufunc stands in for
 each MPI reduction.  The multi-rank behaviour is tested under mpiexec in
-tests/test_core_ops.py (steady.shared_fusion)."""
+tests/core/test_ops.py (steady.shared_fusion)."""
 import numpy as np
 import pytest
 

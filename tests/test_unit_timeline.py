@@ -1,6 +1,6 @@
 """Timeline recording and file format (hvdlite/common/runtime/timeline.py), in one process: what the
 engine's calls turn into, the JSON written, and start/stop.  The multi-rank behaviour (rank 0
-only, real negotiation and backends) is tests/test_core_timeline.py."""
+only, real negotiation and backends) is tests/core/test_timeline.py."""
 import json
 
 import pytest

@@ -6,7 +6,7 @@
   not mix (a set's result differs from the other set's).
 * Adasum (power-of-two jobs): plain SGD, so the update is lr * Adasum(per-rank gradients) per
   parameter tensor; the reference recomputes every rank's gradient locally and combines them
-  with the numpy Adasum tree (tests/workers/core_adasum_kernel_worker.py).
+  with the numpy Adasum tree (tests/core/workers/core_adasum_kernel_worker.py).
 * At a non-power-of-two size, op=Adasum is refused when the optimizer is built.
 """
 import copy

@@ -1,6 +1,6 @@
 """Jobs that are meant to go wrong: a rank dies or stalls while the others wait on it.
 
-Each scenario is one real mpiexec launch of tests/workers/core_fault_worker.py under a timeout
+Each scenario is one real mpiexec launch of tests/core/workers/core_fault_worker.py under a timeout
 (shared by the tests of that scenario).  Ranks may be missing from ``results`` (a rank that died
 writes nothing after it died), so survivors are recognised by the cases they report.
 """
@@ -23,7 +23,7 @@ ENVS = {"stall_warn": STALL_WARN_ENV, "stall_shutdown": STALL_SHUTDOWN_ENV,
 @functools.lru_cache(maxsize=None)
 def launch(scenario: str, np_: int, odd: int, extra_env: tuple = ()):
     start = time.monotonic()
-    job = run_job(np_, ["core_fault_worker.py", scenario, str(odd)], timeout=60,
+    job = run_job(np_, ["core/workers/core_fault_worker.py", scenario, str(odd)], timeout=60,
                   env={**ENVS.get(scenario, {}), **dict(extra_env)})
     return job, time.monotonic() - start
 

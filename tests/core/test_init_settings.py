@@ -1,6 +1,6 @@
 """An invalid HVDLITE_*/HOROVOD_* setting (or a timeline file rank 0 cannot write) makes
 hvd.init() raise on every rank, under real MPI launches at 2 and 3 ranks, instead of leaving
-the ranks with valid settings waiting for ever (tests/workers/core_init_settings_worker.py)."""
+the ranks with valid settings waiting for ever (tests/core/workers/core_init_settings_worker.py)."""
 import pytest
 
 from tests.mpi_harness import run_job
@@ -25,7 +25,8 @@ CASES = [   # variable, invalid value, which ranks have it ("all", or one rank; 
 @pytest.mark.parametrize("np_", [2, 3])
 @pytest.mark.parametrize("variable,value,where", CASES)
 def test_invalid_setting_raises_on_every_rank(np_, variable, value, where):
-    job = run_job(np_, ["core_init_settings_worker.py", variable, value, where], timeout=60)
+    job = run_job(np_, ["core/workers/core_init_settings_worker.py", variable, value, where],
+                  timeout=60)
     assert not job.timed_out, f"hung instead of raising\n{job.output}"
     assert job.returncode == 0, job.output
     assert len(job.results) == np_, job.output

@@ -6,7 +6,7 @@ the kernel and compares; within a case the kernel and the cross-rank gather of r
 always issued, and checked afterwards, so one rank's failed check never leaves the others waiting.
 
 Importable without MPI: the reference (``adasum_pair``, ``adasum_tree``) and the case lists are
-also used by tests/test_core_adasum_kernel.py.
+also used by tests/core/test_adasum_kernel.py.
 """
 from __future__ import annotations
 

@@ -1,18 +1,18 @@
 """The GPU data path without a GPU, under real MPI launches (2 and 3 ranks).
 
-tests/workers/gpu_staged_worker.py runs the host-staged backend (HVDLITE_GPU_OPERATIONS=mpi) over
-the loopback runtime (tests/workers/gpu_loopback.py): every collective, op and dtype on "device"
-arrays against numpy references, fusion of device entries, join, grouped operations, process
-sets, CPU-vs-GPU mismatches and the one-GPU-per-process check.  tests/workers/gpu_errors_worker.py
-runs with the default HVDLITE_GPU_OPERATIONS (nccl) where NCCL (or CuPy) is missing: GPU tensors
-fail at submission with an error saying what to do, and CPU work goes on.  One launch per rank
-count and worker; each case is its own test here.
+tests/core/workers/gpu_staged_worker.py runs the host-staged backend (HVDLITE_GPU_OPERATIONS=mpi)
+over the loopback runtime (tests/workers/gpu_loopback.py): every collective, op and dtype on
+"device" arrays against numpy references, fusion of device entries, join, grouped operations,
+process sets, CPU-vs-GPU mismatches and the one-GPU-per-process check.
+tests/core/workers/gpu_errors_worker.py runs with the default HVDLITE_GPU_OPERATIONS (nccl) where
+NCCL (or CuPy) is missing: GPU tensors fail at submission with an error saying what to do, and CPU
+work goes on.  One launch per rank count and worker; each case is its own test here.
 """
 import pytest
 
 from tests.mpi_harness import (STALL_SAFETY_NET_ENV, assert_case_passed,
                                assert_every_case_reported)
-from tests.workers import gpu_errors_worker, gpu_staged_worker
+from tests.core.workers import gpu_errors_worker, gpu_staged_worker
 
 TIMEOUT = 240   # generous: the test machine is small and shared
 STAGED_ENV = {"HVDLITE_GPU_OPERATIONS": "mpi", **STALL_SAFETY_NET_ENV}
@@ -27,11 +27,13 @@ JOBS = {"np2": (2, {}), "np3": (3, {}),
 
 def _staged(mpi_job, job):
     np_, extra = JOBS[job]
-    return mpi_job(np_, ["gpu_staged_worker.py"], timeout=TIMEOUT, env={**STAGED_ENV, **extra})
+    return mpi_job(np_, ["core/workers/gpu_staged_worker.py"], timeout=TIMEOUT,
+                   env={**STAGED_ENV, **extra})
 
 
 def _errors(mpi_job):
-    return mpi_job(ERRORS_NP, ["gpu_errors_worker.py"], timeout=TIMEOUT, env=STALL_SAFETY_NET_ENV)
+    return mpi_job(ERRORS_NP, ["core/workers/gpu_errors_worker.py"], timeout=TIMEOUT,
+                   env=STALL_SAFETY_NET_ENV)
 
 
 @pytest.mark.parametrize("job,case", [pytest.param(j, c, id=f"{j}-{c}") for j in JOBS

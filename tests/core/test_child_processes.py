@@ -1,5 +1,5 @@
 """Processes that a rank starts (forked, spawned, forkserver children; PyTorch DataLoader
-workers) under real MPI launches at 2 and 3 ranks (tests/workers/child_process_worker.py), and
+workers) under real MPI launches at 2 and 3 ranks (tests/core/workers/child_process_worker.py), and
 the pure logic that recognises a spawned child of a rank."""
 import sys
 import textwrap
@@ -18,7 +18,7 @@ CASES = ["fork.queries_work", "fork.collectives_refused", "fork.shutdown_then_in
 
 
 def _job(mpi_job, np_):
-    return mpi_job(np_, ["child_process_worker.py"], timeout=TIMEOUT)
+    return mpi_job(np_, ["core/workers/child_process_worker.py"], timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize("np_", NP_VALUES)

@@ -1,9 +1,9 @@
 """Randomized mixed collectives under real MPI launches (2 and 3 ranks), in several engine
 configurations: random operations, names, orders, timings, threads and process sets, each
-result checked against numpy (see tests/workers/core_fuzz_worker.py).
+result checked against numpy (see tests/core/workers/core_fuzz_worker.py).
 
 The seeds are fixed, so a failure reproduces: rerun the worker by hand with the seed and flags
-of the failing case, e.g. ``mpiexec -n 3 python tests/workers/core_fuzz_worker.py 4 25
+of the failing case, e.g. ``mpiexec -n 3 python tests/core/workers/core_fuzz_worker.py 4 25
 --sets`` with the configuration's environment.
 """
 import pytest
@@ -28,7 +28,7 @@ NP_VALUES = (2, 3)
 
 def _job(mpi_job, np_, config):
     env, flags, seeds = CONFIGS[config]
-    argv = ["core_fuzz_worker.py", ",".join(map(str, seeds)), str(STEPS), *flags]
+    argv = ["core/workers/core_fuzz_worker.py", ",".join(map(str, seeds)), str(STEPS), *flags]
     return mpi_job(np_, argv, timeout=TIMEOUT, env=env)
 
 

@@ -1,7 +1,7 @@
 """Process sets in the framework-neutral numpy API under real MPI launches (2, 3 and 4 ranks).
 
-One launch of tests/workers/core_process_sets_worker.py per (mode, rank count) runs every case of
-that mode; each case is its own test here.  Modes differ in how sets are enabled (static at init,
+One launch of tests/core/workers/core_process_sets_worker.py per (mode, rank count) runs every case
+of that mode; each case is its own test here.  Modes differ in how sets are enabled (static at init,
 HVDLITE_/HOROVOD_DYNAMIC_PROCESS_SETS, init(process_sets="dynamic")), so each is its own job.
 Stalled operations become errors after HVDLITE_STALL_SHUTDOWN_TIME_SECONDS, and the worker writes
 its report after every case, so a hang shows up as the failure of the case that hung.
@@ -9,7 +9,7 @@ its report after every case, so a hang shows up as the failure of the case that 
 import pytest
 
 from tests.mpi_harness import STALL_SAFETY_NET_ENV, case_failures, check_job
-from tests.workers.core_process_sets_worker import cases
+from tests.core.workers.core_process_sets_worker import cases
 
 MODES = {   # mode -> (environment, rank counts)
     "static": ({}, (2, 3, 4)),
@@ -21,7 +21,7 @@ TIMEOUT = 240
 
 
 def _job(mpi_job, mode, np_):
-    return mpi_job(np_, ["core_process_sets_worker.py", mode], timeout=TIMEOUT,
+    return mpi_job(np_, ["core/workers/core_process_sets_worker.py", mode], timeout=TIMEOUT,
                    env={**STALL_SAFETY_NET_ENV, **MODES[mode][0]})
 
 

@@ -6,7 +6,7 @@ from tests.mpi_harness import assert_case_passed, assert_every_case_reported
 from tests.workers import core_cases as cc
 
 CASES = ("fast.taken", "fast.checks", "fast.mismatch")
-WORKER = ["core_fast_submit_worker.py"]
+WORKER = ["core/workers/core_fast_submit_worker.py"]
 
 
 @pytest.mark.parametrize("np_", cc.NP_VALUES)

@@ -1,6 +1,6 @@
 """hvd.join(): ranks that ran out of data while the others keep reducing, on every rank.
 
-Run under ``mpiexec`` at 2, 3 and 4 ranks (tests/test_core_join.py).  A joined rank takes part in
+Run under ``mpiexec`` at 2, 3 and 4 ranks (tests/core/test_join.py).  A joined rank takes part in
 the other ranks' allreduces with the reduction's identity (zeros for Sum/Average, so Average
 still divides by the full number of ranks; +inf/max for Min, -inf/min for Max, 1 for Product);
 every other operation fails on the submitting ranks while some rank is joined; join() returns the

@@ -1,6 +1,6 @@
 """The Adasum kernel: its numpy reference, the argument checks, and real MPI runs at 2, 3, 4 ranks.
 
-The multi-rank cases run in one launch of tests/workers/core_adasum_kernel_worker.py per rank
+The multi-rank cases run in one launch of tests/core/workers/core_adasum_kernel_worker.py per rank
 count; each case is its own test here.
 """
 import numpy as np
@@ -8,8 +8,8 @@ import pytest
 
 from hvdlite.common.backends.adasum import adasum_allreduce_, check_adasum_size
 from tests.mpi_harness import assert_case_passed
-from tests.workers.core_adasum_kernel_worker import (NP_BAD, NP_POW2, adasum_pair, adasum_reference,
-                                                     adasum_tree, cases_for)
+from tests.core.workers.core_adasum_kernel_worker import (NP_BAD, NP_POW2, adasum_pair,
+                                                          adasum_reference, adasum_tree, cases_for)
 
 rng = np.random.default_rng(7)
 
@@ -118,5 +118,5 @@ def _params():
 
 @pytest.mark.parametrize("np_,case", _params())
 def test_kernel_under_mpi(mpi_job, np_, case):
-    job = mpi_job(np_, ["core_adasum_kernel_worker.py"], timeout=120)
+    job = mpi_job(np_, ["core/workers/core_adasum_kernel_worker.py"], timeout=120)
     assert_case_passed(job, np_, case)

@@ -1,7 +1,7 @@
 """GPU tensors where the GPU data path they need is missing, under a real MPI launch.
 
-Run under ``mpiexec`` at 2 ranks (tests/test_gpu_staged.py) with HVDLITE_GPU_OPERATIONS unset, so
-GPU tensors go to NCCL (the default).  The loopback runtime (gpu_loopback.py) stands in for CUDA
+Run under ``mpiexec`` at 2 ranks (tests/core/test_gpu_staged.py) with HVDLITE_GPU_OPERATIONS unset,
+so GPU tensors go to NCCL (the default).  The loopback runtime (gpu_loopback.py) stands in for CUDA
 without NCCL.  Every failure must happen at submission, on every rank, before anything is in
 flight (so nothing waits on a peer and the same name can be used again at once), with a message
 that says what to do; CPU operations keep working afterwards.  Also: with the real runtime

@@ -1,6 +1,6 @@
 """alltoall, reducescatter, grouped ops and op-level Adasum against numpy references, on every rank.
 
-Run under ``mpiexec`` at 2, 3 and 4 ranks (tests/test_core_collectives.py).  Each rank
+Run under ``mpiexec`` at 2, 3 and 4 ranks (tests/core/test_collectives.py).  Each rank
 regenerates every rank's input from the case name (core_cases.op_input / rng_for), so it computes
 the expected result of every collective locally with numpy: exactly for integers, bool and
 exactly-representable float inputs, within a few roundings otherwise (core_refs.allreduce_expected).

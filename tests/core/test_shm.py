@@ -13,4 +13,5 @@ from tests.workers import core_cases as cc
     ("reinit", "shm.reinit_gets_a_new_window"),
 ])
 def test_shared_fusion_window(mpi_job, np_, mode, case):
-    assert_case_passed(mpi_job(np_, ["core_shm_worker.py", mode], timeout=90), np_, case)
+    assert_case_passed(mpi_job(np_, ["core/workers/core_shm_worker.py", mode], timeout=90), np_,
+                       case)

@@ -1,19 +1,19 @@
 """hvd.join() under real MPI launches (2, 3, 4 ranks): joined ranks contribute the identity to
 the others' allreduces, other operations fail clearly while a rank is joined, and join() returns
-the last rank to join (tests/workers/core_join_worker.py).  Each case is its own test here, and
+the last rank to join (tests/core/workers/core_join_worker.py).  Each case is its own test here, and
 one more test per rank count checks that every rank reported exactly the expected cases.
 """
 import pytest
 
 from tests.mpi_harness import assert_case_passed, assert_every_case_reported
-from tests.workers.core_join_worker import cases_for
+from tests.core.workers.core_join_worker import cases_for
 
 NP_VALUES = (2, 3, 4)
 TIMEOUT = 240   # generous: the test machine is small and shared
 
 
 def _job(mpi_job, np_):
-    return mpi_job(np_, ["core_join_worker.py"], timeout=TIMEOUT)
+    return mpi_job(np_, ["core/workers/core_join_worker.py"], timeout=TIMEOUT)
 
 
 def _params():

@@ -1,7 +1,7 @@
 """The GPU data path's host-staged backend (HVDLITE_GPU_OPERATIONS=mpi) under real MPI launches,
 without a GPU: "device" arrays are numpy arrays handled by a loopback runtime (gpu_loopback.py).
 
-Run under ``mpiexec`` at 2 and 3 ranks (tests/test_gpu_staged.py), which sets
+Run under ``mpiexec`` at 2 and 3 ranks (tests/core/test_gpu_staged.py), which sets
 HVDLITE_GPU_OPERATIONS=mpi.  The loopback is installed before ``hvd.init()``; every rank's
 "GPU" is cuda:<rank> (different indices on different ranks, the normal one-GPU-per-rank layout),
 and arrays are submitted through ``hvdlite.common.api.ops.submit(..., device=0)`` (the device
