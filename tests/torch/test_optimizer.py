@@ -2,14 +2,14 @@
 
 Each case trains a small MLP on per-rank shards and checks that parameters are bitwise identical
 on every rank and match a single-process reference trained on the full batch inside the worker
-(see tests/workers/torch_optimizer_worker.py).
+(see tests/torch/workers/torch_optimizer_worker.py).
 """
 import pytest
 
 from tests.mpi_harness import STALL_SAFETY_NET_ENV
-from tests.workers import torch_cases as C
+from tests.torch.workers import torch_cases as C
 
-WORKER = "torch_optimizer_worker.py"
+WORKER = "torch/workers/torch_optimizer_worker.py"
 TIMEOUT = 240
 
 
@@ -36,15 +36,15 @@ def test_distributed_optimizer(mpi_job, np, case, buckets):
 
 @pytest.mark.parametrize("np", [1, 2, 3])
 def test_backward_streams_gradients_in_few_rounds(mpi_job, np):
-    """tests/workers/torch_stream_worker.py: streams close after every step, ranks agree, and
+    """tests/torch/workers/torch_stream_worker.py: streams close after every step, ranks agree, and
     at one rank the gradients take a few negotiation rounds per step, not one each."""
-    job = mpi_job(np, ["torch_stream_worker.py"], timeout=TIMEOUT,
+    job = mpi_job(np, ["torch/workers/torch_stream_worker.py"], timeout=TIMEOUT,
                   env={"HVDLITE_CYCLE_TIME": "100"})
     C.check_case(job, np, "streams_close_and_ranks_agree")
 
 
 @pytest.mark.parametrize("np", [1, 2, 3])
 def test_zero_grad_closes_an_unfinished_gradient_stream(mpi_job, np):
-    job = mpi_job(np, ["torch_stream_worker.py"], timeout=TIMEOUT,
+    job = mpi_job(np, ["torch/workers/torch_stream_worker.py"], timeout=TIMEOUT,
                   env={"HVDLITE_CYCLE_TIME": "100"})
     C.check_case(job, np, "zero_grad_closes_an_unfinished_stream")

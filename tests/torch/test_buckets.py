@@ -1,15 +1,15 @@
 """DistributedOptimizer's gradient buckets under real MPI launches at 2 and 3 ranks.
 
-The worker (tests/workers/torch_buckets_worker.py) runs with a 2 KiB bucket cap so that its small
-models fill several buckets; tests/test_torch_optimizer.py runs every optimizer case both with
+The worker (tests/torch/workers/torch_buckets_worker.py) runs with a 2 KiB bucket cap so that its
+small models fill several buckets; tests/torch/test_optimizer.py runs every optimizer case both with
 the default buckets and with buckets off.
 """
 import pytest
 
 from tests.mpi_harness import STALL_SAFETY_NET_ENV
-from tests.workers import torch_cases as C
+from tests.torch.workers import torch_cases as C
 
-WORKER = "torch_buckets_worker.py"
+WORKER = "torch/workers/torch_buckets_worker.py"
 TIMEOUT = 240
 ENV = {**STALL_SAFETY_NET_ENV, "HVDLITE_GRADIENT_BUCKET_MB": "0.002"}
 

@@ -12,16 +12,16 @@ a failed check on one rank never leaves the others waiting (and the job runs wit
 and a barrier after every case, see ``torch_cases.synced_reporter``).
 
 Importable without MPI or torch: the case lists (``main_cases``, ``pset_cases``) are used by
-tests/test_torch_collectives.py to parametrize.
+tests/torch/test_collectives.py to parametrize.
 """
 from __future__ import annotations
 
 import sys
 import time
 
-try:                                      # imported by pytest as tests.workers.<this module>
+try:                                      # imported by pytest as tests.torch.workers.<this module>
     from . import torch_cases as C
-except ImportError:                       # run as a script: tests/workers is on sys.path
+except ImportError:                       # run as a script: its own directory is on sys.path
     import torch_cases as C
 
 NP_MAIN = (2, 3, 4)
@@ -209,7 +209,7 @@ def _setup(mode: str) -> None:
     torch.set_num_threads(1)
     import hvdlite.torch as hvd
     from mpi4py import MPI
-    import core_adasum_kernel_worker as ada   # the numpy Adasum tree reference
+    from tests.core.workers import core_adasum_kernel_worker as ada   # numpy Adasum reference
 
     SET_RANKS = pset_ranks(MPI.COMM_WORLD.Get_size()) if mode == "psets" else []
     SETS = [hvd.ProcessSet(ranks) for ranks in SET_RANKS]
@@ -1986,7 +1986,7 @@ def run_adasum():
 # =================================================================================================
 def validation_case(case):
     """The new ops reject what the adapter does not support with the same clear errors as
-    allreduce/allgather/broadcast (tests/workers/torch_errors_worker.py), before anything is
+    allreduce/allgather/broadcast (tests/torch/workers/torch_errors_worker.py), before anything is
     sent; the next op works."""
     _, op, kind = case.split(".")
     rows = 2 * SIZE

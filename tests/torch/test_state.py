@@ -3,14 +3,14 @@ real MPI launches (2 and 3 ranks).
 
 Ranks start with different parameters, hyper-parameters and (possibly missing) optimizer state;
 after broadcasting from root 0 or 1 every rank must hold exactly the root's state (rebuilt locally
-as the reference) and keep training identically (see tests/workers/torch_state_worker.py).
+as the reference) and keep training identically (see tests/torch/workers/torch_state_worker.py).
 """
 import pytest
 
 from tests.mpi_harness import STALL_SAFETY_NET_ENV
-from tests.workers import torch_cases as C
+from tests.torch.workers import torch_cases as C
 
-WORKER = "torch_state_worker.py"
+WORKER = "torch/workers/torch_state_worker.py"
 TIMEOUT = 240
 
 

@@ -1,21 +1,22 @@
 """hvdlite.torch's alltoall, reducescatter, grouped ops, join, process sets and Adasum under real
 MPI launches (2, 3 and 4 ranks).
 
-One launch per (mode, rank count) runs every case (see tests/workers/torch_collectives_worker.py):
-"main" covers the global process set (alltoall: every dtype, even/uneven splits as list and
-tensor, non-contiguous, async, autograd; reducescatter: every op x dtype x row split, scaling,
-async, autograd; grouped allreduce/allgather/reducescatter incl. mismatches; join with
-DistributedOptimizer and uneven steps; Adasum against the numpy tree reference), "psets" runs
-every op on static process sets plus the ValueError of non-members.  Each rank checks the results
-against its own torch/numpy reference built from every rank's deterministic input.
+One launch per (mode, rank count) runs every case (see
+tests/torch/workers/torch_collectives_worker.py): "main" covers the global process set (alltoall:
+every dtype, even/uneven splits as list and tensor, non-contiguous, async, autograd; reducescatter:
+every op x dtype x row split, scaling, async, autograd; grouped allreduce/allgather/reducescatter
+incl. mismatches; join with DistributedOptimizer and uneven steps; Adasum against the numpy tree
+reference), "psets" runs every op on static process sets plus the ValueError of non-members.  Each
+rank checks the results against its own torch/numpy reference built from every rank's deterministic
+input.
 """
 import pytest
 
 from tests.mpi_harness import STALL_SAFETY_NET_ENV
-from tests.workers import torch_cases as C
-from tests.workers import torch_collectives_worker as W
+from tests.torch.workers import torch_cases as C
+from tests.torch.workers import torch_collectives_worker as W
 
-WORKER = "torch_collectives_worker.py"
+WORKER = "torch/workers/torch_collectives_worker.py"
 TIMEOUT = 240
 
 MODES = {"main": (W.NP_MAIN, W.main_cases), "psets": (W.NP_PSETS, W.pset_cases)}

@@ -1,10 +1,10 @@
 """DistributedOptimizer(process_set=...) and DistributedOptimizer(op=Adasum) under real MPI
-launches at 2, 3 and 4 ranks (see tests/workers/torch_optimizer_sets_worker.py)."""
+launches at 2, 3 and 4 ranks (see tests/torch/workers/torch_optimizer_sets_worker.py)."""
 import pytest
 
 from tests.mpi_harness import case_failures, check_job
 
-WORKER = "torch_optimizer_sets_worker.py"
+WORKER = "torch/workers/torch_optimizer_sets_worker.py"
 CASES = ["process_set_training", "non_member_local_optimizer", "adasum_training"]
 
 

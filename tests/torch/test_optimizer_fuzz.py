@@ -1,15 +1,15 @@
 """DistributedOptimizer in randomly drawn configurations (fixed seeds) at 2 and 3 ranks, each
 against a single-process reference built from every rank's gradients; ranks use random
 subsets of the model, so gradients are missing on some ranks, on all, or the first time a
-sparse embedding is reduced (see tests/workers/torch_optimizer_fuzz_worker.py, whose
+sparse embedding is reduced (see tests/torch/workers/torch_optimizer_fuzz_worker.py, whose
 ``draw_config(seed)`` shows each seed's configuration)."""
 import pytest
 
 from tests.mpi_harness import STALL_SAFETY_NET_ENV
-from tests.workers import torch_cases as C
+from tests.torch.workers import torch_cases as C
 
 SEEDS = list(range(12))   # cover sparse embeddings, closures, clipping, groups, fp16, bpps 2
-WORKER = "torch_optimizer_fuzz_worker.py"
+WORKER = "torch/workers/torch_optimizer_fuzz_worker.py"
 TIMEOUT = 300
 
 

@@ -21,7 +21,7 @@ import hvdlite.torch as hvd
 import hvdlite.torch.sync_batch_norm as sbn_module
 from hvdlite.torch import autograd
 from hvdlite.torch.sync_batch_norm import SyncBatchNorm
-from tests.test_torch_syncbn import SYNCBN_CASES
+from tests.torch.test_syncbn import SYNCBN_CASES
 
 hvd.init()
 from mpi4py import MPI

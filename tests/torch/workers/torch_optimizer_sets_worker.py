@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hvdlite.torch as hvd
-import core_adasum_kernel_worker as ada
+from tests.core.workers import core_adasum_kernel_worker as ada
 import torch_cases as C
 
 torch.set_num_threads(1)

@@ -1,12 +1,12 @@
 """hvdlite.torch error handling under real MPI launches (2 and 3 ranks): every rank must raise the
 documented exception, and a collective right after it must still work
-(see tests/workers/torch_errors_worker.py)."""
+(see tests/torch/workers/torch_errors_worker.py)."""
 import pytest
 
 from tests.mpi_harness import STALL_SAFETY_NET_ENV
-from tests.workers import torch_cases as C
+from tests.torch.workers import torch_cases as C
 
-WORKER = "torch_errors_worker.py"
+WORKER = "torch/workers/torch_errors_worker.py"
 TIMEOUT = 240
 
 

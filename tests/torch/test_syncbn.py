@@ -2,14 +2,14 @@
 
 Every rank feeds its own, differently sized batch; the worker compares outputs, gradients and
 running statistics with one ``nn.BatchNorm*d`` applied to the concatenation of all ranks' batches
-(see tests/workers/torch_syncbn_worker.py, which imports the case list from here).
+(see tests/torch/workers/torch_syncbn_worker.py, which imports the case list from here).
 """
 import pytest
 
 from tests.mpi_harness import STALL_SAFETY_NET_ENV
-from tests.workers import torch_cases as C
+from tests.torch.workers import torch_cases as C
 
-WORKER = "torch_syncbn_worker.py"
+WORKER = "torch/workers/torch_syncbn_worker.py"
 TIMEOUT = 240
 
 _TRAIN = [f"train.{shape}.{dtype}" for shape in ("1d", "1d_seq", "2d", "3d")

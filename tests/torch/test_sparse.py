@@ -3,7 +3,7 @@
 ``sparse_allreduce``/``sparse_allreduce_async`` are checked against a dense reference built from
 every rank's deterministic input, and ``DistributedOptimizer`` with ``nn.Embedding(sparse=True)``
 (``sparse_as_dense`` False and True) against a single-process reference trained on the whole batch
-(see tests/workers/torch_sparse_worker.py).
+(see tests/torch/workers/torch_sparse_worker.py).
 
 The case list lives here, as pure Python, and the worker imports it: one source of truth for
 what the worker must report.
@@ -11,9 +11,9 @@ what the worker must report.
 import pytest
 
 from tests.mpi_harness import STALL_SAFETY_NET_ENV
-from tests.workers import torch_cases as C
+from tests.torch.workers import torch_cases as C
 
-WORKER = "torch_sparse_worker.py"
+WORKER = "torch/workers/torch_sparse_worker.py"
 TIMEOUT = 240
 
 # input patterns for sparse_allreduce (see torch_sparse_worker.sparse_input)

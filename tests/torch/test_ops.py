@@ -3,14 +3,14 @@
 Every op x dtype x shape, in place / out of place / async, non-contiguous inputs, prescale and
 postscale, broadcast from every root, uneven allgather, compression and autograd; each rank checks
 the result against a torch reference built from every rank's deterministic input.  One launch per
-rank count runs every case (see tests/workers/torch_ops_worker.py).
+rank count runs every case (see tests/torch/workers/torch_ops_worker.py).
 """
 import pytest
 
 from tests.mpi_harness import STALL_SAFETY_NET_ENV
-from tests.workers import torch_cases as C
+from tests.torch.workers import torch_cases as C
 
-WORKER = "torch_ops_worker.py"
+WORKER = "torch/workers/torch_ops_worker.py"
 TIMEOUT = 300
 
 

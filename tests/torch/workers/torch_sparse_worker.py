@@ -15,7 +15,7 @@ from torch import nn
 
 import hvdlite.torch as hvd
 from hvdlite.torch.sparse import sparse_allreduce, sparse_allreduce_async
-from tests.test_torch_sparse import SPARSE_CASES
+from tests.torch.test_sparse import SPARSE_CASES
 
 
 def _world():

@@ -1,6 +1,6 @@
 """DistributedOptimizer's gradient buckets on every rank (launched with a small
 HVDLITE_GRADIENT_BUCKET_MB so that small models fill several buckets; see
-tests/test_torch_buckets.py).
+tests/torch/test_buckets.py).
 
 Every case trains with DistributedOptimizer on this rank's shard of a global batch and checks the
 parameters against every other rank's (bit for bit, via mpi4py) and against a single-process
