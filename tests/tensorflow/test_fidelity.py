@@ -3,8 +3,8 @@ at 2 and 3 ranks: gradients of every differentiable collective in TF1 sessions, 
 inside, and tape outside around a traced forward) and eagerly; tf.IndexedSlices; error classes;
 in-place broadcast and the TF1 optimizer in sessions; process-set non-members.
 
-One launch per rank count runs every case (see tests/workers/tf_fidelity_worker.py); each case
-is reported per rank and checked here as its own test.
+One launch per rank count runs every case (see tests/tensorflow/workers/tf_fidelity_worker.py); each
+case is reported per rank and checked here as its own test.
 """
 import os
 import subprocess
@@ -13,11 +13,11 @@ import sys
 import pytest
 
 from tests.mpi_harness import STALL_SAFETY_NET_ENV, assert_case_passed, assert_every_case_reported
-from tests.workers.tf_fidelity_cases import CASES, NP_VALUES
+from tests.tensorflow.workers.tf_fidelity_cases import CASES, NP_VALUES
 
 pytest.importorskip("tensorflow")
 
-WORKER = "tf_fidelity_worker.py"
+WORKER = "tensorflow/workers/tf_fidelity_worker.py"
 TIMEOUT = 420
 
 

@@ -1,8 +1,8 @@
 """hvdlite.tensorflow's alltoall, reducescatter, grouped ops, join, process sets and Adasum under
 real MPI launches: 2 and 3 ranks for everything, 4 ranks for Adasum.
 
-One launch per rank count runs every case (see tests/workers/tf_collectives_worker.py); each
-case is reported per rank and checked here as its own test.  The 2- and 3-rank launches
+One launch per rank count runs every case (see tests/tensorflow/workers/tf_collectives_worker.py);
+each case is reported per rank and checked here as its own test.  The 2- and 3-rank launches
 register the process sets of even and odd ranks at ``hvd.init`` and allow dynamic sets.
 """
 import pytest
@@ -11,7 +11,7 @@ from tests.mpi_harness import assert_case_passed, assert_every_case_reported
 
 pytest.importorskip("tensorflow")
 
-WORKER = "tf_collectives_worker.py"
+WORKER = "tensorflow/workers/tf_collectives_worker.py"
 TIMEOUT = 300
 ENV = {"HVDLITE_DYNAMIC_PROCESS_SETS": "1"}
 

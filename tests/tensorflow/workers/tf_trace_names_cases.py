@@ -1,5 +1,5 @@
-"""Case names and pinned names of tests/workers/tf_trace_names_worker.py (pure Python: pytest
-collects them without importing TensorFlow).
+"""Case names and pinned names of tests/tensorflow/workers/tf_trace_names_worker.py (pure Python:
+pytest collects them without importing TensorFlow).
 
 The names below were recorded from the adapter before tensorflow/mpi_ops.py was split by
 concern (issue 34), and agree with the scheme mpi_ops documents: ``<kind>.tf.<function>.<k>``

@@ -6,7 +6,7 @@ optimizer) and process-set non-members.
 Every expected number is written down from Horovod's definitions (horovod/tensorflow/mpi_ops.py
 and __init__.py), from every rank's deterministic input; see each case.  Loss of rank q is
 ``sum(output * W_q)``, so the upstream gradient of rank q's output is ``W_q``.  Case names are
-listed in tests/workers/tf_fidelity_cases.py; the graph modes run before eager.
+listed in tests/tensorflow/workers/tf_fidelity_cases.py; the graph modes run before eager.
 """
 import os
 import zlib

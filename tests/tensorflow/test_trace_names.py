@@ -1,16 +1,16 @@
 """The names hvdlite.tensorflow traces (graph nodes, their order, registered gradients, the
 names collectives are matched by) stay exactly as pinned, under real MPI launches at 2 and 3
-ranks; see tests/workers/tf_trace_names_worker.py."""
+ranks; see tests/tensorflow/workers/tf_trace_names_worker.py."""
 import pytest
 
 from tests.mpi_harness import assert_case_passed, assert_every_case_reported
-from tests.workers.tf_trace_names_cases import CASES, NP_VALUES
+from tests.tensorflow.workers.tf_trace_names_cases import CASES, NP_VALUES
 
 pytest.importorskip("tensorflow")
 
 
 def _job(mpi_job, np):
-    return mpi_job(np, ["tf_trace_names_worker.py"], timeout=240)
+    return mpi_job(np, ["tensorflow/workers/tf_trace_names_worker.py"], timeout=240)
 
 
 @pytest.mark.parametrize("np", NP_VALUES)

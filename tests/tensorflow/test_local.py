@@ -5,7 +5,7 @@ launches at 2 and 3 ranks (one launch per size; every case reported per rank).""
 import pytest
 
 from tests.mpi_harness import assert_case_passed
-from tests.workers.tf_local_cases import CASES, NP_VALUES
+from tests.tensorflow.workers.tf_local_cases import CASES, NP_VALUES
 
 pytest.importorskip("tensorflow")
 
@@ -13,4 +13,5 @@ pytest.importorskip("tensorflow")
 @pytest.mark.parametrize("np", NP_VALUES)
 @pytest.mark.parametrize("case", CASES)
 def test_tf_local(mpi_job, np, case):
-    assert_case_passed(mpi_job(np, ["tf_local_worker.py"], timeout=240), np, case)
+    job = mpi_job(np, ["tensorflow/workers/tf_local_worker.py"], timeout=240)
+    assert_case_passed(job, np, case)

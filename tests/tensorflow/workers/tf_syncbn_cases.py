@@ -1,6 +1,6 @@
 """Case names of the ``hvdlite.tensorflow.SyncBatchNormalization`` worker (pure Python: pytest
-collects them without importing TensorFlow).  tests/workers/tf_syncbn_worker.py runs exactly
-``cases_for(size)`` and reports each case per rank."""
+collects them without importing TensorFlow).  tests/tensorflow/workers/tf_syncbn_worker.py runs
+exactly ``cases_for(size)`` and reports each case per rank."""
 from __future__ import annotations
 
 NP_VALUES = (2, 3)

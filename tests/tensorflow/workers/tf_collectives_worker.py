@@ -4,7 +4,7 @@ One launch per rank count runs every case (``argv[1] == "adasum"``: only the Ada
 the 4-rank launch).  Every rank regenerates every rank's input from the case name and checks
 its result against a numpy reference of the documented semantics; gradients are checked against
 hand-derived references for the summed loss of all ranks.  The case names are listed in
-tests/test_tf_collectives.py.
+tests/tensorflow/test_collectives.py.
 """
 import os
 import sys

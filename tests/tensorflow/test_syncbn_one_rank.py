@@ -1,8 +1,8 @@
 """hvdlite.tensorflow.SyncBatchNormalization in one process, without mpiexec (``hvd.init()``
 gives a job of one rank): there it must be exactly ``keras.layers.BatchNormalization``.
 
-The worker of tests/test_tf_syncbn.py runs as a plain subprocess (TensorFlow stays out of the
-pytest process); every case compares with Keras' own layer, one case bit for bit.
+The worker of tests/tensorflow/test_syncbn.py runs as a plain subprocess (TensorFlow stays out of
+the pytest process); every case compares with Keras' own layer, one case bit for bit.
 """
 import json
 import os
@@ -13,8 +13,8 @@ import tempfile
 
 import pytest
 
-from tests.mpi_harness import STALL_SAFETY_NET_ENV, WORKERS, base_env
-from tests.workers.tf_syncbn_cases import cases_for
+from tests.mpi_harness import STALL_SAFETY_NET_ENV, TESTS, base_env
+from tests.tensorflow.workers.tf_syncbn_cases import cases_for
 
 pytest.importorskip("tensorflow")
 
@@ -25,7 +25,8 @@ def _single_rank_report() -> dict:
     if "report" not in _result:
         out = tempfile.mkdtemp(prefix="hvdlite-test-")
         try:
-            proc = subprocess.run([sys.executable, str(WORKERS / "tf_syncbn_worker.py")],
+            worker = TESTS / "tensorflow/workers/tf_syncbn_worker.py"
+            proc = subprocess.run([sys.executable, str(worker)],
                                   env=base_env({"HVDLITE_TEST_OUT": out, **STALL_SAFETY_NET_ENV}),
                                   capture_output=True, text=True, timeout=300)
             path = os.path.join(out, "rank0.json")

@@ -1,5 +1,5 @@
 """Case names of the TensorFlow Horovod-fidelity worker (pure Python: pytest collects them
-without importing TensorFlow).  See tests/workers/tf_fidelity_worker.py.
+without importing TensorFlow).  See tests/tensorflow/workers/tf_fidelity_worker.py.
 
 Modes: ``session`` (a TF1 graph run by ``tf.compat.v1.Session``, gradients by
 ``tf.compat.v1.gradients``), ``outer`` (forward inside ``tf.function``, gradient by a tape

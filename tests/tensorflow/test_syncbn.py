@@ -3,18 +3,19 @@
 Every rank feeds its own (often differently sized) batch; the worker compares outputs,
 gradients and moving statistics with one plain ``keras.layers.BatchNormalization`` applied to the
 concatenation of all ranks' batches, and model.fit with DistributedOptimizer with one process
-training on the global batch (see tests/workers/tf_syncbn_worker.py).  All cases run in one launch
-per size (importing TensorFlow costs seconds per rank); each is checked here as its own test.
+training on the global batch (see tests/tensorflow/workers/tf_syncbn_worker.py).  All cases run in
+one launch per size (importing TensorFlow costs seconds per rank); each is checked here as its own
+test.
 """
 import pytest
 
 from tests.mpi_harness import (STALL_SAFETY_NET_ENV, assert_case_passed,
                                assert_every_case_reported)
-from tests.workers.tf_syncbn_cases import NP_VALUES, cases_for
+from tests.tensorflow.workers.tf_syncbn_cases import NP_VALUES, cases_for
 
 pytest.importorskip("tensorflow")
 
-WORKER = "tf_syncbn_worker.py"
+WORKER = "tensorflow/workers/tf_syncbn_worker.py"
 TIMEOUT = 300
 
 

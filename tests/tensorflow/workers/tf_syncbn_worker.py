@@ -5,7 +5,7 @@ Every rank builds every rank's (often differently sized) batch, so besides runni
 its own batch it runs the reference on the whole batch and compares: its slice of the output and
 of the input gradient, the moving statistics, and the gamma/beta gradients summed over ranks.
 The upstream gradient is random (the gradient of ``out.sum()`` through batch norm is zero).
-Runs under mpiexec (2, 3 ranks) and without it (one rank, tests/test_unit_tf_syncbn.py).
+Runs under mpiexec (2, 3 ranks) and without it (one rank, tests/tensorflow/test_syncbn_one_rank.py).
 """
 import os
 import tempfile
