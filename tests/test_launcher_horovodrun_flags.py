@@ -1,5 +1,5 @@
 """Pure-logic tests of the horovodrun flags that ``hvdlite run`` takes (no MPI job is started;
-the jobs with ``--output-filename`` run in tests/test_launcher.py)."""
+the jobs with ``--output-filename`` run in tests/launcher/test_hvdlite_run.py)."""
 from __future__ import annotations
 
 import signal

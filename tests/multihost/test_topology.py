@@ -15,7 +15,7 @@ TIMEOUT = 120
 
 def _job(host_job, key: str):
     expected = LAYOUTS[key]
-    return host_job(expected.layout, ["multihost_worker.py"], timeout=TIMEOUT,
+    return host_job(expected.layout, ["multihost/workers/multihost_worker.py"], timeout=TIMEOUT,
                     env=expected.env())
 
 

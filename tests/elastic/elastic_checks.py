@@ -1,4 +1,4 @@
-"""What every elastic test checks in the logs of tests/workers/elastic_worker.py: each world
+"""What every elastic test checks in the logs of tests/elastic/workers/elastic_worker.py: each world
 resumes from the newest commit of the world before it with the same state on every rank, the
 committed history holds every sample of every epoch exactly once (but for the padding of an
 epoch's last round), and how long each reset took."""

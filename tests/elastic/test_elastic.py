@@ -2,16 +2,19 @@
 --max-np 2 -H localhost:1,127.0.0.1:1 --blacklist-cooldown-range 1 1`` (two names of this
 host: two "hosts" to the launcher).  A worker is SIGKILLed; its host is blacklisted, the job
 goes on with one rank from the last commit, and when the host's cooldown ends the job grows
-back to two ranks at a commit, rolling nothing back (tests/workers/elastic_worker.py, checked
-as in tests/multihost/test_elastic.py).  The simulated-host tests cover the other failures."""
+back to two ranks at a commit, rolling nothing back (tests/elastic/workers/elastic_worker.py,
+checked as in tests/multihost/test_elastic.py).  The simulated-host tests cover the other
+failures."""
 from __future__ import annotations
 
 import json
 import socket
 import sys
 
-from tests.elastic_checks import check_history, of, read_logs, reset_seconds
-from tests.mpi_harness import WORKERS, run_command
+from tests.elastic.elastic_checks import check_history, of, read_logs, reset_seconds
+from tests.mpi_harness import TESTS, run_command
+
+WORKER = TESTS / "elastic/workers/elastic_worker.py"
 
 HVDLITE_RUN = [sys.executable, "-m", "hvdlite.runner", "run"]
 
@@ -23,7 +26,7 @@ def test_job_survives_a_killed_worker_and_grows_back_after_the_cooldown(tmp_path
     job = run_command(HVDLITE_RUN + ["-np", "2", "--min-np", "1", "--max-np", "2",
                                      "-H", "localhost:1,127.0.0.1:1",
                                      "--blacklist-cooldown-range", "1", "1",
-                                     sys.executable, str(WORKERS / "elastic_worker.py")],
+                                     sys.executable, str(WORKER)],
                       0, timeout=300, env={"ELASTIC_LOG": str(log),
                                            "ELASTIC_PLAN": json.dumps(plan)})
     assert job.returncode == 0, job.output

@@ -1,4 +1,4 @@
-"""Calls hvdlite.run() as a notebook would (tests/test_run_func.py); prints one JSON line
+"""Calls hvdlite.run() as a notebook would (tests/launcher/test_run_func.py); prints one JSON line
 ``RESULT {...}`` with what came back.  The ranks' output is captured through sys.stdout and
 sys.stderr replaced by in-memory streams, as in a notebook."""
 import io

@@ -1,5 +1,5 @@
 """examples/kubernetes/ as the Kubeflow MPI Operator v2 reads it, for the tests that check the
-files (tests/test_kubernetes_example.py) and the one that runs the launcher's command on
+files (tests/launcher/test_kubernetes_example.py) and the one that runs the launcher's command on
 simulated hosts (tests/multihost/test_kubernetes.py).
 
 What the operator does with an MPIJob of ``mpiImplementation: MPICH`` is written down here from

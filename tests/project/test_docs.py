@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 BUILD_TIMEOUT = 300
 _LINK = re.compile(r"\]\(([^)\s]+)\)")

@@ -1,6 +1,6 @@
 """hvdlite.run(func, ...) (Horovod's horovod.run): real jobs at 2 and 3 ranks started from a
-driver process the way a notebook would call it (tests/workers/run_func_driver.py), and the pure
-logic that maps its arguments onto the launcher and turns the ranks' reports into results."""
+driver process the way a notebook would call it (tests/launcher/workers/run_func_driver.py), and the
+pure logic that maps its arguments onto the launcher and turns the ranks' reports into results."""
 import json
 import os
 import signal
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from hvdlite.runner import function_runner as fr
-from tests.mpi_harness import WORKERS, base_env
+from tests.mpi_harness import TESTS, base_env
 
 TIMEOUT = 90
 
@@ -18,9 +18,10 @@ TIMEOUT = 90
 def drive(mode: str, np_: int) -> dict:
     """Run the driver in its own process group; on timeout SIGTERM it (it forwards that to
     its MPI job), then kill it, and fail with its output."""
-    proc = subprocess.Popen([sys.executable, str(WORKERS / "run_func_driver.py"), mode,
-                             str(np_)], env=base_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    driver = TESTS / "launcher/workers/run_func_driver.py"
+    proc = subprocess.Popen([sys.executable, str(driver), mode, str(np_)], env=base_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:

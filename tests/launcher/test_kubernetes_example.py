@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from hvdlite.runner import launch
-from tests import kubernetes_example as K
+from tests.launcher import kubernetes_example as K
 from tests.mpi_harness import REPO
 
 yaml = pytest.importorskip("yaml", reason="PyYAML reads the manifest (pip install pyyaml; the "
