@@ -28,7 +28,7 @@ from hvdlite.common.engine.messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BROA
 from hvdlite.common.reduce_ops import ReduceOp
 from tests.workers import gpu_loopback
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
 ALL_DTYPES = ["bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
               "float16", "bfloat16", "float32", "float64"]
 

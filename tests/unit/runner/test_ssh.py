@@ -21,7 +21,7 @@ import pytest
 
 from hvdlite.runner import host_check, launch, mpi_flavor
 from hvdlite.runner.mpi_flavor import INTEL_MPI, MPICH, OPEN_MPI, JobSpec, MpiFlavor
-from tests.test_launcher_unit import MPICH_VERSION, OMPI4_VERSION, _executable, _fake_launcher
+from tests.unit.runner.test_launch import MPICH_VERSION, OMPI4_VERSION, _executable, _fake_launcher
 
 HYDRA = MpiFlavor(MPICH, (5, 0, 2))
 INTEL = MpiFlavor(INTEL_MPI, (2021, 10))
