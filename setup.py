@@ -37,8 +37,7 @@ setup(
         "nccl-cuda12": ["cupy-cuda12x>=13", "nvidia-nccl-cu12"],
         "examples": ["scikit-learn>=1.2"],
         "test": ["pytest>=7", "pytest-timeout>=2", "scikit-learn>=1.2"],
-        # The documentation site (mkdocs.yml, docs/); tests/project/test_docs.py builds it in strict
-        # mode.
+        # The documentation site (mkdocs.yml, docs/); tests/test_docs.py builds it in strict mode.
         "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings>=1.0",
                  "mkdocstrings-python>=2.0"],
     },

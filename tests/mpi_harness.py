@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
-TESTS = Path(__file__).resolve().parent
-WORKERS = TESTS / "workers"
+TESTS = Path(__file__).resolve().parent   # a worker script is named by its path under here
 
 
 def mpiexec_path() -> str:
@@ -73,10 +72,8 @@ def worker_argv(argv: list[str]) -> list[str]:
     ``"torch/workers/torch_ops_worker.py"``: each group keeps its workers in its own
     ``workers/``), run by this Python."""
     first = argv[0]
-    if first.endswith(".py") and not os.path.isabs(first):
-        for where in (TESTS, WORKERS):
-            if (where / first).exists():
-                return [sys.executable, str(where / first)] + list(argv[1:])
+    if first.endswith(".py") and not os.path.isabs(first) and (TESTS / first).exists():
+        return [sys.executable, str(TESTS / first)] + list(argv[1:])
     return list(argv)
 
 
@@ -112,8 +109,8 @@ def run_command(cmd: list[str], np: int, timeout: float = 120, env: dict | None 
 
 def run_job(np: int, argv: list[str], timeout: float = 120, env: dict | None = None,
             cwd: str | os.PathLike | None = None) -> JobResult:
-    """Run ``mpiexec -n np <argv>``; ``argv[0]`` may be a worker script name under
-    tests/workers (run with this Python)."""
+    """Run ``mpiexec -n np <argv>``; ``argv[0]`` may be a worker script named by its path under
+    tests/ (``"core/workers/core_ops_worker.py"``), run with this Python."""
     return run_command([mpiexec_path(), "-n", str(np)] + worker_argv(argv), np,
                        timeout=timeout, env=env, cwd=cwd)
 
