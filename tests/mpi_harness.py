@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
-WORKERS = Path(__file__).resolve().parent / "workers"
+TESTS = Path(__file__).resolve().parent   # a worker script is named by its path under here
 
 
 def mpiexec_path() -> str:
@@ -68,10 +68,12 @@ class JobResult:
 
 
 def worker_argv(argv: list[str]) -> list[str]:
-    """``argv`` with a leading worker script name (under tests/workers) run by this Python."""
+    """``argv`` with a leading worker script, named by its path under tests/ (such as
+    ``"torch/workers/torch_ops_worker.py"``: each group keeps its workers in its own
+    ``workers/``), run by this Python."""
     first = argv[0]
-    if first.endswith(".py") and not os.path.isabs(first) and (WORKERS / first).exists():
-        return [sys.executable, str(WORKERS / first)] + list(argv[1:])
+    if first.endswith(".py") and not os.path.isabs(first) and (TESTS / first).exists():
+        return [sys.executable, str(TESTS / first)] + list(argv[1:])
     return list(argv)
 
 
@@ -107,8 +109,8 @@ def run_command(cmd: list[str], np: int, timeout: float = 120, env: dict | None 
 
 def run_job(np: int, argv: list[str], timeout: float = 120, env: dict | None = None,
             cwd: str | os.PathLike | None = None) -> JobResult:
-    """Run ``mpiexec -n np <argv>``; ``argv[0]`` may be a worker script name under
-    tests/workers (run with this Python)."""
+    """Run ``mpiexec -n np <argv>``; ``argv[0]`` may be a worker script named by its path under
+    tests/ (``"core/workers/core_ops_worker.py"``), run with this Python."""
     return run_command([mpiexec_path(), "-n", str(np)] + worker_argv(argv), np,
                        timeout=timeout, env=env, cwd=cwd)
 

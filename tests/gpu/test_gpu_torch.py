@@ -38,7 +38,7 @@ import pytest
 from tests.gpu.conftest import gpu_probe
 from tests.gpu.workers import gpu_torch_worker as W
 from tests.mpi_harness import REPO, base_env
-from tests.workers import torch_cases as C
+from tests.torch.workers import torch_cases as C
 
 WORKER = W.__file__
 TIMEOUTS = {"collectives": 300, "train": 240}   # seconds per MPI job (killed after)

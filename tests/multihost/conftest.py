@@ -64,7 +64,7 @@ def operator_bed(host_bed):
     (so a launch without ``-p PORT`` is refused, as on those pods).  Made after ``host_bed``,
     whose checks and skip it shares."""
     pytest.importorskip("yaml", reason="PyYAML reads examples/kubernetes/digits-mpijob.yaml")
-    from tests import kubernetes_example
+    from tests.launcher import kubernetes_example
     job = kubernetes_example.mpijob()
     bed = HostBed(kubernetes_example.worker_names(job),
                   ssh_port=kubernetes_example.ssh_port(job))

@@ -340,7 +340,7 @@ class HostBed:
                 env: dict | None = None, hostfile: bool = False,
                 mpiexec_args: Sequence[str] = ()) -> MultiHostJob:
         """``mpiexec -n <slots> -hosts a:2,b:2 <argv>`` (or ``-f HOSTFILE``) across the hosts;
-        ``argv[0]`` may name a worker script under tests/workers."""
+        ``argv[0]`` may name a worker script by its path under tests/ (as for ``run_job``)."""
         np = sum(slots for _, slots in layout)
         where = ["-f", self.hostfile(layout)] if hostfile else ["-hosts", host_list(layout)]
         cmd = [mpiexec_path(), "-n", str(np), *where, *mpiexec_args] + worker_argv(argv)

@@ -33,7 +33,7 @@ class Expected:
         return len(self.ranks)
 
     def env(self) -> dict[str, str]:
-        """HVDLITE_TEST_EXPECT for tests/workers/multihost_worker.py."""
+        """HVDLITE_TEST_EXPECT for tests/multihost/workers/multihost_worker.py."""
         return {"HVDLITE_TEST_EXPECT": json.dumps(
             {"ranks": self.ranks, "homogeneous": self.homogeneous, "sets": self.sets})}
 

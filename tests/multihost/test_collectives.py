@@ -15,17 +15,18 @@ from tests.mpi_harness import STALL_SAFETY_NET_ENV, case_failures
 from tests.multihost.hosts import check_host_job
 from tests.multihost.layouts import LAYOUTS
 from tests.workers import core_cases as cc
-from tests.workers.core_collectives_worker import cases_for as collectives_cases
-from tests.workers.core_process_sets_worker import cases as process_set_cases
+from tests.core.workers.core_collectives_worker import cases_for as collectives_cases
+from tests.core.workers.core_process_sets_worker import cases as process_set_cases
 
 TIMEOUT = 240
 WORKERS = {   # name -> (argv, environment, layouts, the cases it reports at 4 ranks)
-    "ops": (["core_ops_worker.py"], {}, ("2+2", "3+1"), cc.ops_cases(4)),
-    "collectives": (["core_collectives_worker.py"], {}, ("2+2", "3+1"), collectives_cases(4)),
-    "process_sets": (["core_process_sets_worker.py", "static"], STALL_SAFETY_NET_ENV,
+    "ops": (["core/workers/core_ops_worker.py"], {}, ("2+2", "3+1"), cc.ops_cases(4)),
+    "collectives": (["core/workers/core_collectives_worker.py"], {}, ("2+2", "3+1"),
+                    collectives_cases(4)),
+    "process_sets": (["core/workers/core_process_sets_worker.py", "static"], STALL_SAFETY_NET_ENV,
                      ("2+2", "3+1"), process_set_cases("static", 4)),
-    "steady": (["core_steady_worker.py", "default"], cc.STEADY_CONFIGS["default"], ("2+2",),
-               cc.STEADY_CASES),
+    "steady": (["core/workers/core_steady_worker.py", "default"], cc.STEADY_CONFIGS["default"],
+               ("2+2",), cc.STEADY_CASES),
 }
 
 

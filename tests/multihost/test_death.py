@@ -2,7 +2,7 @@
 still runs on the other hosts raises RankExitedError naming the rank and its host within 10 s
 (unless mpiexec, after a signal or a lost host, kills it first), and the job exits non-zero
 with nothing left running on any host (the bed checks), under
-``mpiexec`` and under ``hvdlite run`` (tests/workers/multihost_death_worker.py)."""
+``mpiexec`` and under ``hvdlite run`` (tests/multihost/workers/multihost_death_worker.py)."""
 from __future__ import annotations
 
 import re
@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
-from tests.mpi_harness import WORKERS
+from tests.mpi_harness import TESTS
 from tests.multihost.hosts import host_list
 from tests.multihost.layouts import LAYOUTS
 
 LAYOUT = LAYOUTS["2+2"].layout   # ranks 0, 1 on hvdnode1; 2, 3 on hvdnode2
-WORKER = "multihost_death_worker.py"
+WORKER = "multihost/workers/multihost_death_worker.py"
 HOSTS_OF = {0: "hvdnode1", 1: "hvdnode1", 2: "hvdnode2", 3: "hvdnode2"}
 CASES = [("exit_code", 3), ("exit_code", 0), ("exit_zero", 2), ("signal", 3),
          ("exception", 2), ("host", 3), ("host", 0)]
@@ -63,5 +63,5 @@ def test_rank_ending_without_shutdown_under_mpiexec(host_job, how, victim):
                          ids=["exit_code-rank3", "host-rank0"])
 def test_rank_ending_without_shutdown_under_hvdlite_run(host_bed, how, victim):
     cmd = [sys.executable, "-m", "hvdlite.runner", "run", "-np", "4", "-H", host_list(LAYOUT),
-           sys.executable, str(WORKERS / WORKER), how, str(victim)]
+           sys.executable, str(TESTS / WORKER), how, str(victim)]
     _check(host_bed.run(cmd, 4, timeout=90), how, victim)

@@ -1,6 +1,6 @@
 """Elastic jobs across simulated hosts: ``hvdlite run --min-np/--max-np`` keeps training through
 failures and host changes, with nothing lost beyond the last commit
-(tests/workers/elastic_worker.py; the job's plan says where it fails).
+(tests/elastic/workers/elastic_worker.py; the job's plan says where it fails).
 
 Each job is one launch of the elastic driver; the worker logs every world's start, every save
 of the state, what it did to itself, and the end.  For every job the checks are the same
@@ -34,12 +34,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.elastic_checks import (EPOCHS, N, check_history, of, read_logs,
+from tests.elastic.elastic_checks import (EPOCHS, N, check_history, of, read_logs,
                                   reset_seconds)
-from tests.mpi_harness import WORKERS
+from tests.mpi_harness import TESTS
 
 HVDLITE_RUN = [sys.executable, "-m", "hvdlite.runner", "run"]
-WORKER = [sys.executable, str(WORKERS / "elastic_worker.py")]
+WORKER = [sys.executable, str(TESTS / "elastic/workers/elastic_worker.py")]
 TIMEOUT = 300
 
 JOBS = {

@@ -2,7 +2,7 @@
 dtype and kind of batch exact against numpy, scaling, joined ranks standing in, process sets
 spanning hosts, hosts that reduce within themselves differently, on homogeneous (2+2) and
 heterogeneous (3+1, 1+2+1) layouts; the path's counters show it ran (see
-tests/workers/multihost_hier_worker.py).  One launch per layout."""
+tests/multihost/workers/multihost_hier_worker.py).  One launch per layout."""
 import json
 
 import pytest
@@ -10,7 +10,7 @@ import pytest
 from tests.mpi_harness import case_failures
 from tests.multihost.hosts import check_host_job
 from tests.multihost.layouts import LAYOUTS
-from tests.workers.multihost_hier_worker import cases
+from tests.multihost.workers.multihost_hier_worker import cases
 
 TIMEOUT = 300
 # per layout: the global ranks on each host, and a process set spanning hosts with two ranks
@@ -26,7 +26,8 @@ CASES = cases()
 
 def _job(host_job, key: str):
     env = {**ENV, "HVDLITE_TEST_EXPECT": json.dumps(EXPECT[key])}
-    return host_job(LAYOUTS[key].layout, ["multihost_hier_worker.py"], timeout=TIMEOUT, env=env)
+    return host_job(LAYOUTS[key].layout, ["multihost/workers/multihost_hier_worker.py"],
+                    timeout=TIMEOUT, env=env)
 
 
 @pytest.mark.parametrize("key", sorted(EXPECT))
@@ -54,8 +55,8 @@ def test_a_failed_direct_copy_fails_the_allreduce_on_every_host(host_job):
     OFI netmod turns into an abort at MPI_Finalize unless its RMA support is off."""
     env = {**ENV, "HVDLITE_TEST_EXPECT": json.dumps(EXPECT["2+2"]),
            "MPIR_CVAR_CH4_OFI_ENABLE_RMA": "0"}
-    job = host_job(LAYOUTS["2+2"].layout, ["multihost_hier_worker.py", "copy_fails"],
-                   timeout=120, env=env)
+    job = host_job(LAYOUTS["2+2"].layout, ["multihost/workers/multihost_hier_worker.py",
+                                           "copy_fails"], timeout=120, env=env)
     check_host_job(job, 4)
     problems = case_failures(job, "copy_fails")
     assert not problems, "\n".join(problems)

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 
-from tests import kubernetes_example as K
+from tests.launcher import kubernetes_example as K
 from tests.multihost import procs
 from tests.multihost.hosts import check_host_job
 

@@ -7,13 +7,14 @@ import sys
 
 import pytest
 
-from tests.mpi_harness import WORKERS
+from tests.mpi_harness import TESTS
 from tests.multihost.hosts import check_host_job, host_list
 from tests.multihost.layouts import LAYOUTS
 
 TIMEOUT = 120
 HVDLITE_RUN = [sys.executable, "-m", "hvdlite.runner", "run"]
-WORKER = [sys.executable, str(WORKERS / "multihost_worker.py")]
+WORKER = [sys.executable, str(TESTS / "multihost/workers/multihost_worker.py")]
+RUN_FUNC_DRIVER = str(TESTS / "launcher/workers/run_func_driver.py")
 
 
 def _check_worker_job(job, key: str) -> None:
@@ -52,7 +53,7 @@ def test_run_function_on_hosts(host_bed, key):
     """``hvdlite.run(func, hosts=..., num_proc=...)`` from a driver process on the head:
     every rank's return value comes back, in rank order, from the host the layout gives it."""
     expected = LAYOUTS[key]
-    job = host_bed.run([sys.executable, str(WORKERS / "run_func_driver.py"), "on_hosts",
+    job = host_bed.run([sys.executable, RUN_FUNC_DRIVER, "on_hosts",
                         str(expected.size), host_list(expected.layout)], 0, timeout=TIMEOUT)
     check_host_job(job, 0)
     lines = [line for line in job.stdout.splitlines() if line.startswith("RESULT ")]

@@ -1,5 +1,5 @@
 """The end of a job on two hosts whose ranks reach ``hvd.shutdown()`` at different times after
-using their host's shared-memory window (tests/workers/multihost_shutdown_worker.py).
+using their host's shared-memory window (tests/multihost/workers/multihost_shutdown_worker.py).
 
 With MPICH's OFI netmod as it comes (RMA on), the rank that shut down first used to abort in
 MPI_Finalize: its window was freed only locally (its peer shut down in a later negotiation
@@ -11,7 +11,7 @@ from tests.multihost.hosts import check_host_job
 from tests.multihost.layouts import LAYOUTS
 
 LAYOUT = LAYOUTS["2+2"].layout
-WORKER = ["multihost_shutdown_worker.py"]
+WORKER = ["multihost/workers/multihost_shutdown_worker.py"]
 CASES = ["window_used", "shut_down"]
 
 

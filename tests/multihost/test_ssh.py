@@ -8,8 +8,10 @@ no hosts file knows, and a host whose sshd refuses the key.
 import json
 import sys
 
-from tests.mpi_harness import WORKERS
+from tests.mpi_harness import TESTS
 from tests.multihost.hosts import HostBed, check_host_job
+
+RUN_FUNC_DRIVER = str(TESTS / "launcher/workers/run_func_driver.py")
 
 TIMEOUT = 120
 HVDLITE_RUN = [sys.executable, "-m", "hvdlite.runner", "run"]
@@ -75,7 +77,7 @@ def test_run_function_with_ssh_options(operator_bed):
     """``hvdlite.run(func, hosts=..., ssh_port=, ssh_identity_file=, network_interface=)``."""
     first, second = operator_bed.names
     key = _key(operator_bed)
-    job = operator_bed.run([sys.executable, str(WORKERS / "run_func_driver.py"), "on_hosts_ssh",
+    job = operator_bed.run([sys.executable, RUN_FUNC_DRIVER, "on_hosts_ssh",
                             "3", f"{first}:1,{second}:2", "2222", key, "lo"], 0,
                            timeout=TIMEOUT)
     check_host_job(job, 0)
@@ -119,7 +121,7 @@ def test_unknown_and_refusing_hosts_are_named(host_bed):
     with host_bed.refusing("hvdnode2", refusal):
         since = _mark(host_bed)
         job = host_bed.run(HVDLITE_RUN + ["-H", hosts] + PROBE, 0, timeout=TIMEOUT)
-        driver = host_bed.run([sys.executable, str(WORKERS / "run_func_driver.py"), "on_hosts",
+        driver = host_bed.run([sys.executable, RUN_FUNC_DRIVER, "on_hosts",
                                "3", hosts], 0, timeout=TIMEOUT)
     assert job.returncode == 1 and not job.leftovers, job.output
     lines = job.stderr.splitlines()

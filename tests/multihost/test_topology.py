@@ -1,4 +1,4 @@
-"""Topology and intra-node paths of jobs spanning simulated hosts (tests/workers/
+"""Topology and intra-node paths of jobs spanning simulated hosts (tests/multihost/workers/
 multihost_worker.py), for the layouts of layouts.py: 2+2, 3+1 and 1+2+1 ranks per host.
 
 One launch per layout; every case is its own test.  The expected topology is written down in
@@ -15,7 +15,7 @@ TIMEOUT = 120
 
 def _job(host_job, key: str):
     expected = LAYOUTS[key]
-    return host_job(expected.layout, ["multihost_worker.py"], timeout=TIMEOUT,
+    return host_job(expected.layout, ["multihost/workers/multihost_worker.py"], timeout=TIMEOUT,
                     env=expected.env())
 
 

@@ -14,14 +14,14 @@ import pytest
 from tests.mpi_harness import REPO, STALL_SAFETY_NET_ENV, case_failures
 from tests.multihost.hosts import check_host_job, host_list
 from tests.multihost.layouts import LAYOUTS
-from tests.workers import torch_cases as C
+from tests.torch.workers import torch_cases as C
 
 LAYOUT = LAYOUTS["2+2"].layout
 TIMEOUT = 300
 
 
 def _optimizer_job(host_job):
-    return host_job(LAYOUT, ["torch_optimizer_worker.py"], timeout=TIMEOUT,
+    return host_job(LAYOUT, ["torch/workers/torch_optimizer_worker.py"], timeout=TIMEOUT,
                     env=STALL_SAFETY_NET_ENV)
 
 

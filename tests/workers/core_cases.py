@@ -115,7 +115,7 @@ def ops_cases(size: int) -> list[str]:
             + wrap_cases(size) + allgather_cases(size) + broadcast_cases(size) + MISC_OPS_CASES)
 
 
-# cases the library is known to fail (see the BUG notes in tests/test_core_ops.py)
+# cases the library is known to fail (see the BUG notes in tests/core/test_ops.py)
 
 # --- steady state / fusion / cache -------------------------------------------------------------
 STEADY_CASES = [

@@ -11,7 +11,7 @@ import hashlib
 
 import numpy as np
 
-from core_cases import FLOAT_DTYPES, np_dtype
+from tests.workers.core_cases import FLOAT_DTYPES, np_dtype
 
 
 def eps_of(dtype: str) -> float:

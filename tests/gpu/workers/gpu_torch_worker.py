@@ -40,9 +40,8 @@ from pathlib import Path
 _REPO = Path(__file__).resolve().parents[3]
 if __package__ in (None, ""):     # run as a script by mpiexec
     sys.path.insert(0, str(_REPO))
-    sys.path.insert(0, str(_REPO / "tests" / "workers"))   # synced_reporter imports _report
 
-from tests.workers import torch_cases as C
+from tests.torch.workers import torch_cases as C
 
 MODES = ("collectives", "train")
 BACKENDS = ("nccl", "staged")

@@ -1,0 +1,42 @@
+"""An elastic job on this machine alone (no simulated hosts needed): ``hvdlite run --min-np 1
+--max-np 2 -H localhost:1,127.0.0.1:1 --blacklist-cooldown-range 1 1`` (two names of this
+host: two "hosts" to the launcher).  A worker is SIGKILLed; its host is blacklisted, the job
+goes on with one rank from the last commit, and when the host's cooldown ends the job grows
+back to two ranks at a commit, rolling nothing back (tests/elastic/workers/elastic_worker.py,
+checked as in tests/multihost/test_elastic.py).  The simulated-host tests cover the other
+failures."""
+from __future__ import annotations
+
+import json
+import socket
+import sys
+
+from tests.elastic.elastic_checks import check_history, of, read_logs, reset_seconds
+from tests.mpi_harness import TESTS, run_command
+
+WORKER = TESTS / "elastic/workers/elastic_worker.py"
+
+HVDLITE_RUN = [sys.executable, "-m", "hvdlite.runner", "run"]
+
+
+def test_job_survives_a_killed_worker_and_grows_back_after_the_cooldown(tmp_path):
+    log = tmp_path / "log"
+    log.mkdir()
+    plan = [{"world": 0, "step": 6, "rank": 1, "action": "sigkill"}]
+    job = run_command(HVDLITE_RUN + ["-np", "2", "--min-np", "1", "--max-np", "2",
+                                     "-H", "localhost:1,127.0.0.1:1",
+                                     "--blacklist-cooldown-range", "1", "1",
+                                     sys.executable, str(WORKER)],
+                      0, timeout=300, env={"ELASTIC_LOG": str(log),
+                                           "ELASTIC_PLAN": json.dumps(plan)})
+    assert job.returncode == 0, job.output
+    here = {socket.gethostname()}
+    worlds = read_logs(log)
+    done = check_history(job, worlds, [2, 1, 2], [here, here, here])
+    assert "blacklisted 127.0.0.1" in job.stderr, job.stderr[-3000:]
+    assert "hosts changed" in job.stderr, job.stderr[-3000:]
+    # the host change is an interrupt at a commit: world 2 starts where world 1 stopped
+    assert of(worlds[2], "synced")[0]["step"] == max(e["step"] for e in of(worlds[1], "saved"))
+    assert done[0]["loss"] < 1e-3, done[0]["loss"]
+    print(f"\nkilled worker: reset took {reset_seconds(worlds, 1)}; grown back: "
+          f"{reset_seconds(worlds, 2)}", file=sys.stderr)
