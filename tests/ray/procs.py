@@ -1,0 +1,57 @@
+"""Helpers for the Ray tests: a local Ray cluster per test module, and process checks."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def start_ray(num_cpus: int = 4):
+    """A local Ray cluster whose workers import this checkout's hvdlite."""
+    import ray
+    os.environ["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    return ray
+
+
+def stop_ray() -> None:
+    import ray
+    ray.shutdown()
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a running (not zombie) process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def children(pid: int) -> list[int]:
+    """The direct children of ``pid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def wait_gone(pids, timeout_s: float = 20.0) -> list[int]:
+    """Wait until none of ``pids`` runs; return those still running after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    left = [p for p in pids if alive(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = [p for p in left if alive(p)]
+    return left
