@@ -1,0 +1,68 @@
+"""The MPI world's launcher side without Ray: mpiexec -launcher manual, its proxy commands, the
+placeholders' PMI environments, and the teardown (no process left)."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+pytest.importorskip("ray", reason="hvdlite.ray needs Ray: pip install 'hvdlite[ray]'")
+
+from hvdlite.ray.world import (PMI_VARIABLES, MpiWorld, WorldError, host_segments,
+                               parse_pmi_line)
+from tests.ray.procs import children, wait_gone
+
+
+def test_host_segments_group_consecutive_ranks():
+    assert host_segments(["a", "a", "b"]) == [("a", 2), ("b", 1)]
+    assert host_segments(["a"]) == [("a", 1)]
+
+
+def test_host_segments_refuse_a_node_split_in_two():
+    with pytest.raises(WorldError, match="node a do not have consecutive world ranks"):
+        host_segments(["a", "b", "a"])
+
+
+def test_parse_pmi_line():
+    line = "HVDLITE_RAY_PMI " + " ".join(f"{v}=1" for v in PMI_VARIABLES)
+    assert parse_pmi_line(line) == {v: "1" for v in PMI_VARIABLES}
+    assert parse_pmi_line("something else") is None
+    with pytest.raises(WorldError, match="unexpected placeholder line"):
+        parse_pmi_line("HVDLITE_RAY_PMI PMI_ID=x")
+
+
+@pytest.mark.timeout(60)
+def test_world_hands_out_each_rank_its_environment_and_ends_everything():
+    world = MpiWorld(["127.0.0.1"] * 2 + ["127.0.0.2"], "127.0.0.1", timeout_s=20)
+    proxies = []
+    try:
+        commands = world.start()
+        assert len(commands) == 2 and all("hydra_pmi_proxy" in c[0] for c in commands)
+        proxies = [subprocess.Popen(c, stdout=subprocess.DEVNULL, start_new_session=True)
+                   for c in commands]
+        envs = world.environments()
+        assert [int(e["PMI_ID"]) for e in envs] == [0, 1, 2]
+        assert [(e["MPI_LOCALRANKID"], e["MPI_LOCALNRANKS"]) for e in envs] == [
+            ("0", "2"), ("1", "2"), ("0", "1")]
+        placeholders = [c for p in proxies for c in children(p.pid)]
+        assert len(placeholders) == 3
+        pids = [world.pid] + [p.pid for p in proxies] + placeholders
+    finally:
+        world.close()
+    for proc in proxies:
+        proc.wait(10)   # a proxy exits by itself once mpiexec is gone
+    assert not world.running
+    assert wait_gone(pids) == []
+
+
+@pytest.mark.timeout(60)
+def test_world_times_out_clearly_when_no_proxy_runs():
+    world = MpiWorld(["127.0.0.1"], "127.0.0.1", timeout_s=2)
+    try:
+        world.start()
+        with pytest.raises(WorldError, match=r"did not start every rank's placeholder .*within "
+                                             r"2 s \(ranks ready: \[\] of 1\)"):
+            world.environments()
+    finally:
+        world.close()
+    assert not world.running
