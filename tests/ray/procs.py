@@ -15,6 +15,9 @@ def start_ray(num_cpus: int = 4):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # Ray Train polls its workers every 2 s by default: reports and failure detection wait
+    # for the poll; short runs in tests need it faster.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
     return ray
 
@@ -55,3 +58,23 @@ def wait_gone(pids, timeout_s: float = 20.0) -> list[int]:
         time.sleep(0.2)
         left = [p for p in left if alive(p)]
     return left
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def launcher_processes() -> list[tuple[int, str]]:
+    """Running processes of an hvdlite.ray MPI world, of any job: its mpiexec, proxies and
+    placeholders (the manual launcher and the placeholder's marker identify them)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and alive(int(entry.name)):
+            line = cmdline(int(entry.name))
+            if "HVDLITE_RAY_PMI" in line or ("hydra_pmi_proxy" in line
+                                             and "--launcher manual" in line):
+                found.append((int(entry.name), line))
+    return found
