@@ -8,11 +8,18 @@
 The workers of a job become one MPI world through MPICH's manual launcher (see
 :mod:`hvdlite.ray.world`).  Ray is an optional dependency: ``pip install "hvdlite[ray]"``.
 """
+from typing import TYPE_CHECKING
+
 try:
     import ray as _ray  # noqa: F401
 except ImportError as _exc:   # say what to install instead of a bare "No module named 'ray'"
     raise ImportError('hvdlite.ray needs Ray (Ray Train 2.40 or newer), which is not installed: '
                       'pip install "hvdlite[ray]"') from _exc
+
+if TYPE_CHECKING:   # for type checkers and the API reference; loaded lazily below
+    from .executor import RayExecutor
+    from .train import HvdliteConfig, HvdliteTrainer
+    from .world import WorldError
 
 __all__ = ["RayExecutor", "HvdliteTrainer", "HvdliteConfig", "WorldError"]
 

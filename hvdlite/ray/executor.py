@@ -87,11 +87,18 @@ class RayExecutor:
     Args:
         settings: from :meth:`create_settings`.
         num_workers: number of workers (packed onto as few nodes as fit).
-        num_hosts, num_workers_per_host: instead of ``num_workers``, this many workers on each
-            of this many distinct nodes.
-        cpus_per_worker, use_gpu, gpus_per_worker: each worker's Ray resources.
+        num_hosts: instead of ``num_workers``: this many distinct nodes...
+        num_workers_per_host: ...with this many workers on each.
+        cpus_per_worker: each worker's CPUs (Ray resources).
+        use_gpu: give each worker GPUs.
+        gpus_per_worker: each worker's GPUs when ``use_gpu`` (default 1).
         use_current_placement_group: run in the placement group this driver runs in, if any.
-        min_workers, max_workers, ...: Horovod's elastic mode, not supported (raises).
+        min_workers: Horovod's elastic mode: not supported (raises).
+        max_workers: Horovod's elastic mode: not supported (raises).
+        reset_limit: Horovod's elastic mode (unused).
+        cooldown_range: Horovod's elastic mode (unused).
+        elastic_timeout: Horovod's elastic mode (unused).
+        override_discovery: Horovod's elastic mode (unused).
     """
 
     @classmethod
