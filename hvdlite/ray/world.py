@@ -36,7 +36,7 @@ MARKER = "HVDLITE_RAY_PMI"
 # never outlives the job even if the proxy is killed without killing it.
 PLACEHOLDER = ["sh", "-c", "echo \"" + MARKER + "".join(f" {v}=${v}" for v in PMI_VARIABLES)
                + "\"; while kill -0 $PPID 2>/dev/null; do sleep 1; done"]
-TERMINATE_GRACE_S = 5.0
+TERMINATE_GRACE_S = 3.0
 
 
 class WorldError(RuntimeError):

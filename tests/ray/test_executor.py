@@ -112,3 +112,12 @@ def test_start_needs_a_worker_count_and_no_elastic_yet():
         RayExecutor(settings, min_workers=1, max_workers=2)
     with pytest.raises(RuntimeError, match="call start\\(\\) first"):
         RayExecutor(settings, num_workers=1).run(print)
+
+
+def test_start_without_the_resources_fails_clearly_and_leaves_nothing():
+    settings = RayExecutor.create_settings(timeout_s=10, placement_group_timeout_s=2)
+    ex = RayExecutor(settings, num_workers=2, cpus_per_worker=100)
+    with pytest.raises(TimeoutError, match=r"placement group for 2 workers .* was not ready "
+                                           r"within 2 s\. Make sure the cluster has enough"):
+        ex.start()
+    assert ex.workers == [] and ex._placement_group is None   # start() cleaned up
