@@ -52,8 +52,10 @@ def form_world(group: WorkerGroup, size: int, timeout_s: float) -> MpiWorld:
     try:
         proxies = world.start()
         firsts = first_ranks(world.segments)
-        get_bounded([group.execute_single_async(r, member.start_proxy, cmd)
-              for r, cmd in zip(firsts, proxies)], timeout_s, "start their hosts' MPI proxies")
+        get_bounded([group.execute_single_async(r, member.start_proxy, cmd,
+                                                world.release_path)
+                     for r, cmd in zip(firsts, proxies)],
+                    timeout_s, "start their hosts' MPI proxies")
         envs = world.environments()
         get_bounded([group.execute_single_async(r, member.join_world, envs[r], r, size)
               for r in range(size)], timeout_s, "initialise MPI (MPI_Init)")
@@ -65,12 +67,14 @@ def form_world(group: WorkerGroup, size: int, timeout_s: float) -> MpiWorld:
 
 
 def end_world(group: WorkerGroup | None, world: MpiWorld, timeout_s: float) -> None:
-    """End the world's launcher processes: ``mpiexec`` first (its proxies then exit and end
-    their placeholders), then any proxy still running, through the workers that run them if
-    they still answer.  Never raises for workers that are gone."""
-    world.close()
+    """End the world's launcher processes.  The workers that run the proxies release their
+    placeholders and wait for their proxy to exit (every rank then has ended, so ``mpiexec``
+    exits too); what is still running after that (the workers are gone or did not answer) is
+    killed: ``mpiexec`` by the driver, which ends the proxies it still reaches.  Never raises for
+    workers that are gone."""
     if group is not None:
         try:
             ray.get(group.execute_async(member.stop_proxy), timeout=timeout_s)
         except (RayError, ValueError) as exc:   # dead workers, or a group already shut down
             log.debug("hvdlite.ray: stopping the proxies through the workers failed: %s", exc)
+    world.close()

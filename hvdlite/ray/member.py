@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 PROXY_EXIT_WAIT_S = 2.0
 _proxy: Optional[subprocess.Popen] = None
+_release_path: Optional[str] = None
 
 
 def describe() -> dict:
@@ -25,24 +26,31 @@ def describe() -> dict:
             "pid": os.getpid()}
 
 
-def start_proxy(command: Sequence[str]) -> int:
+def start_proxy(command: Sequence[str], release_path: str) -> int:
     """Run this host's Hydra proxy (the command ``mpiexec -launcher manual`` printed); return
-    its pid.  It starts this host's placeholders, whose environments the driver hands out."""
-    global _proxy
+    its pid.  It starts this host's placeholders, whose environments the driver hands out;
+    creating ``release_path`` ends them."""
+    global _proxy, _release_path
     stop_proxy()
+    _release_path = release_path
     _proxy = subprocess.Popen(list(command), stdin=subprocess.DEVNULL,
                               stdout=subprocess.DEVNULL, start_new_session=True)
     return _proxy.pid
 
 
 def stop_proxy() -> Optional[int]:
-    """End this worker's proxy, if it runs one; its placeholders follow it.  A proxy exits by
-    itself once ``mpiexec`` has gone (ended first, see ``formation.end_world``); one still
-    running after :data:`PROXY_EXIT_WAIT_S` is killed (it ignores SIGTERM).  Returns its pid."""
-    global _proxy
+    """End this worker's proxy, if it runs one: release its placeholders (they exit 0, and
+    so, once every host's have, do the proxies and ``mpiexec``); a proxy still running after
+    :data:`PROXY_EXIT_WAIT_S` is killed (it ignores SIGTERM; its placeholders then see it
+    gone).  Returns the proxy's pid, or None."""
+    global _proxy, _release_path
     proc, _proxy = _proxy, None
+    release, _release_path = _release_path, None
     if proc is None:
         return None
+    if release:
+        with open(release, "w"):
+            pass
     try:
         proc.wait(PROXY_EXIT_WAIT_S)
     except subprocess.TimeoutExpired:
@@ -51,6 +59,11 @@ def stop_proxy() -> Optional[int]:
         except ProcessLookupError:
             pass
         proc.wait(PROXY_EXIT_WAIT_S)
+    if release:
+        try:
+            os.unlink(release)
+        except FileNotFoundError:
+            pass
     return proc.pid
 
 

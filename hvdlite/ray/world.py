@@ -7,7 +7,7 @@ them to connect.  Each proxy then starts ``<program>`` once per rank of its host
 environment of that rank (``PMI_PORT``, ``PMI_ID``, ...); any process on that host that
 initialises MPI with that environment *is* that rank.
 
-So the program is a placeholder (:data:`PLACEHOLDER`): it prints its PMI environment (which the
+So the program is a placeholder (:data:`PLACEHOLDER_SCRIPT`): it prints its PMI environment (which the
 proxy forwards to ``mpiexec``'s standard output, read here) and waits while its proxy lives.  The
 Ray worker of world rank ``r`` runs the proxy of its host if it is the host's first worker
 (:func:`hvdlite.ray.member.start_proxy`), then receives rank ``r``'s environment and joins the
@@ -19,7 +19,7 @@ ends ``mpiexec`` (which ends its proxies and their placeholders).
 from __future__ import annotations
 
 import os
-import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -32,11 +32,14 @@ from typing import Optional, Sequence
 PMI_VARIABLES = ("PMI_PORT", "PMI_ID", "PMI_HOSTNAME", "MPI_LOCALNRANKS", "MPI_LOCALRANKID")
 MARKER = "HVDLITE_RAY_PMI"
 # The placeholder: a shell (present on every node, whatever Python the node has) that prints
-# its rank's PMI environment on one line, then waits while its proxy ($PPID) lives, so that it
-# never outlives the job even if the proxy is killed without killing it.
-PLACEHOLDER = ["sh", "-c", "echo \"" + MARKER + "".join(f" {v}=${v}" for v in PMI_VARIABLES)
-               + "\"; while kill -0 $PPID 2>/dev/null; do sleep 1; done"]
+# its rank's PMI environment on one line, then waits until the job's release file ($0) exists
+# on its host (the clean end: every rank exits 0, so do the proxies and mpiexec) or its proxy
+# ($PPID) is gone (so that it never outlives the job, however the proxy ended).
+PLACEHOLDER_SCRIPT = ("echo \"" + MARKER + "".join(f" {v}=${v}" for v in PMI_VARIABLES)
+                      + "\"; while kill -0 $PPID 2>/dev/null && [ ! -e \"$0\" ]; "
+                      "do sleep 0.3; done")
 TERMINATE_GRACE_S = 3.0
+RELEASED_EXIT_WAIT_S = 1.0   # mpiexec's own exit once its ranks have ended
 
 
 class WorldError(RuntimeError):
@@ -87,11 +90,15 @@ class MpiWorld:
 
     def __init__(self, nodes: Sequence[str], control_host: str, timeout_s: float) -> None:
         self.size = len(nodes)
+        # The file whose creation on a host releases that host's placeholders (see
+        # hvdlite.ray.member.stop_proxy); unique to this world.
+        self.release_path = f"/tmp/hvdlite-ray-{secrets.token_hex(8)}.release"
         self.segments = host_segments(nodes)
         self.timeout_s = timeout_s
         hosts = ",".join(f"{node}:{count}" for node, count in self.segments)
         self.argv = [mpiexec_path(), "-launcher", "manual", "-pmi-port", "-localhost",
-                     control_host, "-hosts", hosts, "-n", str(self.size), *PLACEHOLDER]
+                     control_host, "-hosts", hosts, "-n", str(self.size), "sh", "-c", PLACEHOLDER_SCRIPT,
+                     self.release_path]
         self._proc: Optional[subprocess.Popen] = None
         self._cond = threading.Condition()
         self._proxies: list[list[str]] = []
@@ -171,11 +178,17 @@ class MpiWorld:
         return None if self._proc is None else self._proc.pid
 
     def close(self) -> None:
-        """End ``mpiexec`` and, through it, the proxies and placeholders: SIGTERM, then SIGKILL
-        after :data:`TERMINATE_GRACE_S`.  Safe to call more than once."""
+        """End ``mpiexec`` and, through it, the proxies and placeholders.  After the
+        placeholders were released (``member.stop_proxy``) it exits by itself; otherwise, or if
+        it does not within :data:`TERMINATE_GRACE_S`: SIGTERM, then SIGKILL.  Safe to call more
+        than once."""
         proc, self._proc = self._proc, None
         if proc is None:
             return
+        try:
+            proc.wait(RELEASED_EXIT_WAIT_S)
+        except subprocess.TimeoutExpired:
+            pass
         if proc.poll() is None:
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 try:

@@ -2,6 +2,7 @@
 placeholders' PMI environments, and the teardown (no process left)."""
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
@@ -31,26 +32,48 @@ def test_parse_pmi_line():
         parse_pmi_line("HVDLITE_RAY_PMI PMI_ID=x")
 
 
+def _start_world(nodes):
+    """A world on ``nodes`` whose proxies this test runs (as the Ray workers would)."""
+    world = MpiWorld(nodes, "127.0.0.1", timeout_s=20)
+    commands = world.start()
+    assert len(commands) == len(set(nodes)) and all("hydra_pmi_proxy" in c[0] for c in commands)
+    proxies = [subprocess.Popen(c, stdout=subprocess.DEVNULL, start_new_session=True)
+               for c in commands]
+    return world, proxies
+
+
 @pytest.mark.timeout(60)
-def test_world_hands_out_each_rank_its_environment_and_ends_everything():
-    world = MpiWorld(["127.0.0.1"] * 2 + ["127.0.0.2"], "127.0.0.1", timeout_s=20)
-    proxies = []
+def test_world_hands_out_each_rank_its_environment_and_ends_cleanly_when_released():
+    world, proxies = _start_world(["127.0.0.1"] * 2 + ["127.0.0.2"])
+    launcher = world._proc
     try:
-        commands = world.start()
-        assert len(commands) == 2 and all("hydra_pmi_proxy" in c[0] for c in commands)
-        proxies = [subprocess.Popen(c, stdout=subprocess.DEVNULL, start_new_session=True)
-                   for c in commands]
         envs = world.environments()
         assert [int(e["PMI_ID"]) for e in envs] == [0, 1, 2]
         assert [(e["MPI_LOCALRANKID"], e["MPI_LOCALNRANKS"]) for e in envs] == [
             ("0", "2"), ("1", "2"), ("0", "1")]
         placeholders = [c for p in proxies for c in children(p.pid)]
         assert len(placeholders) == 3
-        pids = [world.pid] + [p.pid for p in proxies] + placeholders
+        open(world.release_path, "w").close()   # what member.stop_proxy does on each host
+        # every rank exits 0, so the proxies and mpiexec end by themselves, successfully
+        assert [p.wait(10) for p in proxies] == [0, 0]
+        assert launcher.wait(10) == 0
     finally:
         world.close()
+        os.unlink(world.release_path)
+    assert wait_gone([launcher.pid] + placeholders) == []
+
+
+@pytest.mark.timeout(60)
+def test_closing_an_unreleased_world_ends_everything():
+    world, proxies = _start_world(["127.0.0.1"] * 2)
+    try:
+        world.environments()
+        placeholders = [c for p in proxies for c in children(p.pid)]
+        pids = [world.pid] + [p.pid for p in proxies] + placeholders
+    finally:
+        world.close()   # a run that failed: mpiexec is killed, its proxies and placeholders go
     for proc in proxies:
-        proc.wait(10)   # a proxy exits by itself once mpiexec is gone
+        proc.wait(10)
     assert not world.running
     assert wait_gone(pids) == []
 
