@@ -8,9 +8,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def start_ray(num_cpus: int = 4):
-    """A local Ray cluster whose workers import this checkout's hvdlite."""
-    import ray
+def ray_environment() -> None:
+    """Set what this process's (and so its Ray cluster's) workers need: this checkout's hvdlite
+    on PYTHONPATH, one thread, and Ray Train polling fast enough for short runs."""
     os.environ["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -18,6 +18,12 @@ def start_ray(num_cpus: int = 4):
     # Ray Train polls its workers every 2 s by default: reports and failure detection wait
     # for the poll; short runs in tests need it faster.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+
+
+def start_ray(num_cpus: int = 4):
+    """A local Ray cluster whose workers import this checkout's hvdlite."""
+    import ray
+    ray_environment()
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
     return ray
 

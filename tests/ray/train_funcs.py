@@ -18,6 +18,21 @@ def batch(rank: int, step: int):
     return x, x.sum(dim=1, keepdim=True) * 0.5 + 1.0
 
 
+def _more(step: int, size: int, config: dict) -> bool:
+    """Whether to run this step: ``config["steps"]`` steps; with ``grow_to``, also until the
+    world has grown to that size and run ``steps_after_growth`` steps there (at most
+    ``max_steps`` in all, so that a resize that never comes ends the run)."""
+    if step < config["steps"]:
+        return True
+    if "grow_to" not in config or step >= config["max_steps"]:
+        return False
+    done = config.get("_steps_grown", 0)
+    if size >= config["grow_to"]:
+        config["_steps_grown"] = done + 1
+        return done < config["steps_after_growth"]
+    return True
+
+
 def linear(config: dict) -> None:
     import torch
     import ray.train
@@ -42,7 +57,8 @@ def linear(config: dict) -> None:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
-    for step in range(start, config["steps"]):
+    step = start
+    while _more(step, hvd.size(), config):
         kill = config.get("kill_rank_at_step")
         marker = os.path.join(out, "killed")
         if kill and rank == kill[0] and step == kill[1] and not os.path.exists(marker):
@@ -66,4 +82,6 @@ def linear(config: dict) -> None:
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
         else:
             ray.train.report(metrics)
+        time.sleep(config.get("sleep", 0))   # a longer step (the resize test needs the time)
+        step += 1
     torch.save(model.state_dict(), os.path.join(out, f"rank{rank}.pt"))
