@@ -133,6 +133,10 @@ class RayExecutor:
                              "num_workers_per_host).")
         if num_workers is not None and num_hosts is not None:
             raise ValueError("RayExecutor: pass num_workers or num_hosts, not both.")
+        for name, value in (("num_workers", num_workers), ("num_hosts", num_hosts),
+                            ("num_workers_per_host", num_workers_per_host)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"RayExecutor({name}={value!r}): expected a positive integer.")
         self.settings = settings
         self.num_workers = num_workers
         self.num_hosts = num_hosts

@@ -48,6 +48,12 @@ def form_world(group: WorkerGroup, size: int, timeout_s: float) -> MpiWorld:
     where = get_bounded(group.execute_async(member.describe), timeout_s, "report their nodes")
     if len(where) != size:
         raise WorldError(f"the worker group has {len(where)} workers, expected {size}")
+    taken = [rank for rank, w in enumerate(where) if w["in_a_world"]]
+    if taken:
+        raise WorldError(f"the Ray workers of ranks {taken} (pids "
+                         f"{[where[r]['pid'] for r in taken]}) already belong to an MPI world; "
+                         f"a worker process joins one world only: form the new one from new "
+                         f"workers (a new RayExecutor or Trainer run).")
     world = MpiWorld([w["node"] for w in where], ray.util.get_node_ip_address(), timeout_s)
     try:
         proxies = world.start()

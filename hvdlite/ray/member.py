@@ -19,11 +19,12 @@ _release_path: Optional[str] = None
 
 
 def describe() -> dict:
-    """Where this worker runs: its Ray node (the world's host label), host name and pid."""
+    """Where this worker runs: its Ray node (the world's host label), host name and pid, and
+    whether it already belongs to an MPI world (initialised MPI or runs a proxy)."""
     import ray
     return {"node": ray.util.get_node_ip_address(), "node_id":
             ray.get_runtime_context().get_node_id(), "hostname": socket.gethostname(),
-            "pid": os.getpid()}
+            "pid": os.getpid(), "in_a_world": "mpi4py.MPI" in sys.modules or _proxy is not None}
 
 
 def start_proxy(command: Sequence[str], release_path: str) -> int:

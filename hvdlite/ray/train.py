@@ -35,6 +35,11 @@ class HvdliteConfig(BackendConfig):
     """
     timeout_s: float = 60.0
 
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"HvdliteConfig(timeout_s={self.timeout_s!r}): the timeout must be "
+                             f"a positive number of seconds.")
+
     @property
     def backend_cls(self):
         return _HvdliteBackend

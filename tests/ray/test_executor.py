@@ -3,6 +3,8 @@ Horovod gives them, an allreduce checked against numpy, Horovod's execute/execut
 semantics, and a shutdown that leaves no process of the job running."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -110,6 +112,8 @@ def test_start_needs_a_worker_count_and_no_elastic_yet():
         RayExecutor(settings, num_workers=2, min_workers=1)
     with pytest.raises(NotImplementedError, match="no elastic RayExecutor"):
         RayExecutor(settings, min_workers=1, max_workers=2)
+    with pytest.raises(ValueError, match=r"RayExecutor\(num_workers=0\): expected a positive"):
+        RayExecutor(settings, num_workers=0)
     with pytest.raises(RuntimeError, match="call start\\(\\) first"):
         RayExecutor(settings, num_workers=1).run(print)
 
@@ -121,3 +125,14 @@ def test_start_without_the_resources_fails_clearly_and_leaves_nothing():
                                            r"within 2 s\. Make sure the cluster has enough"):
         ex.start()
     assert ex.workers == [] and ex._placement_group is None   # start() cleaned up
+
+
+def test_workers_of_a_running_world_cannot_join_another(executor):
+    from hvdlite.ray import WorldError, formation
+    from hvdlite.ray.executor import _Group
+    n = executor.num_workers
+    message = (re.escape(f"ranks {list(range(n))} (pids ") + r".*\) already belong to an MPI "
+               r"world; a worker process joins one world only")
+    with pytest.raises(WorldError, match=message):
+        formation.form_world(_Group(executor.workers), n, 30)
+    assert [r["size"] for r in executor.run(_collectives, args=[1.0])] == [n] * n   # still works

@@ -113,3 +113,8 @@ def test_worker_killed_mid_training_resumes_from_last_checkpoint(tmp_path):
     for key in states[0]:
         assert torch.equal(states[0][key], states[1][key]), key
         torch.testing.assert_close(states[0][key], reference[key], rtol=1e-6, atol=1e-7)
+
+
+def test_config_refuses_a_bad_timeout():
+    with pytest.raises(ValueError, match=r"HvdliteConfig\(timeout_s=0\): the timeout must be"):
+        HvdliteConfig(timeout_s=0)
