@@ -199,7 +199,7 @@ class RayExecutor:
         if self.workers:
             raise RuntimeError("RayExecutor.start(): already started; call shutdown() first.")
         try:
-            created = self._create_workers()
+            created = self.workers = self._create_workers()   # shutdown() ends them on failure
             timeout = self.settings.timeout_s
             nodes = formation.get_bounded([w.node_id.remote() for w in created], timeout,
                                    "start (is the cluster short of resources?)")

@@ -136,3 +136,36 @@ def test_workers_of_a_running_world_cannot_join_another(executor):
     with pytest.raises(WorldError, match=message):
         formation.form_world(_Group(executor.workers), n, 30)
     assert [r["size"] for r in executor.run(_collectives, args=[1.0])] == [n] * n   # still works
+
+
+class Broken:
+    def __init__(self):
+        raise RuntimeError("executable refuses to start")
+
+
+def test_a_failing_start_raises_and_leaves_no_process():
+    from tests.ray.procs import launcher_processes
+    before = set(launcher_processes())   # the module's other executors' (still running)
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=2)
+    with pytest.raises(ray.exceptions.RayTaskError, match="executable refuses to start"):
+        ex.start(executable_cls=Broken)
+    assert ex.workers == [] and ex._world is None
+    assert set(launcher_processes()) - before == set()
+
+
+def test_workers_are_ended_when_start_fails_before_the_world(monkeypatch):
+    from hvdlite.ray import WorldError, executor as executor_module
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=2)
+    created = []
+    real_create = ex._create_workers
+    monkeypatch.setattr(ex, "_create_workers", lambda: created.extend(real_create()) or created)
+
+    def no_nodes(refs, timeout_s, what):
+        raise WorldError(f"the Ray workers did not {what} within {timeout_s:g} s")
+    monkeypatch.setattr(executor_module.formation, "get_bounded", no_nodes)
+    with pytest.raises(WorldError, match="did not start"):
+        ex.start()
+    assert len(created) == 2 and ex.workers == []
+    for worker in created:   # killed by start()'s cleanup
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(worker.node_id.remote(), timeout=30)
