@@ -212,8 +212,8 @@ class RayExecutor:
             env = dict(extra_env_vars or {})
             calls = [w.update_env_vars.remote(env) for w in self.workers] if env else []
             if self.use_gpu:   # every worker sees its node's GPUs (CUDA IPC), as in Horovod
-                gpus = formation.get_bounded([w.get_gpu_ids.remote() for w in self.workers], timeout,
-                                      "report their GPUs")
+                gpus = formation.get_bounded([w.get_gpu_ids.remote() for w in self.workers],
+                                             timeout, "report their GPUs")
                 node_gpus: dict[str, list] = defaultdict(list)
                 for node, ids in zip(nodes_in_order(by_node), gpus):
                     node_gpus[node].extend(ids)

@@ -7,14 +7,15 @@ them to connect.  Each proxy then starts ``<program>`` once per rank of its host
 environment of that rank (``PMI_PORT``, ``PMI_ID``, ...); any process on that host that
 initialises MPI with that environment *is* that rank.
 
-So the program is a placeholder (:data:`PLACEHOLDER_SCRIPT`): it prints its PMI environment (which the
-proxy forwards to ``mpiexec``'s standard output, read here) and waits while its proxy lives.  The
-Ray worker of world rank ``r`` runs the proxy of its host if it is the host's first worker
-(:func:`hvdlite.ray.member.start_proxy`), then receives rank ``r``'s environment and joins the
-world (:func:`hvdlite.ray.member.join_world`).
+So the program is a placeholder (:data:`PLACEHOLDER_SCRIPT`): it prints its PMI environment
+(which the proxy forwards to ``mpiexec``'s standard output, read here) and waits until the job
+releases it (or its proxy is gone).  The Ray worker of world rank ``r`` runs the proxy of its
+host if it is the host's first worker (:func:`hvdlite.ray.member.start_proxy`), then receives
+rank ``r``'s environment and joins the world (:func:`hvdlite.ray.member.join_world`).
 
-Every wait here is bounded and raises :class:`WorldError` saying what did not happen; ``close()``
-ends ``mpiexec`` (which ends its proxies and their placeholders).
+Every wait here is bounded and raises :class:`WorldError` saying what did not happen.  At the
+end, the workers release their hosts' placeholders (:func:`hvdlite.ray.member.stop_proxy`), so
+every rank, proxy and ``mpiexec`` exit by themselves; ``close()`` then kills whatever did not.
 """
 from __future__ import annotations
 
@@ -97,8 +98,8 @@ class MpiWorld:
         self.timeout_s = timeout_s
         hosts = ",".join(f"{node}:{count}" for node, count in self.segments)
         self.argv = [mpiexec_path(), "-launcher", "manual", "-pmi-port", "-localhost",
-                     control_host, "-hosts", hosts, "-n", str(self.size), "sh", "-c", PLACEHOLDER_SCRIPT,
-                     self.release_path]
+                     control_host, "-hosts", hosts, "-n", str(self.size),
+                     "sh", "-c", PLACEHOLDER_SCRIPT, self.release_path]
         self._proc: Optional[subprocess.Popen] = None
         self._cond = threading.Condition()
         self._proxies: list[list[str]] = []
