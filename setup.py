@@ -36,6 +36,8 @@ setup(
         "nccl": ["cupy-cuda13x>=14", "nvidia-nccl-cu13"],
         "nccl-cuda12": ["cupy-cuda12x>=13", "nvidia-nccl-cu12"],
         "examples": ["scikit-learn>=1.2"],
+        # hvdlite.ray: RayExecutor and the Ray Train backend (HvdliteTrainer).
+        "ray": ["ray[train]>=2.40"],
         "test": ["pytest>=7", "pytest-timeout>=2", "scikit-learn>=1.2"],
         # The documentation site (mkdocs.yml, docs/); tests/test_docs.py builds it in strict mode.
         "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings>=1.0",

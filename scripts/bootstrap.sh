@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Create (or update) the project's virtual environment in .venv with everything the examples
 # and the test suite need: hvdlite itself (editable), numpy, mpi4py, the MPICH wheel (a working
-# mpiexec), PyTorch's CPU wheel, TensorFlow CPU, scikit-learn, pytest and MkDocs (the suite
-# builds the docs). Safe to run repeatedly.
+# mpiexec), PyTorch's CPU wheel, TensorFlow CPU, scikit-learn, pytest, MkDocs (the suite
+# builds the docs) and Ray (hvdlite.ray). Safe to run repeatedly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -19,7 +19,7 @@ want="$(cat setup.py scripts/bootstrap.sh | sha256sum | cut -c1-16) $TORCH_SPEC 
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[bootstrap] installing hvdlite and its test/example/docs dependencies"
   .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet "$TORCH_SPEC" "$TF_SPEC" -e ".[test,examples,docs]"
+  .venv/bin/python -m pip install --quiet "$TORCH_SPEC" "$TF_SPEC" -e ".[test,examples,docs,ray]"
   echo "$want" > "$stamp"
 fi
 # The venv's MPICH mpiexec must win over any other MPI on PATH (a foreign mpiexec fails

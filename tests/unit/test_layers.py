@@ -25,7 +25,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("backends", ("hvdlite.common.backends",)),
     ("api", ("hvdlite.common.api",)),
     ("door", ("hvdlite.common.core",)),
-    ("adapters", ("hvdlite.torch", "hvdlite.tensorflow", "hvdlite.keras", "hvdlite.runner")),
+    ("adapters", ("hvdlite.torch", "hvdlite.tensorflow", "hvdlite.keras", "hvdlite.runner",
+                  "hvdlite.ray")),
 ]
 # Package markers that import nothing and belong to no layer.
 NEUTRAL = {"hvdlite.common"}

@@ -1,0 +1,38 @@
+"""hvdlite on Ray: Horovod-style jobs whose workers are Ray actors.
+
+* :class:`RayExecutor` - Horovod's ``horovod.ray.RayExecutor`` API (``start``, ``run``,
+  ``execute``, ``execute_single``, ``run_remote``, ``shutdown``).
+* :class:`HvdliteTrainer` / :class:`HvdliteConfig` - a Ray Train trainer and backend whose
+  workers form one MPI world before ``train_func`` runs, so ``hvd.init()`` works unchanged.
+
+The workers of a job become one MPI world through MPICH's manual launcher (see
+:mod:`hvdlite.ray.world`).  Ray is an optional dependency: ``pip install "hvdlite[ray]"``.
+"""
+from typing import TYPE_CHECKING
+
+try:
+    import ray as _ray  # noqa: F401
+except ImportError as _exc:   # say what to install instead of a bare "No module named 'ray'"
+    raise ImportError('hvdlite.ray needs Ray (Ray Train 2.40 or newer), which is not installed: '
+                      'pip install "hvdlite[ray]"') from _exc
+
+if TYPE_CHECKING:   # for type checkers and the API reference; loaded lazily below
+    from .executor import RayExecutor
+    from .train import HvdliteConfig, HvdliteTrainer
+    from .world import WorldError
+
+__all__ = ["RayExecutor", "HvdliteTrainer", "HvdliteConfig", "WorldError"]
+
+
+def __getattr__(name: str):
+    # Loaded when first used: ray.train's imports take seconds, which RayExecutor never needs.
+    if name == "RayExecutor":
+        from .executor import RayExecutor
+        return RayExecutor
+    if name in ("HvdliteTrainer", "HvdliteConfig"):
+        from . import train
+        return getattr(train, name)
+    if name == "WorldError":
+        from .world import WorldError
+        return WorldError
+    raise AttributeError(f"module 'hvdlite.ray' has no attribute {name!r}")

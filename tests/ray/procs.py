@@ -1,0 +1,86 @@
+"""Helpers for the Ray tests: a local Ray cluster per test module, and process checks."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def ray_environment() -> None:
+    """Set what this process's (and so its Ray cluster's) workers need: this checkout's hvdlite
+    on PYTHONPATH, one thread, and Ray Train polling fast enough for short runs."""
+    os.environ["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # Ray Train polls its workers every 2 s by default: reports and failure detection wait
+    # for the poll; short runs in tests need it faster.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+
+
+def start_ray(num_cpus: int = 4):
+    """A local Ray cluster whose workers import this checkout's hvdlite."""
+    import ray
+    ray_environment()
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    return ray
+
+
+def stop_ray() -> None:
+    import ray
+    ray.shutdown()
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a running (not zombie) process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def children(pid: int) -> list[int]:
+    """The direct children of ``pid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def wait_gone(pids, timeout_s: float = 20.0) -> list[int]:
+    """Wait until none of ``pids`` runs; return those still running after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    left = [p for p in pids if alive(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = [p for p in left if alive(p)]
+    return left
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def launcher_processes() -> list[tuple[int, str]]:
+    """Running processes of an hvdlite.ray MPI world, of any job: its mpiexec, proxies and
+    placeholders (the manual launcher and the placeholder's marker identify them)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and alive(int(entry.name)):
+            line = cmdline(int(entry.name))
+            if "HVDLITE_RAY_PMI" in line or ("hydra_pmi_proxy" in line
+                                             and "--launcher manual" in line):
+                found.append((int(entry.name), line))
+    return found
