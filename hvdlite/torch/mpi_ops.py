@@ -36,9 +36,12 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     """Return ``tensor`` reduced across all ranks (default: averaged).  Differentiable: the
     gradient of an Average/Sum allreduce is the same allreduce of the incoming gradient.
     ``compression`` (e.g. ``Compression.fp16``) shrinks the data on the wire."""
-    with core.announced(ALLREDUCE, name, process_set):
+    try:   # as core.announced, without a context manager's cost on every call
         op = resolve_op(op, average)
         compressed, ctx = compression.compress(tensor)
+    except Exception as exc:
+        core.announce_failure(ALLREDUCE, name, process_set, exc)
+        raise
     reduced = differentiable_allreduce(compressed, name, op, prescale_factor, postscale_factor,
                                        process_set)
     return compression.decompress(reduced, ctx)

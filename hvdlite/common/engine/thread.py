@@ -85,6 +85,10 @@ class Engine:
             comm=comm, global_ranks=self.controller.global_ranks, config=config,
             rank=self.rank, max_sleep=self.controller.max_sleep, on_slow=self._data_stall,
             agree=self._agree_prepared))
+        # Each batch asks only the paths of its kind of memory, in the registry's order (a lone
+        # host tensor then skips the GPU paths' checks, ~1 us each on every operation).
+        self._host_paths = [p for p in self.paths if not p.device]
+        self._device_paths = [p for p in self.paths if p.device]
         self._gpu_completions = None   # the GPU completion thread, made on first use
         self._queue: queue.SimpleQueue = queue.SimpleQueue()   # entries (or None = wake up)
         self._shutdown_requested = False
@@ -298,7 +302,8 @@ class Engine:
                 else:
                     runnable.append((response, entry))
         for batch in plan_batches(runnable, _fusion_key, _nbytes, self.config.fusion_threshold):
-            path = select(self.paths, batch)
+            path = select(self._device_paths if batch[0][0].device >= 0 else self._host_paths,
+                          batch)
             if path.device:
                 self._execute_on_device(path, batch)
                 continue
