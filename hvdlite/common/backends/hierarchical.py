@@ -104,6 +104,8 @@ class HierarchicalPath(DataPath):
 
     # --- choosing -----------------------------------------------------------------------------
     def enabled(self, batch: Batch) -> bool:
+        if self._decided and self.hosts is None:   # the set lies on one host: never
+            return False
         response = batch[0][0]
         if response.device >= 0 or self.size < 2:
             return False
