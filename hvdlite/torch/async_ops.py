@@ -62,7 +62,6 @@ def _fast_allreduce(tensor, in_place: bool, name, reduce_op: ReduceOp, prescale_
     return handle.then((lambda _: tensor) if in_place else torch.from_numpy)
 
 
-@core.announcing(ALLREDUCE)
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                     op: ReduceOp | None = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0,
@@ -74,35 +73,42 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
     ``postscale_factor`` the result after it.  ``name`` must be unique among pending ops and the
     same on every rank (unnamed ops must be issued in the same order on every rank).
     """
-    reduce_op = resolve_op(op, average)
-    handle = _fast_allreduce(tensor, False, name, reduce_op, prescale_factor, postscale_factor,
-                             process_set)
-    if handle is not None:
-        return handle
-    what = f"allreduce of {name or 'unnamed tensor'}"
-    check_tensor(tensor, what)   # before allocating: empty_like fails on e.g. sparse tensors
-    output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-    return _submit(ALLREDUCE, tensor, output, what,
-                   name=name, reduce_op=reduce_op,
-                   prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                   process_set=process_set)
+    try:   # announce a failure as @announcing would, without its wrapper on every call
+        reduce_op = resolve_op(op, average)
+        handle = _fast_allreduce(tensor, False, name, reduce_op, prescale_factor, postscale_factor,
+                                 process_set)
+        if handle is not None:
+            return handle
+        what = f"allreduce of {name or 'unnamed tensor'}"
+        check_tensor(tensor, what)   # before allocating: empty_like fails on e.g. sparse tensors
+        output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        return _submit(ALLREDUCE, tensor, output, what,
+                       name=name, reduce_op=reduce_op,
+                       prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                       process_set=process_set)
+    except Exception as exc:
+        core.announce_failure(ALLREDUCE, name, process_set, exc)
+        raise
 
 
-@core.announcing(ALLREDUCE)
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: ReduceOp | None = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> Handle:
     """In-place :func:`allreduce_async`: ``tensor`` is overwritten with the result."""
-    reduce_op = resolve_op(op, average)
-    handle = _fast_allreduce(tensor, True, name, reduce_op, prescale_factor, postscale_factor,
-                             process_set)
-    if handle is not None:
-        return handle
-    return _submit(ALLREDUCE, tensor, tensor, f"allreduce_ of {name or 'unnamed tensor'}",
-                   name=name, reduce_op=reduce_op,
-                   prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                   process_set=process_set)
+    try:   # announce a failure as @announcing would, without its wrapper on every call
+        reduce_op = resolve_op(op, average)
+        handle = _fast_allreduce(tensor, True, name, reduce_op, prescale_factor, postscale_factor,
+                                 process_set)
+        if handle is not None:
+            return handle
+        return _submit(ALLREDUCE, tensor, tensor, f"allreduce_ of {name or 'unnamed tensor'}",
+                       name=name, reduce_op=reduce_op,
+                       prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                       process_set=process_set)
+    except Exception as exc:
+        core.announce_failure(ALLREDUCE, name, process_set, exc)
+        raise
 
 
 # --- allgather -------------------------------------------------------------------------------

@@ -36,7 +36,6 @@ __all__ = [
 
 
 # --- allreduce -------------------------------------------------------------------------------
-@announcing(ALLREDUCE)
 def allreduce_async(array, average: bool | None = None, name: str | None = None,
                     op: ReduceOp | None = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0,
@@ -49,37 +48,44 @@ def allreduce_async(array, average: bool | None = None, name: str | None = None,
     Integer results are scaled in float64 and truncated toward zero.  ``process_set`` limits
     the operation to a registered subset of ranks (default: all).
     """
-    reduce_op = resolve_op(op, average)
-    handle = fast_host_allreduce(array, None, name, reduce_op, prescale_factor,
-                                 postscale_factor, process_set)
-    if handle is not None:
-        return handle
-    return submit(ALLREDUCE, _contiguous(array), name=name, reduce_op=reduce_op,
-                  prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                  process_set=process_set)
+    try:   # announce a failure as @announcing would, without its wrapper on every call
+        reduce_op = resolve_op(op, average)
+        handle = fast_host_allreduce(array, None, name, reduce_op, prescale_factor,
+                                     postscale_factor, process_set)
+        if handle is not None:
+            return handle
+        return submit(ALLREDUCE, _contiguous(array), name=name, reduce_op=reduce_op,
+                      prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                      process_set=process_set)
+    except Exception as exc:
+        announce_failure(ALLREDUCE, name, process_set, exc)
+        raise
 
 
-@announcing(ALLREDUCE)
 def allreduce_async_(array: np.ndarray, average: bool | None = None, name: str | None = None,
                      op: ReduceOp | None = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0,
                      process_set: ProcessSet | None = None) -> Handle:
     """In-place variant of :func:`allreduce_async`: the result overwrites ``array``."""
-    reduce_op = resolve_op(op, average)
-    handle = fast_host_allreduce(array, array, name, reduce_op, prescale_factor,
-                                 postscale_factor, process_set)
-    if handle is not None:
-        return handle
-    flags = array.flags
-    if flags.c_contiguous and flags.writeable:   # the common case, without extra layers
-        return submit(ALLREDUCE, array, name=name, output=array, reduce_op=reduce_op,
-                      prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                      process_set=process_set)
-    _check_writable(array, "allreduce_")
-    return _contiguous_in_place(array, lambda a: submit(
-        ALLREDUCE, a, name=name, output=a, reduce_op=reduce_op,
-        prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-        process_set=process_set))
+    try:   # announce a failure as @announcing would, without its wrapper on every call
+        reduce_op = resolve_op(op, average)
+        handle = fast_host_allreduce(array, array, name, reduce_op, prescale_factor,
+                                     postscale_factor, process_set)
+        if handle is not None:
+            return handle
+        flags = array.flags
+        if flags.c_contiguous and flags.writeable:   # the common case, without extra layers
+            return submit(ALLREDUCE, array, name=name, output=array, reduce_op=reduce_op,
+                          prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                          process_set=process_set)
+        _check_writable(array, "allreduce_")
+        return _contiguous_in_place(array, lambda a: submit(
+            ALLREDUCE, a, name=name, output=a, reduce_op=reduce_op,
+            prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+            process_set=process_set))
+    except Exception as exc:
+        announce_failure(ALLREDUCE, name, process_set, exc)
+        raise
 
 
 def allreduce(array, average: bool | None = None, name: str | None = None,
