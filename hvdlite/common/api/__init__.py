@@ -1,1 +1,2 @@
-"""The numpy API and what the adapters share: collectives, grouped ops, objects, gradient maths, elastic state."""
+"""The numpy API and what the adapters share: collectives, grouped ops, objects, gradient
+maths, elastic state."""

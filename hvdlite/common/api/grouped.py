@@ -61,8 +61,8 @@ def _group_names(kind: str, name: str | None, set_id: int, n: int) -> tuple[str,
 
 def announcing_group(kind: str, items: str = "arrays"):
     """:func:`hvdlite.common.api.announce.announcing` for grouped operations (``items``: the
-    argument holding the group's tensors): an unnamed group that fails before it is submitted takes the
-    names the other ranks' group took, and fails there as one unit."""
+    argument holding the group's tensors): an unnamed group that fails before it is submitted
+    takes the names the other ranks' group took, and fails there as one unit."""
     def announce(bound: dict, exc: Exception) -> None:
         try:
             count = len(bound[items])

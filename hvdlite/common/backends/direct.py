@@ -7,7 +7,7 @@ from hvdlite.common.backends.mpi import phase, postscale_factor
 from hvdlite.common.dtypes import dtype_info, numpy_reduce_ufunc
 from hvdlite.common.engine.data_paths import Batch, PathContext
 from hvdlite.common.engine.messages import ALLREDUCE
-from hvdlite.common.intranode.direct import DirectAllreduce
+from hvdlite.common.intranode.direct import MIN_BYTES, DirectAllreduce
 from hvdlite.common.reduce_ops import ReduceOp
 
 
@@ -25,7 +25,9 @@ class DirectCopyPath(DataPath):
 
     def enabled(self, batch: Batch) -> bool:
         response, entry = batch[0]
-        return (self.direct is not None and len(batch) == 1 and response.kind == ALLREDUCE
+        if response.kind != ALLREDUCE or len(batch) != 1 or entry.array.nbytes < MIN_BYTES:
+            return False   # (the size test is usable()'s, sooner)
+        return (self.direct is not None
                 and response.device < 0 and response.reduce_op != ReduceOp.Adasum
                 and self.direct.usable(entry.array.nbytes))   # collective: every rank
 

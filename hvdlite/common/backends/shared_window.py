@@ -8,7 +8,7 @@ from hvdlite.common.backends.mpi import copy_out_pieces, flat, pack, phase, post
 from hvdlite.common.dtypes import dtype_info, numpy_reduce_ufunc
 from hvdlite.common.engine.data_paths import Batch, PathContext
 from hvdlite.common.engine.messages import ALLREDUCE
-from hvdlite.common.intranode.shm_window import SharedFusion
+from hvdlite.common.intranode.shm_window import MIN_SINGLE_BYTES, SharedFusion
 from hvdlite.common.reduce_ops import ReduceOp
 
 
@@ -24,8 +24,11 @@ class SharedWindowPath(DataPath):
                                     context.on_slow) if cfg.shm_fusion_bytes > 0 else None)
 
     def enabled(self, batch: Batch) -> bool:
-        response = batch[0][0]
-        if (self.window is None or response.kind != ALLREDUCE or response.device >= 0
+        response, entry = batch[0]
+        if response.kind != ALLREDUCE or (len(batch) == 1
+                                          and entry.array.nbytes < MIN_SINGLE_BYTES):
+            return False   # (a lone small tensor: usable()'s answer, without its arithmetic)
+        if (self.window is None or response.device >= 0
                 or response.reduce_op == ReduceOp.Adasum or self.size < 2):
             return False
         itemsize = dtype_info(response.dtype).itemsize

@@ -1,1 +1,2 @@
-"""The background thread: negotiation over a transport, the coordinator, join, stall inspection, fusion, handles."""
+"""The background thread: negotiation over a transport, the coordinator, join, stall
+inspection, fusion, handles."""

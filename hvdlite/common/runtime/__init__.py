@@ -1,1 +1,2 @@
-"""The process's hvdlite state: init/shutdown, topology, process sets, liveness, watchdog, timeline."""
+"""The process's hvdlite state: init/shutdown, topology, process sets, liveness, watchdog,
+timeline."""
