@@ -50,11 +50,10 @@ def _check(job, how: str, victim: int) -> None:
     # and the end was reported, by a survivor's RankExitedError or by mpiexec's teardown.
     for rank, what in caught.items():
         assert what in ("RankExitedError", None), f"rank {rank} caught {what}\n{job.output}"
-    assert ("RankExitedError" in caught.values()
-            or any(sign in job.output for sign in MPIEXEC_TEARDOWN)), \
+    torn_down = any(sign in job.output for sign in MPIEXEC_TEARDOWN)
+    assert "RankExitedError" in caught.values() or torn_down, \
         f"neither the watchdog nor mpiexec reported rank {victim}'s end\n{job.output}"
-    if how in ("exit_code", "exit_zero", "exception") and not any(
-            sign in job.output for sign in MPIEXEC_TEARDOWN):
+    if how in ("exit_code", "exit_zero", "exception") and not torn_down:
         # no teardown by mpiexec: nothing could stop a survivor from reporting
         assert all(what == "RankExitedError" for what in caught.values()), \
             f"a survivor did not report: {caught}\n{job.output}"
