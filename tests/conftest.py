@@ -1,7 +1,12 @@
+import os
+
 import pytest
 
 from tests.mpi_harness import run_job
 
+# Ray reads this when it is imported: every node of the Ray tests' clusters then runs on
+# 127.0.0.1 instead of the machine's network address, so their traffic stays on loopback.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 _jobs: dict = {}
 
 

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,6 +17,9 @@ def ray_environment() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # Every node on 127.0.0.1 (tests/conftest.py sets it before Ray is imported; here for
+    # the processes the tests start).
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     # Ray Train polls its workers every 2 s by default: reports and failure detection wait
     # for the poll; short runs in tests need it faster.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
@@ -84,3 +89,20 @@ def launcher_processes() -> list[tuple[int, str]]:
                                              and "--launcher manual" in line):
                 found.append((int(entry.name), line))
     return found
+
+
+def drain(cluster, node_id: str, deadline_s: int) -> None:
+    """Have Ray drain ``node_id`` as a cloud's preemption would (``ray drain-node``)."""
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    subprocess.run([ray_cli, "drain-node", "--address", cluster.address, "--node-id", node_id,
+                    "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message",
+                    "spot instance reclaimed (test)", "--deadline-remaining-seconds",
+                    str(deadline_s)], check=True, timeout=60)
+
+
+def wait_for(what, predicate, timeout_s=120):
+    """Wait until ``predicate()``; fail the test, naming ``what``, after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
