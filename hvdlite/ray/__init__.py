@@ -1,7 +1,8 @@
 """hvdlite on Ray: Horovod-style jobs whose workers are Ray actors.
 
 * :class:`RayExecutor` - Horovod's ``horovod.ray.RayExecutor`` API (``start``, ``run``,
-  ``execute``, ``execute_single``, ``run_remote``, ``shutdown``).
+  ``execute``, ``execute_single``, ``run_remote``, ``shutdown``), with its elastic form
+  (``min_workers``/``max_workers``; :class:`ElasticRayError` when such a job cannot go on).
 * :class:`HvdliteTrainer` / :class:`HvdliteConfig` - a Ray Train trainer and backend whose
   workers form one MPI world before ``train_func`` runs, so ``hvd.init()`` works unchanged.
 
@@ -19,9 +20,10 @@ except ImportError as _exc:   # say what to install instead of a bare "No module
 if TYPE_CHECKING:   # for type checkers and the API reference; loaded lazily below
     from .executor import RayExecutor
     from .train import HvdliteConfig, HvdliteTrainer
+    from .elastic import ElasticRayError
     from .world import WorldError
 
-__all__ = ["RayExecutor", "HvdliteTrainer", "HvdliteConfig", "WorldError"]
+__all__ = ["RayExecutor", "HvdliteTrainer", "HvdliteConfig", "WorldError", "ElasticRayError"]
 
 
 def __getattr__(name: str):
@@ -32,6 +34,9 @@ def __getattr__(name: str):
     if name in ("HvdliteTrainer", "HvdliteConfig"):
         from . import train
         return getattr(train, name)
+    if name == "ElasticRayError":
+        from .elastic import ElasticRayError
+        return ElasticRayError
     if name == "WorldError":
         from .world import WorldError
         return WorldError

@@ -10,8 +10,6 @@ world (:mod:`hvdlite.ray.formation`) instead of Horovod's Gloo rendezvous.
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
 from collections import defaultdict
 from typing import Any, Callable, Dict, List, Optional
 
@@ -20,6 +18,8 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from . import formation
+from .actors import Group, Worker, visible_devices
+from .elastic import ElasticAdapter
 from .world import MpiWorld
 
 
@@ -37,50 +37,6 @@ class MiniSettings:
     elastic: bool = False
 
 
-class _Worker:
-    """The actor behind each worker (Horovod's ``BaseHorovodWorker``)."""
-
-    executable: Any = None
-
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
-
-    def hostname(self) -> str:
-        return socket.gethostname()
-
-    def get_gpu_ids(self) -> List[Any]:
-        return ray.get_gpu_ids()
-
-    def update_env_vars(self, env_vars: Dict[str, Any]) -> None:
-        os.environ.update({k: str(v) for k, v in env_vars.items()})
-
-    def start_executable(self, executable_cls: Optional[type] = None,
-                         executable_args: Optional[list] = None,
-                         executable_kwargs: Optional[dict] = None) -> None:
-        if executable_cls:
-            self.executable = executable_cls(*(executable_args or []),
-                                             **(executable_kwargs or {}))
-
-    def execute(self, fn: Callable[[Any], Any]) -> Any:
-        return fn(self.executable)
-
-    def call(self, fn: Callable, *args: Any) -> Any:
-        return fn(*args)
-
-
-class _Group:
-    """The started workers in world-rank order, as :mod:`formation` calls them."""
-
-    def __init__(self, workers: list) -> None:
-        self.workers = workers
-
-    def execute_async(self, fn: Callable, *args: Any) -> list:
-        return [w.call.remote(fn, *args) for w in self.workers]
-
-    def execute_single_async(self, rank: int, fn: Callable, *args: Any):
-        return self.workers[rank].call.remote(fn, *args)
-
-
 class RayExecutor:
     """Run a Horovod-style (hvdlite) job on Ray actors.
 
@@ -93,12 +49,15 @@ class RayExecutor:
         use_gpu: give each worker GPUs.
         gpus_per_worker: each worker's GPUs when ``use_gpu`` (default 1).
         use_current_placement_group: run in the placement group this driver runs in, if any.
-        min_workers: Horovod's elastic mode: not supported (raises).
-        max_workers: Horovod's elastic mode: not supported (raises).
-        reset_limit: Horovod's elastic mode (unused).
-        cooldown_range: Horovod's elastic mode (unused).
-        elastic_timeout: Horovod's elastic mode (unused).
-        override_discovery: Horovod's elastic mode (unused).
+        min_workers: an elastic job (instead of ``num_workers``): at least this many
+            workers; the function uses ``hvd.elastic.run`` (see :mod:`hvdlite.ray.elastic`).
+        max_workers: an elastic job: at most this many workers (default: all that fit).
+        reset_limit: an elastic job: fail after this many resets.
+        cooldown_range: an elastic job: ``(low, high)`` seconds a node whose worker failed
+            is set aside (growing with each failure); without it no node is set aside.
+        elastic_timeout: an elastic job: how long to wait for room for ``min_workers``.
+        override_discovery: an elastic job: find the nodes through Ray (True), or use
+            ``settings.discovery`` (False).
     """
 
     @classmethod
@@ -123,11 +82,19 @@ class RayExecutor:
         if min_workers and num_workers:
             raise ValueError("Both `min_workers` and `num_workers` provided. Only one of them "
                              "is allowed: a workload is either elastic or not.")
+        self.settings = settings
+        self._elastic: Optional[ElasticAdapter] = None
         if min_workers is not None:
-            raise NotImplementedError(
-                "RayExecutor(min_workers=..., max_workers=...): hvdlite.ray has no elastic "
-                "RayExecutor yet; use a fixed num_workers, or HvdliteTrainer with "
-                "FailureConfig(max_failures=...) to restart from a checkpoint after a failure.")
+            if num_hosts is not None:
+                raise ValueError("RayExecutor: num_hosts places a fixed number of workers; an "
+                                 "elastic job (min_workers) places them by the nodes' room.")
+            self._elastic = ElasticAdapter(
+                settings, min_workers=min_workers, max_workers=max_workers, use_gpu=use_gpu,
+                cpus_per_worker=cpus_per_worker, gpus_per_worker=gpus_per_worker,
+                override_discovery=override_discovery, reset_limit=reset_limit,
+                cooldown_range=cooldown_range, elastic_timeout=elastic_timeout)
+            self.workers: list = []
+            return
         if num_workers is None and num_hosts is None:
             raise ValueError("RayExecutor: pass num_workers, or num_hosts (with "
                              "num_workers_per_host).")
@@ -137,7 +104,6 @@ class RayExecutor:
                             ("num_workers_per_host", num_workers_per_host)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"RayExecutor({name}={value!r}): expected a positive integer.")
-        self.settings = settings
         self.num_workers = num_workers
         self.num_hosts = num_hosts
         self.num_workers_per_host = num_workers_per_host
@@ -182,7 +148,7 @@ class RayExecutor:
                     f"{strategy}) was not ready within {self.settings.placement_group_timeout_s}"
                     f" s. Make sure the cluster has enough resources (available now: "
                     f"{ray.available_resources()}) or autoscales.")
-        remote = ray.remote(_Worker)
+        remote = ray.remote(Worker)
         return [remote.options(
             num_cpus=self.cpus_per_worker, num_gpus=self.gpus_per_worker * int(self.use_gpu),
             scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -196,6 +162,10 @@ class RayExecutor:
         """Start the workers, make them one MPI world, and create ``executable_cls(*args,
         **kwargs)`` in each (the object ``execute`` passes to its function).  Raises (after
         ending whatever it started) if any step takes longer than ``settings.timeout_s``."""
+        if self._elastic is not None:
+            self._elastic.start(executable_cls, executable_args, executable_kwargs,
+                                extra_env_vars)
+            return
         if self.workers:
             raise RuntimeError("RayExecutor.start(): already started; call shutdown() first.")
         try:
@@ -214,14 +184,9 @@ class RayExecutor:
             if self.use_gpu:   # every worker sees its node's GPUs (CUDA IPC), as in Horovod
                 gpus = formation.get_bounded([w.get_gpu_ids.remote() for w in self.workers],
                                              timeout, "report their GPUs")
-                node_gpus: dict[str, list] = defaultdict(list)
-                for node, ids in zip(nodes_in_order(by_node), gpus):
-                    node_gpus[node].extend(ids)
-                calls += [w.update_env_vars.remote(
-                    {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in node_gpus[node])})
-                    for w, node in zip(self.workers, nodes_in_order(by_node))]
+                calls += visible_devices(self.workers, nodes_in_order(by_node), gpus)
             formation.get_bounded(calls, timeout, "set their environment")
-            self._world = formation.form_world(_Group(self.workers), self._size, timeout)
+            self._world = formation.form_world(Group(self.workers), self._size, timeout)
             formation.get_bounded([w.start_executable.remote(executable_cls, executable_args,
                                                       executable_kwargs)
                             for w in self.workers], timeout, "create their executable")
@@ -237,35 +202,51 @@ class RayExecutor:
 
     def execute(self, fn: Callable[[Any], Any],
                 callbacks: Optional[List[Callable]] = None) -> List[Any]:
-        """``fn(executable)`` on every worker; the results in rank order."""
+        """``fn(executable)`` on every worker; the results in rank order.  Elastic: on the
+        workers of each world until one finishes (the results are that world's)."""
+        if self._elastic is not None:
+            return self._elastic.run(fn)
         self._check_started("execute")
         return ray.get([w.execute.remote(fn) for w in self.workers])
 
     def run(self, fn: Callable[..., Any], args: Optional[List] = None,
             kwargs: Optional[Dict] = None,
             callbacks: Optional[List[Callable]] = None) -> List[Any]:
-        """``fn(*args, **kwargs)`` on every worker; the results in rank order."""
+        """``fn(*args, **kwargs)`` on every worker; the results in rank order.  Elastic: on
+        the workers of each world until one finishes (the results are that world's)."""
+        if self._elastic is not None:
+            args, kwargs = list(args or []), dict(kwargs or {})
+            return self._elastic.run(lambda _, f=fn: f(*args, **kwargs))
         return ray.get(self.run_remote(fn, args, kwargs))
 
     def run_remote(self, fn: Callable[..., Any], args: Optional[List] = None,
                    kwargs: Optional[Dict] = None) -> List[Any]:
         """Like :meth:`run`, but returns the workers' ObjectRefs at once (``ray.get`` them)."""
+        if self._elastic is not None:   # Horovod's message
+            raise NotImplementedError("ObjectRefs cannot be returned from Elastic runs as the "
+                                      "workers are ephemeral")
         self._check_started("run_remote")
         args, kwargs = list(args or []), dict(kwargs or {})
         return [w.execute.remote(lambda _, f=fn: f(*args, **kwargs)) for w in self.workers]
 
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(executable)`` on the rank 0 worker; its result."""
+        if self._elastic is not None:   # Horovod's message
+            raise NotImplementedError("Elastic mode does not support execute_single. Please "
+                                      "use the execute method instead")
         self._check_started("execute_single")
         return ray.get(self.workers[0].execute.remote(fn))
 
     # -- ending -----------------------------------------------------------------------------
     def shutdown(self) -> None:
         """End the job: the MPI launcher processes, the workers, and the placement group."""
+        if self._elastic is not None:
+            self._elastic.shutdown()
+            return
         workers, self.workers = self.workers, []
         world, self._world = self._world, None
         if world is not None:
-            formation.end_world(_Group(workers), world, self.settings.timeout_s)
+            formation.end_world(Group(workers), world, self.settings.timeout_s)
         for worker in workers:
             ray.kill(worker, no_restart=True)
         if self._own_placement_group and self._placement_group is not None:

@@ -104,14 +104,12 @@ def test_shutdown_leaves_no_process():
     assert wait_gone([launcher, *proxies, *placeholders, *workers]) == []
 
 
-def test_start_needs_a_worker_count_and_no_elastic_yet():
+def test_start_needs_a_worker_count():
     settings = RayExecutor.create_settings()
     with pytest.raises(ValueError, match="pass num_workers"):
         RayExecutor(settings)
     with pytest.raises(ValueError, match="Both `min_workers` and `num_workers`"):
         RayExecutor(settings, num_workers=2, min_workers=1)
-    with pytest.raises(NotImplementedError, match="no elastic RayExecutor"):
-        RayExecutor(settings, min_workers=1, max_workers=2)
     with pytest.raises(ValueError, match=r"RayExecutor\(num_workers=0\): expected a positive"):
         RayExecutor(settings, num_workers=0)
     with pytest.raises(RuntimeError, match="call start\\(\\) first"):
@@ -129,7 +127,7 @@ def test_start_without_the_resources_fails_clearly_and_leaves_nothing():
 
 def test_workers_of_a_running_world_cannot_join_another(executor):
     from hvdlite.ray import WorldError, formation
-    from hvdlite.ray.executor import _Group
+    from hvdlite.ray.actors import Group as _Group
     n = executor.num_workers
     message = (re.escape(f"ranks {list(range(n))} (pids ") + r".*\) already belong to an MPI "
                r"world; a worker process joins one world only")

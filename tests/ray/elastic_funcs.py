@@ -1,0 +1,69 @@
+"""The function the elastic RayExecutor tests run in the workers: an unchanged Horovod elastic
+PyTorch script (``hvd.elastic.TorchState``, ``@hvd.elastic.run``, a commit every step) that
+logs each step to ``out/steps.jsonl`` and can lose a worker or raise on cue."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+
+def batch(rank: int, step: int):
+    """This rank's batch at this step: the same in every world, so a resumed run replays it."""
+    import torch
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(16, 8, generator=g)
+    return x, x.sum(dim=1, keepdim=True) * 0.5 + 1.0
+
+
+def train(config: dict) -> dict:
+    """``config``: ``out`` (a directory), ``steps`` (the last step, exclusive), optional
+    ``until_file`` (train until rank 0 sees it, up to ``steps``), ``sleep`` (per step),
+    ``kill`` ``[world, rank, step]`` (that worker SIGKILLs itself after that step's commit)
+    and ``raise`` ``[rank, step]`` (that worker raises ValueError)."""
+    import torch
+    import hvdlite.torch as hvd
+
+    hvd.init()
+    world = int(os.environ.get("HVDLITE_ELASTIC_WORLD", "0"))
+    out = config["out"]
+    os.makedirs(os.path.join(out, "pids"), exist_ok=True)
+    open(os.path.join(out, "pids", str(os.getpid())), "w").close()
+    torch.manual_seed(hvd.rank())   # different on each rank: the state's sync makes them equal
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
+
+    @hvd.elastic.run
+    def loop(state):
+        rank = hvd.rank()
+        while state.step < config["steps"]:
+            if config.get("raise") == [rank, state.step]:
+                raise ValueError(f"a bug on rank {rank} at step {state.step}")
+            x, y = batch(rank, state.step)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            if rank == 0:
+                with open(os.path.join(out, "steps.jsonl"), "a") as f:
+                    f.write(json.dumps({"world": world, "step": state.step,
+                                        "size": hvd.size(), "time": time.time()}) + "\n")
+            stop = config.get("until_file")
+            finished = stop is not None and hvd.broadcast_object(
+                os.path.exists(stop) if rank == 0 else None, 0, name="stop")
+            state.step += 1
+            state.commit()
+            if config.get("kill") == [world, rank, state.step - 1]:
+                os.kill(os.getpid(), signal.SIGKILL)   # a worker lost mid-training
+            if finished:
+                break
+            time.sleep(config.get("sleep", 0))
+        result = {"rank": rank, "size": hvd.size(), "world": world, "step": state.step,
+                  "params": [p.detach().numpy().tolist() for p in model.parameters()]}
+        with open(os.path.join(out, f"result{rank}.json"), "w") as f:   # (Ray Train drops it)
+            json.dump(result, f)
+        return result
+
+    return loop(state)
