@@ -118,3 +118,29 @@ def test_worker_killed_mid_training_resumes_from_last_checkpoint(tmp_path):
 def test_config_refuses_a_bad_timeout():
     with pytest.raises(ValueError, match=r"HvdliteConfig\(timeout_s=0\): the timeout must be"):
         HvdliteConfig(timeout_s=0)
+
+
+def test_an_elastic_function_resumes_from_its_last_commit_without_checkpoints(tmp_path):
+    """``@hvd.elastic.run`` under HvdliteTrainer: the survivors hand the newest commit to the
+    trainer's controller before Ray restarts the run, and the restarted run's rank 0 resumes
+    from it (no ray.train checkpoint is ever written)."""
+    from tests.ray import elastic_funcs
+    out = tmp_path / "out"
+    out.mkdir()
+    trainer = HvdliteTrainer(
+        elastic_funcs.train,
+        train_loop_config={"out": str(out), "steps": 12, "kill": [0, 1, 4]},
+        hvdlite_config=HvdliteConfig(timeout_s=60),
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+        run_config=RunConfig(name="elastic", storage_path=str(tmp_path / "storage"),
+                             failure_config=FailureConfig(max_failures=1)))
+    result = trainer.fit()
+    assert result.error is None and result.checkpoint is None
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == list(range(12))   # nothing repeated, nothing lost
+    assert [(s["world"], s["step"]) for s in steps if s["step"] in (4, 5)] == [(0, 4), (1, 5)]
+    results = [json.loads((out / f"result{r}.json").read_text()) for r in range(2)]
+    assert results[0]["params"] == results[1]["params"] and results[0]["world"] == 1
+    assert wait_gone([int(p.name) for p in (out / "pids").iterdir()]) == []
+    print(f"\nelastic under Ray Train: step 4 to step 5 (the restart): "
+          f"{steps[5]['time'] - steps[4]['time']:.1f} s")

@@ -220,6 +220,11 @@ class _Session:
         key = self.key(state)
         if key in self._begun:
             return
+        if not self._begun:   # the driver waits for this rank's report when its world ends
+            try:
+                self.channel.tell(("session",))
+            except Exception as problem:   # noqa: BLE001 - the fetch below reports it
+                log.debug("elastic: could not tell the driver of the session: %s", problem)
         self._begun.add(key)
         if self.rank == 0:
             reply = self.channel.request(("fetch", key), timeout=FLUSH_SECONDS)

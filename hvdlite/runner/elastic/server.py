@@ -36,6 +36,7 @@ class Member:
     pid: int
     conn: Any = dataclasses.field(repr=False, default=None)
     send_lock: threading.Lock = dataclasses.field(repr=False, default_factory=threading.Lock)
+    in_session: bool = False        # it runs an hvd.elastic.run function (it will report)
     outcome: tuple | None = None    # (kind, text, departed ranks) as the worker reported it
     ended_at: float | None = None   # when its connection ended
 
@@ -118,16 +119,25 @@ class CommitStore:
                 self._cond.wait(min(left, 1.0))
 
 
+class _Discard(queue.Queue):
+    """An event queue that keeps nothing."""
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        pass
+
+
 class Server:
     """Listens for the workers of every world; see the module docstring."""
 
-    def __init__(self, bind: str) -> None:
+    def __init__(self, bind: str, report_events: bool = True) -> None:
+        """``report_events=False``: keep no membership news (a server that only keeps
+        commits, for a caller that learns of failures elsewhere)."""
         from multiprocessing.connection import Listener
         self.key = secrets.token_bytes(32)
         self.bind = bind
         self._listener = Listener((bind, 0), authkey=self.key, backlog=512)
         self.port = self._listener.address[1]
-        self.events: queue.Queue[Event] = queue.Queue()
+        self.events: queue.Queue[Event] = queue.Queue() if report_events else _Discard()
         self.store = CommitStore()
         self.members: dict[tuple[int, int], Member] = {}   # (world, rank) -> member
         self._lock = threading.Lock()
@@ -183,6 +193,8 @@ class Server:
                         else:
                             wire.send_frames(conn, ("commit", key, found[0]),
                                              [memoryview(f) for f in found[1]])
+                elif kind == "session":
+                    member.in_session = True
                 elif kind == "have":
                     _, key, commit_id = message
                     member.send((self.store.have(key, commit_id, conn), key))
@@ -209,6 +221,20 @@ class Server:
     def world_members(self, world: int) -> dict[int, Member]:
         with self._lock:
             return {rank: m for (w, rank), m in self.members.items() if w == world}
+
+    def wait_for_reports(self, world: int, timeout: float) -> bool:
+        """Wait (up to ``timeout``) until every worker of ``world`` that runs an
+        ``hvd.elastic.run`` function has reported how its world ended, or is gone: a failing
+        world's survivors hand in their newest commit first.  Whether they all did."""
+        deadline = time.monotonic() + timeout
+        while True:
+            waiting = [m for m in self.world_members(world).values()
+                       if m.in_session and m.outcome is None and m.ended_at is None]
+            if not waiting:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
 
     def forget(self, world: int) -> None:
         """World ``world`` is over: close its workers' connections (a worker left behind by

@@ -10,6 +10,7 @@ import importlib
 import random
 import subprocess
 import sys
+import time
 import types
 
 import numpy as np
@@ -513,3 +514,23 @@ def test_too_few_slots_wait_for_the_elastic_timeout_then_say_what_is_missing():
     assert "waited 0.3 s (--elastic-timeout) for 2 slots" in message, message
     assert "only 1 are available from the hosts of -H/--hostfile" in message, message
     assert "available: a:1" in message and "b (for the rest of the job)" in message, message
+
+
+def test_the_server_waits_only_for_the_reports_of_workers_in_an_elastic_session():
+    from hvdlite.common.runtime.elastic_channel import Channel
+    from hvdlite.runner.elastic.server import Server
+    server = Server("127.0.0.1", report_events=False)
+    try:
+        plain, elastic = (Channel(("127.0.0.1", server.port), server.key, 0) for _ in range(2))
+        plain.connect(0, 2, "a")
+        elastic.connect(1, 2, "a")
+        elastic.tell(("session",))
+        deadline = time.monotonic() + 10
+        while not server.world_members(0).get(1, Member(0, 1, 2, "a", 0)).in_session:
+            assert time.monotonic() < deadline
+        assert server.events.empty()                        # report_events=False keeps none
+        assert server.wait_for_reports(0, 0.2) is False     # rank 1 has not reported
+        assert elastic.request(("outcome", "reset", "lost rank 0", [0]))[0] == "bye"
+        assert server.wait_for_reports(0, 5) is True        # rank 0 (no session) not awaited
+    finally:
+        server.close()
