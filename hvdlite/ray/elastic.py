@@ -77,12 +77,14 @@ def draining_nodes() -> Dict[str, int]:
 
 def commit_server(report_events: bool = True) -> Server:
     """A commit server (``hvdlite run``'s elastic driver's) for the workers of this Ray job,
-    listening on loopback only when this node's Ray address is a loopback one."""
+    listening on this node's Ray address when that is a loopback one, else everywhere."""
+    address = ray.util.get_node_ip_address()
     try:
-        loopback = ipaddress.ip_address(ray.util.get_node_ip_address()).is_loopback
+        loopback = ipaddress.ip_address(address).is_loopback
     except ValueError:
         loopback = False
-    return Server("127.0.0.1" if loopback else "0.0.0.0", report_events=report_events)
+    # (a node on 127.0.2.1 is reached there, not on 127.0.0.1)
+    return Server(address if loopback else "0.0.0.0", report_events=report_events)
 
 
 def worker_environment(server: Server, world: int) -> Dict[str, str]:

@@ -265,6 +265,17 @@ class HostBed:
             self.clear()
         return left
 
+    def kill_host(self, name: str) -> None:
+        """Kill every process on host ``name`` (as when the machine goes), and wait until they
+        are gone; the host itself stays, empty."""
+        host = self.hosts[name]
+        deadline = time.monotonic() + SETTLE_SECONDS
+        while pids := self._inside(host):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"processes on {name} survive SIGKILL: {pids}")
+            procs.kill(pids)
+            time.sleep(0.05)
+
     def clear(self) -> None:
         """Kill every process on every host and wait until they are gone (a killed process
         runs on for a moment, and one may have been starting while the others were killed)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 
 
@@ -61,6 +62,7 @@ def train(config: dict) -> dict:
                 break
             time.sleep(config.get("sleep", 0))
         result = {"rank": rank, "size": hvd.size(), "world": world, "step": state.step,
+                  "host": socket.gethostname(), "local_rank": hvd.local_rank(),
                   "params": [p.detach().numpy().tolist() for p in model.parameters()]}
         with open(os.path.join(out, f"result{rank}.json"), "w") as f:   # (Ray Train drops it)
             json.dump(result, f)

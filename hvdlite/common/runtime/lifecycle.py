@@ -151,8 +151,9 @@ def _connect_to_elastic_driver(world, watchdog) -> None:
         timeline.stop()
         world.Free()
         bad = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
-        raise HvdliteError(f"hvd.init(): {bad}. The workers of an elastic job must reach the "
-                           f"host that runs `hvdlite run` over TCP.")
+        raise HvdliteError(f"hvd.init(): {bad}. The workers of an elastic job must reach its "
+                           f"driver over TCP: the host that runs `hvdlite run`, or under Ray the "
+                           f"node of the RayExecutor's driver or of the Ray Train controller.")
 
 
 # Before aborting a job whose peer vanished, the other survivors get this long to notice it

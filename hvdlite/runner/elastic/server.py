@@ -253,7 +253,8 @@ class Server:
         self._closing = True
         try:
             from multiprocessing.connection import Client
-            Client(("127.0.0.1", self.port), authkey=self.key).close()   # wake accept()
+            host = "127.0.0.1" if self.bind == "0.0.0.0" else self.bind
+            Client((host, self.port), authkey=self.key).close()   # wake accept()
         except (OSError, EOFError):
             pass
         self._accepter.join(5)
