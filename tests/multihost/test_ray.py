@@ -27,7 +27,7 @@ pytest.importorskip("torch")
 from tests.mpi_harness import REPO  # noqa: E402
 from tests.multihost.hosts import JOB_ENV  # noqa: E402
 from tests.multihost.layouts import N1, N2  # noqa: E402
-from tests.ray.procs import launcher_processes, wait_for  # noqa: E402
+from tests.ray.procs import launcher_processes, read_steps, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 BIN = os.path.dirname(sys.executable)
@@ -95,14 +95,6 @@ def _out(bed) -> str:
     return tempfile.mkdtemp(dir=bed.root / "jobs")   # a directory every host sees
 
 
-def _steps(out):
-    path = os.path.join(out, "steps.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f]
-
-
 def _nothing_left():
     deadline = time.monotonic() + 20
     while launcher_processes() and time.monotonic() < deadline:
@@ -132,7 +124,7 @@ def test_a_trainer_run_spans_the_nodes(cluster):
     results = [json.load(open(os.path.join(out, f"result{r}.json"))) for r in range(4)]
     assert sorted(r["host"] for r in results) == sorted([N1, N1, N2, N2])
     assert all(r["params"] == results[0]["params"] for r in results)
-    assert [s["step"] for s in _steps(out)] == list(range(8))
+    assert [s["step"] for s in read_steps(out)] == list(range(8))
     _nothing_left()
 
 
@@ -141,21 +133,21 @@ def test_an_elastic_job_survives_the_loss_of_a_whole_node(cluster):
     out = _out(bed)
     proc = _driver(bed, address, "elastic", out)
     try:
-        wait_for("3 steps on 4 workers", lambda: sum(s["size"] == 4 for s in _steps(out)) >= 3)
+        wait_for("3 steps on 4 workers", lambda: sum(s["size"] == 4 for s in read_steps(out)) >= 3)
         bed.kill_host(N2)   # every process on that host: the node is gone
         lost = time.monotonic()
         wait_for("3 steps on the node left", lambda: sum(
-            s["world"] > 0 for s in _steps(out)) >= 3, timeout_s=180)
+            s["world"] > 0 for s in read_steps(out)) >= 3, timeout_s=180)
         went_on = time.monotonic() - lost
     except AssertionError:
         open(os.path.join(out, "stop"), "w").close()
         proc.kill()
         stdout, stderr = proc.communicate()
-        raise AssertionError(f"steps: {_steps(out)[-5:]}\ndriver:\n{stdout[-3000:]}\n"
+        raise AssertionError(f"steps: {read_steps(out)[-5:]}\ndriver:\n{stdout[-3000:]}\n"
                              f"{stderr[-6000:]}") from None
     open(os.path.join(out, "stop"), "w").close()
     result = _result(proc)
-    steps = _steps(out)
+    steps = read_steps(out)
     # Nothing after the last commit lost and nothing before it repeated: the steps of the
     # worlds run on without a gap or a repeat.
     assert [s["step"] for s in steps] == list(range(len(steps)))

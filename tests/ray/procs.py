@@ -1,6 +1,8 @@
 """Helpers for the Ray tests: a local Ray cluster per test module, and process checks."""
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -31,6 +33,32 @@ def start_ray(num_cpus: int = 4):
     ray_environment()
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
     return ray
+
+
+@contextlib.contextmanager
+def node_cluster(head_cpus: int):
+    """A local Ray cluster of several nodes (Ray's test ``Cluster``; ``add_node`` adds more),
+    this process connected to it."""
+    import ray
+    from ray.cluster_utils import Cluster
+    ray_environment()
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": head_cpus, "include_dashboard": False})
+    ray.init(address=cluster.address)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def read_steps(out: str) -> list[dict]:
+    """The JSON lines of ``out/steps.jsonl`` (rank 0's record of each step), if any."""
+    path = os.path.join(out, "steps.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f]
 
 
 def stop_ray() -> None:

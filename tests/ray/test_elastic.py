@@ -3,7 +3,6 @@ cluster has, and when a node joins, Ray Train restarts the run on 2 workers, whi
 2-rank MPI world and resume from the last checkpoint."""
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import threading
@@ -14,12 +13,11 @@ import pytest
 ray = pytest.importorskip("ray", reason="hvdlite.ray needs Ray: pip install 'hvdlite[ray]'")
 torch = pytest.importorskip("torch")
 
-from ray.cluster_utils import Cluster  # noqa: E402
 from ray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
 
 from hvdlite.ray import HvdliteTrainer  # noqa: E402
 from tests.ray import train_funcs  # noqa: E402
-from tests.ray.procs import (drain, launcher_processes, ray_environment,  # noqa: E402
+from tests.ray.procs import (drain, launcher_processes, node_cluster, read_steps,  # noqa: E402
                              wait_for)
 
 pytestmark = pytest.mark.timeout(200)
@@ -27,24 +25,11 @@ pytestmark = pytest.mark.timeout(200)
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray_environment()
     # Ray Train sizes a restart by the cluster's resources, a draining node's included: after
     # the drain it first waits this long for the old size (60 s by default), then goes smaller.
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "20"
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 1, "include_dashboard": False})
-    ray.init(address=cluster.address)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
-
-
-def _steps(out):
-    path = os.path.join(out, "steps.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f]
+    with node_cluster(head_cpus=1) as cluster:
+        yield cluster
 
 
 def test_a_joining_node_grows_the_run_from_its_checkpoint(cluster):
@@ -60,14 +45,14 @@ def test_a_joining_node_grows_the_run_from_its_checkpoint(cluster):
     fit = threading.Thread(target=lambda: results.update(result=trainer.fit()), daemon=True)
     fit.start()
     deadline = time.monotonic() + 90
-    while len(_steps(out)) < 3 and time.monotonic() < deadline:   # running on 1 worker
+    while len(read_steps(out)) < 3 and time.monotonic() < deadline:   # running on 1 worker
         time.sleep(0.2)
-    assert {s["size"] for s in _steps(out)} == {1}
+    assert {s["size"] for s in read_steps(out)} == {1}
     cluster.add_node(num_cpus=1)   # (Ray's test cluster adds nodes from the main thread only)
     added = time.time()
     fit.join(150)
     assert not fit.is_alive() and results["result"].error is None
-    steps = _steps(out)
+    steps = read_steps(out)
     small = [s for s in steps if s["size"] == 1]
     grown = [s for s in steps if s["size"] == 2]
     assert small and len(grown) == 3 and steps == small + grown
@@ -105,18 +90,18 @@ def test_a_drained_node_makes_an_elastic_function_commit_and_go_on_without_it(cl
     fit = threading.Thread(target=lambda: results.update(result=trainer.fit()), daemon=True)
     fit.start()
     try:
-        wait_for("3 steps on 3 workers", lambda: sum(s["size"] == 3 for s in _steps(out)) >= 3)
-        full = max(s["world"] for s in _steps(out))
+        wait_for("3 steps on 3 workers", lambda: sum(s["size"] == 3 for s in read_steps(out)) >= 3)
+        full = max(s["world"] for s in read_steps(out))
         drain(cluster, node.node_id, deadline_s=300)
         drained = time.monotonic()
         wait_for("3 steps after the drain", lambda: sum(
-            s["world"] > full for s in _steps(out)) >= 3)
+            s["world"] > full for s in read_steps(out)) >= 3)
         went_on = time.monotonic() - drained
     finally:
         open(stop, "w").close()
         fit.join(150)
     assert not fit.is_alive() and results["result"].error is None
-    steps = _steps(out)
+    steps = read_steps(out)
     assert [s["step"] for s in steps] == list(range(len(steps)))   # nothing rolled back
     sizes = {}
     for s in steps:

@@ -5,7 +5,6 @@ being drained, Ray's preemption notice (the world shrinks at the next commit, no
 back); a bug ending the job with its exception; and no process of a job left afterwards."""
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import threading
@@ -16,12 +15,11 @@ import pytest
 ray = pytest.importorskip("ray", reason="hvdlite.ray needs Ray: pip install 'hvdlite[ray]'")
 pytest.importorskip("torch")
 
-from ray.cluster_utils import Cluster  # noqa: E402
 
 from hvdlite.ray import RayExecutor  # noqa: E402
 from hvdlite.ray.elastic import ElasticRayError  # noqa: E402
 from tests.ray import elastic_funcs  # noqa: E402
-from tests.ray.procs import (drain, launcher_processes, ray_environment,  # noqa: E402
+from tests.ray.procs import (drain, launcher_processes, node_cluster, read_steps,  # noqa: E402
                              wait_for, wait_gone)
 
 pytestmark = pytest.mark.timeout(240)
@@ -29,21 +27,8 @@ pytestmark = pytest.mark.timeout(240)
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray_environment()
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 2, "include_dashboard": False})
-    ray.init(address=cluster.address)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
-
-
-def _steps(out):
-    path = os.path.join(out, "steps.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f]
+    with node_cluster(head_cpus=2) as cluster:
+        yield cluster
 
 
 def _pids(out):
@@ -105,7 +90,7 @@ def test_a_lost_worker_resumes_from_the_last_commit_bitwise_as_if_never_lost(clu
     finally:
         executor.shutdown()
     assert [r["rank"] for r in results] == [0, 1] and {r["world"] for r in results} == {1}
-    steps = _steps(out)
+    steps = read_steps(out)
     assert [s["step"] for s in steps] == list(range(12))   # nothing repeated, nothing lost
     assert _world_starts(steps) == {0: (0, 2), 1: (5, 2)}
     # the same parameters, to the bit, as the run that lost nothing
@@ -128,7 +113,7 @@ def test_an_exception_in_the_function_ends_the_job_with_it(cluster):
     finally:
         executor.shutdown()
     assert isinstance(caught.value.__cause__, ValueError)
-    assert {s["world"] for s in _steps(out)} == {0}   # not retried
+    assert {s["world"] for s in read_steps(out)} == {0}   # not retried
     _nothing_left(out)
 
 
@@ -158,16 +143,16 @@ def test_a_joining_node_grows_the_world_and_a_drained_node_shrinks_it(cluster):
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     try:
-        wait_for("3 steps on 2 workers", lambda: len(_steps(out)) >= 3)
+        wait_for("3 steps on 2 workers", lambda: len(read_steps(out)) >= 3)
         node = cluster.add_node(num_cpus=1)   # from the main thread, as Ray's Cluster wants
         added = time.monotonic()
         wait_for("3 steps on 3 workers",
-                  lambda: sum(s["size"] == 3 for s in _steps(out)) >= 3)
+                  lambda: sum(s["size"] == 3 for s in read_steps(out)) >= 3)
         grown = time.monotonic() - added
         drain(cluster, node.node_id, deadline_s=120)
         drained = time.monotonic()
         wait_for("3 steps on 2 workers after the drain",
-                  lambda: sum(s["world"] == 2 for s in _steps(out)) >= 3)
+                  lambda: sum(s["world"] == 2 for s in read_steps(out)) >= 3)
         shrunk = time.monotonic() - drained
         open(stop, "w").close()
         thread.join(120)
@@ -176,7 +161,7 @@ def test_a_joining_node_grows_the_world_and_a_drained_node_shrinks_it(cluster):
         thread.join(120)
         executor.shutdown()
     assert "error" not in results, results.get("error")
-    steps = _steps(out)
+    steps = read_steps(out)
     starts = _world_starts(steps)
     assert [size for _, size in (starts[w] for w in sorted(starts))] == [2, 3, 2]
     # Every world starts where the one before stopped: each stop shipped rank 0's live state.
