@@ -48,6 +48,7 @@ log = logging.getLogger("hvdlite.ray")
 
 DISCOVER_SECONDS = 1.0   # as hvdlite run's driver (and horovodrun)
 TEARDOWN_GRACE = 5.0     # after a failure, how long the other workers get to report and end
+ABANDON_SECONDS = 60.0   # after killing a world's actors, how long Ray may take to confirm it
 POLL_SECONDS = 0.1
 START_ATTEMPTS = 3       # worlds in a row that fail to start before the job gives up
 
@@ -168,13 +169,13 @@ class _World:
     mpi: Optional[MpiWorld] = None
     pending: Dict[Any, int] = dataclasses.field(default_factory=dict)   # ref -> rank
     results: Dict[int, Any] = dataclasses.field(default_factory=dict)
-    died: Dict[int, RayError] = dataclasses.field(default_factory=dict)     # process ended
+    died: Dict[int, Optional[RayError]] = dataclasses.field(default_factory=dict)   # ended
     raised: Dict[int, RayTaskError] = dataclasses.field(default_factory=dict)
     members: Dict[int, Member] = dataclasses.field(default_factory=dict)
     lost: List[int] = dataclasses.field(default_factory=list)   # ended without a word
     failed_at: Optional[float] = None
     notified: Optional[list] = None
-    killed: bool = False
+    killed_at: Optional[float] = None
 
     @property
     def size(self) -> int:
@@ -382,9 +383,18 @@ class ElasticAdapter:
                 last_discovery = now
                 self._refresh()
                 self._maybe_notify(world)
-            if (world.failed_at is not None and not world.killed
+            if (world.failed_at is not None and world.killed_at is None
                     and now - world.failed_at > TEARDOWN_GRACE):
                 self._kill(world)   # the rest of the world: its refs then end with errors
+            if world.killed_at is not None and now - world.killed_at > ABANDON_SECONDS:
+                # Ray has not confirmed these actors' end (their node unreachable but not yet
+                # declared dead): count them as lost rather than wait on.
+                log.warning("hvdlite.ray: elastic: world %d: Ray did not confirm the end of "
+                            "rank(s) %s within %g s; counting them as lost", world.index,
+                            sorted(world.pending.values()), ABANDON_SECONDS)
+                for rank in world.pending.values():
+                    world.died[rank] = None
+                world.pending.clear()
         self._handle_events(server, world)
         return self._classify(world)
 
@@ -485,7 +495,8 @@ class ElasticAdapter:
                     f"{rank} raised {cause!r}", error=cause)
 
     def _kill(self, world: _World) -> None:
-        world.killed = True
+        if world.killed_at is None:
+            world.killed_at = time.monotonic()
         for actor in world.actors:
             ray.kill(actor, no_restart=True)
 
