@@ -2,7 +2,8 @@
 
 * :class:`RayExecutor` - Horovod's ``horovod.ray.RayExecutor`` API (``start``, ``run``,
   ``execute``, ``execute_single``, ``run_remote``, ``shutdown``), with its elastic form
-  (``min_workers``/``max_workers``; :class:`ElasticRayError` when such a job cannot go on).
+  (``min_workers``/``max_workers``; :class:`ElasticRayError` when such a job cannot go on),
+  and Horovod's older :class:`ElasticRayExecutor` for the same.
 * :class:`HvdliteTrainer` / :class:`HvdliteConfig` - a Ray Train trainer and backend whose
   workers form one MPI world before ``train_func`` runs, so ``hvd.init()`` works unchanged.
 
@@ -20,10 +21,11 @@ except ImportError as _exc:   # say what to install instead of a bare "No module
 if TYPE_CHECKING:   # for type checkers and the API reference; loaded lazily below
     from .executor import RayExecutor
     from .train import HvdliteConfig, HvdliteTrainer
-    from .elastic import ElasticRayError
+    from .elastic import ElasticRayError, ElasticRayExecutor
     from .world import WorldError
 
-__all__ = ["RayExecutor", "HvdliteTrainer", "HvdliteConfig", "WorldError", "ElasticRayError"]
+__all__ = ["RayExecutor", "HvdliteTrainer", "HvdliteConfig", "WorldError", "ElasticRayError",
+           "ElasticRayExecutor"]
 
 
 def __getattr__(name: str):
@@ -34,9 +36,9 @@ def __getattr__(name: str):
     if name in ("HvdliteTrainer", "HvdliteConfig"):
         from . import train
         return getattr(train, name)
-    if name == "ElasticRayError":
-        from .elastic import ElasticRayError
-        return ElasticRayError
+    if name in ("ElasticRayError", "ElasticRayExecutor"):
+        from . import elastic
+        return getattr(elastic, name)
     if name == "WorldError":
         from .world import WorldError
         return WorldError

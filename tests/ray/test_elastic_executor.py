@@ -16,7 +16,7 @@ ray = pytest.importorskip("ray", reason="hvdlite.ray needs Ray: pip install 'hvd
 pytest.importorskip("torch")
 
 
-from hvdlite.ray import RayExecutor  # noqa: E402
+from hvdlite.ray import ElasticRayExecutor, RayExecutor  # noqa: E402
 from hvdlite.ray.elastic import ElasticRayError  # noqa: E402
 from tests.ray import elastic_funcs  # noqa: E402
 from tests.ray.procs import (drain, launcher_processes, node_cluster, read_steps,  # noqa: E402
@@ -114,6 +114,25 @@ def test_an_exception_in_the_function_ends_the_job_with_it(cluster):
         executor.shutdown()
     assert isinstance(caught.value.__cause__, ValueError)
     assert {s["world"] for s in read_steps(out)} == {0}   # not retried
+    _nothing_left(out)
+
+
+def test_horovods_older_elastic_ray_executor_runs_the_same_job(cluster):
+    with pytest.warns(DeprecationWarning, match="min_np is deprecated"):
+        settings = ElasticRayExecutor.create_settings(min_np=2, max_num_proc=2, timeout_s=60)
+    with pytest.raises(ValueError, match="gpus_per_slot is set, but use_gpu is False"):
+        ElasticRayExecutor(settings, gpus_per_slot=1)
+    executor = ElasticRayExecutor(settings, cpus_per_slot=1, env_vars={"HVDLITE_TEST_VAR": "7"})
+    executor.start()
+    out = tempfile.mkdtemp()
+
+    def train():   # Horovod calls the function with no arguments
+        return {**elastic_funcs.train({"out": out, "steps": 3}),
+                "var": os.environ.get("HVDLITE_TEST_VAR")}
+
+    results = executor.run(train)
+    assert [(r["rank"], r["size"], r["step"], r["var"]) for r in results] == [
+        (0, 2, 3, "7"), (1, 2, 3, "7")]
     _nothing_left(out)
 
 
