@@ -95,6 +95,17 @@ def worker_environment(server: Server, world: int) -> Dict[str, str]:
             wire.KEY_VARIABLE: server.key.hex(), wire.WORLD_VARIABLE: str(world)}
 
 
+def stop_at_next_commit(server: Server, world: int,
+                        update: wire.HostUpdateResult) -> bool:
+    """Tell world ``world``'s rank 0 that the hosts changed, when it runs an
+    ``hvd.elastic.run`` function and has not reported an end: every rank then stops at its
+    next ``state.commit()`` with rank 0's state shipped.  Whether it was told."""
+    coordinator = server.world_members(world).get(0)
+    if coordinator is None or not coordinator.in_session or coordinator.outcome is not None:
+        return False
+    return coordinator.send(("hosts_updated", 1, int(update)))
+
+
 class DrainWatcher(threading.Thread):
     """Watches for Ray draining a node of one world (a preemption notice) and then tells the
     world's rank 0, through the commit server, that the hosts changed: every rank stops at its
@@ -106,7 +117,6 @@ class DrainWatcher(threading.Thread):
         super().__init__(name=f"hvdlite-ray-drain-watch-{world}", daemon=True)
         self.server, self.world, self.nodes = server, world, set(nodes)
         self.period_s = period_s
-        self.told: Optional[List[str]] = None   # the drained nodes rank 0 was told about
         self._stop_event = threading.Event()
 
     def run(self) -> None:
@@ -114,11 +124,7 @@ class DrainWatcher(threading.Thread):
             drained = sorted(self.nodes & set(draining_nodes()))
             if not drained:
                 continue
-            coordinator = self.server.world_members(self.world).get(0)
-            if coordinator is None or not coordinator.in_session:
-                continue   # not (yet) an hvd.elastic.run function: nothing to commit
-            if coordinator.send(("hosts_updated", 1, int(wire.HostUpdateResult.removed))):
-                self.told = drained
+            if stop_at_next_commit(self.server, self.world, wire.HostUpdateResult.removed):
                 log.warning("hvdlite.ray: Ray is draining node(s) %s of world %d (a "
                             "preemption notice): the workers stop at their next commit",
                             ", ".join(n[:8] for n in drained), self.world)
@@ -166,7 +172,7 @@ class _World:
     index: int
     placement: List[Tuple[str, int]]          # (node id, workers), in assignment order
     actors: list                              # in world-rank order
-    node_of: Dict[int, str]                   # rank -> node id
+    node_of: List[str]                        # each rank's node id
     mpi: Optional[MpiWorld] = None
     pending: Dict[Any, int] = dataclasses.field(default_factory=dict)   # ref -> rank
     results: Dict[int, Any] = dataclasses.field(default_factory=dict)
@@ -235,7 +241,6 @@ class ElasticAdapter:
                                  "find_available_hosts_and_slots()).")
         self.manager = hostmod.HostManager(self.cooldown_range)
         self.started = False
-        self.worlds_started = 0     # over every run, for tests and logs
         self._world: Optional[_World] = None
         self._timestamp = 0
         self._executable: tuple = (None, None, None)
@@ -308,9 +313,9 @@ class ElasticAdapter:
             index += 1
 
     def _name(self, node: str) -> str:
-        return f"node {node[:8]} ({self.discovery_address(node)})"
+        return f"node {node[:8]} ({self._address(node)})"
 
-    def discovery_address(self, node: str) -> str:
+    def _address(self, node: str) -> str:
         return getattr(self.discovery, "addresses", {}).get(node, node)
 
     def _refresh(self) -> int:
@@ -342,27 +347,26 @@ class ElasticAdapter:
                      worker_fn: Callable) -> _World:
         # MPI numbers each host's ranks consecutively: order the nodes by address so that
         # nodes sharing one (several Ray nodes on one machine) stay together.
-        ordered = sorted(placement, key=lambda p: self.discovery_address(p[0]))
+        ordered = sorted(placement, key=lambda p: self._address(p[0]))
         remote = ray.remote(Worker)
         gpus = self.gpus_per_worker * int(self.use_gpu)
-        actors, node_of = [], {}
+        actors, node_of = [], []
         for node, count in ordered:
             for _ in range(count):
-                node_of[len(actors)] = node
+                node_of.append(node)
                 actors.append(remote.options(
                     num_cpus=self.cpus_per_worker, num_gpus=gpus,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
                 ).remote())
         world = _World(index, list(placement), actors, node_of)
         self._world = world
-        self.worlds_started += 1
         timeout = self.settings.timeout_s
         env = {**self._env, **worker_environment(server, index)}
         calls = [a.update_env_vars.remote(env) for a in actors]
         if self.use_gpu:
             ids = formation.get_bounded([a.get_gpu_ids.remote() for a in actors], timeout,
                                         "report their GPUs")
-            calls += visible_devices(actors, [node_of[r] for r in range(len(actors))], ids)
+            calls += visible_devices(actors, node_of, ids)
         formation.get_bounded(calls, timeout, "start and set their environment")
         log.info("hvdlite.ray: elastic: world %d: %d worker(s) on %s", index, len(actors),
                  world.describe(getattr(self.discovery, "addresses", {})))
@@ -438,9 +442,8 @@ class ElasticAdapter:
     def _maybe_notify(self, world: _World) -> None:
         """Tell rank 0 when the nodes available now would place the workers differently
         (a node joined, left, or is being drained)."""
-        available = self.manager.available()
-        desired = (hostmod.assign(available, self.max_workers)
-                   if sum(s for _, s in available) >= self.min_workers else [])
+        desired = hostmod.desired_placement(self.manager.available(), self.min_workers,
+                                            self.max_workers)
         if desired == world.placement or desired == world.notified:
             return
         coordinator = world.members.get(0)

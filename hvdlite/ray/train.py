@@ -95,9 +95,7 @@ class _HvdliteBackend(Backend):
             # The hvd.elastic workers stop at their next commit and hand in their state (a
             # failing world's survivors already are): a resize or a restart that Ray Train
             # decided then loses nothing either.
-            coordinator = self._server.world_members(index).get(0)
-            if coordinator is not None and coordinator.in_session and coordinator.outcome is None:
-                coordinator.send(("hosts_updated", 1, int(HostUpdateResult.mixed)))
+            elastic.stop_at_next_commit(self._server, index, HostUpdateResult.mixed)
             self._server.wait_for_reports(index, REPORT_GRACE_S)
         if world is not None:
             formation.end_world(worker_group, world, backend_config.timeout_s)

@@ -268,20 +268,18 @@ class HostBed:
     def kill_host(self, name: str) -> None:
         """Kill every process on host ``name`` (as when the machine goes), and wait until they
         are gone; the host itself stays, empty."""
-        host = self.hosts[name]
-        deadline = time.monotonic() + SETTLE_SECONDS
-        while pids := self._inside(host):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"processes on {name} survive SIGKILL: {pids}")
-            procs.kill(pids)
-            time.sleep(0.05)
+        self._kill_until_gone([self.hosts[name]])
 
     def clear(self) -> None:
-        """Kill every process on every host and wait until they are gone (a killed process
-        runs on for a moment, and one may have been starting while the others were killed)."""
+        """Kill every process on every host and wait until they are gone."""
+        self._kill_until_gone(list(self.hosts.values()))
+
+    def _kill_until_gone(self, hosts: list[Host]) -> None:
+        # A killed process runs on for a moment, and one may have been starting while the
+        # others were killed: kill again until none is left.
         deadline = time.monotonic() + SETTLE_SECONDS
         while True:
-            pids = [pid for host in self.hosts.values() for pid in self._inside(host)]
+            pids = [pid for host in hosts for pid in self._inside(host)]
             if not pids:
                 return
             if time.monotonic() > deadline:

@@ -334,9 +334,8 @@ class Driver:
 
     def _maybe_notify(self, world: World) -> None:
         """Tell rank 0 when the hosts available now would place the ranks differently."""
-        available = self.manager.available()
-        desired = (hostmod.assign(available, self.settings.max_np)
-                   if sum(s for _, s in available) >= self.settings.min_np else [])
+        desired = hostmod.desired_placement(self.manager.available(), self.settings.min_np,
+                                            self.settings.max_np)
         if desired == world.placement or desired == world.notified:
             return
         coordinator = world.members.get(0)

@@ -214,3 +214,12 @@ def assign(available: Sequence[tuple[str, int]], max_np: int | None) -> list[tup
         placed.append((host, take))
         total += take
     return placed
+
+
+def desired_placement(available: Sequence[tuple[str, int]], min_np: int,
+                      max_np: int | None) -> list[tuple[str, int]]:
+    """Where the ranks would go on the hosts ``available`` now (:func:`assign`), or ``[]``
+    when they offer fewer than ``min_np`` slots: what a running world is compared with."""
+    if sum(slots for _, slots in available) < min_np:
+        return []
+    return assign(available, max_np)

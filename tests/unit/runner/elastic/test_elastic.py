@@ -534,3 +534,10 @@ def test_the_server_waits_only_for_the_reports_of_workers_in_an_elastic_session(
         assert server.wait_for_reports(0, 5) is True        # rank 0 (no session) not awaited
     finally:
         server.close()
+
+
+def test_desired_placement_is_empty_below_min_np_and_fills_up_to_max_np():
+    available = [("a", 2), ("b", 2)]
+    assert hostmod.desired_placement(available, 5, None) == []
+    assert hostmod.desired_placement(available, 4, None) == [("a", 2), ("b", 2)]
+    assert hostmod.desired_placement(available, 1, 3) == [("a", 2), ("b", 1)]
