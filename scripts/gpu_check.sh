@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command for a machine with an NVIDIA GPU: versions (nvidia-smi, torch, CuPy, NCCL, MPI),
-# `hvdlite run --check-build`, the GPU test set (tests/gpu) and the GPU overhead benchmark
-# (benchmarks/gpu_overhead.py). Every step runs under its own timeout and the script goes on
+# `hvdlite run --check-build`, a 2-rank MPI world, the GPU test set (tests/gpu) and the per-step
+# overhead benchmark against DDP (benchmarks/gpu_step_overhead.py). Every step runs under its own timeout and the script goes on
 # after a failed step; the summary at the end lists each step's status, and the exit status is
 # non-zero if the tests or the benchmark failed.
 #
@@ -12,12 +12,14 @@
 # Environment knobs: PYTHON (interpreter; default: the first of .venv/bin/python, python3, python
 # whose torch sees a GPU), GPU_CHECK_TEST_TIMEOUT (s, default 480), GPU_CHECK_BENCH_TIMEOUT
 # (s, default 330), GPU_CHECK_PYTEST_ARGS (extra pytest arguments, e.g. "-k staged"),
-# GPU_CHECK_BENCH_ARGS (extra benchmark arguments, e.g. "--rounds 5 --batch-size 4096").
+# GPU_CHECK_BENCH_ARGS (benchmark arguments; default "--rounds 2 --blocks 4 --steps 30 --warmup 10",
+# about 80 s on an H100).
 #
 # MPI: the tests and the benchmark launch ranks with mpiexec (the one next to $PYTHON first, then
-# PATH). A GPU image without MPI needs the MPICH wheel: put it in .whl/ (ignored by git, e.g.
-# `pip download --no-deps --only-binary=:all: -d .whl mpich` for the machine's Python), carry
-# .whl along, and this script installs every wheel there before it starts.
+# PATH). A GPU image without MPI (or whose mpi4py loads another MPI) needs the mpi4py and MPICH
+# wheels for its Python in .whl/ (ignored by git): `pip download --no-deps --only-binary=:all:
+# --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl mpi4py==4.1.2 mpich==5.0.2`.
+# Carry .whl along; this script installs them first (verified on an H100 image, 2026-11-26).
 set -u
 cd "$(dirname "$0")/.." || exit 2
 REPO="$PWD"
@@ -41,12 +43,13 @@ run_step() {   # run_step NAME SECONDS CMD...: run with a timeout, record and re
   [ "${#shown}" -gt 160 ] && shown="${shown:0:160}..."
   echo
   echo "===== [$name] $shown (timeout ${secs}s)"
+  local started=$SECONDS
   timeout --kill-after=20 "$secs" "$@"
   rc=$?
   if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
     echo "===== [$name] TIMED OUT after ${secs}s"
   else
-    echo "===== [$name] exit status $rc"
+    echo "===== [$name] exit status $rc after $((SECONDS - started))s"
   fi
   RESULTS+=("$name: $( [ "$rc" -eq 0 ] && echo ok || echo "FAILED (exit $rc)")")
   return "$rc"
@@ -70,7 +73,7 @@ pick_python() {
 use_carried_mpich() {   # use_carried_mpich DIR: make mpi4py load the MPICH carried under DIR
   # mpi4py's wheels pick an MPI ABI at import; an image's own Open MPI (a system libmpi) would
   # win, and every rank would then start as a singleton of its own under MPICH's mpiexec (seen
-  # on an H200 image, 2026-11-26: the 2-rank jobs failed). Not verified on a GPU machine yet.
+  # on an H200 image, 2026-11-26: the 2-rank jobs failed).
   local lib
   lib="$(find "$1" -name 'libmpi.so.12' 2>/dev/null | head -1)"
   if [ -n "$lib" ]; then
@@ -84,19 +87,24 @@ use_carried_mpich() {   # use_carried_mpich DIR: make mpi4py load the MPICH carr
 }
 
 install_carried_wheels() {
+  # Into a folder of its own, first on PYTHONPATH and PATH, so the carried mpi4py and mpiexec win
+  # over the image's. pip --target installs a wheel's scripts (MPICH's bin/) but drops its data
+  # libraries (lib/libmpi.so.12), so MPICH's lib/ is unpacked from the wheel itself.
   compgen -G ".whl/*.whl" >/dev/null || return 0
+  local site=/tmp/hvdlite-site mpich_libs=/tmp/hvdlite-mpich wheel
   echo "===== installing carried wheels: $(ls .whl/*.whl | xargs -n1 basename | tr '\n' ' ')"
-  if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl; then
-    use_carried_mpich "$("$PY" -c 'import sys; print(sys.prefix)')"
-    return 0
-  fi
-  echo "could not install into $PY's environment; installing into /tmp/hvdlite-site instead"
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-    --target /tmp/hvdlite-site .whl/*.whl || { echo "WARNING: wheel install failed"; return 1; }
-  export PYTHONPATH="/tmp/hvdlite-site${PYTHONPATH:+:$PYTHONPATH}"
-  export PATH="/tmp/hvdlite-site/bin:$PATH"
-  export LD_LIBRARY_PATH="/tmp/hvdlite-site/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  use_carried_mpich /tmp/hvdlite-site
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$site" .whl/*.whl || { echo "WARNING: wheel install failed"; return 1; }
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  export PATH="$site/bin:$PATH"
+  for wheel in .whl/mpich-*.whl; do
+    [ -e "$wheel" ] || continue
+    "$PY" -c 'import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    z.extractall(sys.argv[2], [n for n in z.namelist() if "/data/lib/" in n])' \
+      "$wheel" "$mpich_libs" || echo "WARNING: could not unpack $wheel's libraries"
+  done
+  use_carried_mpich "$mpich_libs"
 }
 
 VERSIONS_PY='
@@ -165,15 +173,21 @@ main() {
     fi
     run_step versions 180 "$PY" -c "$VERSIONS_PY"
     run_step check-build 120 "$PY" -m hvdlite.runner run --check-build
+    # The 2-rank jobs need mpiexec and mpi4py from the same MPI: one world of 2, not 2 singletons.
+    run_step mpi-2-ranks 60 "$(command -v mpiexec || echo mpiexec)" -n 2 "$PY" -c \
+      'from mpi4py import MPI; c = MPI.COMM_WORLD; n = c.allreduce(1)
+print(f"rank {c.Get_rank()} of {c.Get_size()} on {MPI.Get_processor_name()}: allreduce(1) = {n}")
+assert c.Get_size() == n == 2, "mpiexec and mpi4py are not the same MPI"'
   fi
 
   # mpiexec: the same search as tests/mpi_harness.py
   if ! "$PY" -c 'from tests.mpi_harness import mpiexec_path; mpiexec_path()' >/dev/null 2>&1; then
     echo
     echo "!!!!! no mpiexec found (next to $PY or on PATH): every multi-process GPU test and the"
-    echo "!!!!! benchmark will fail. Carry the MPICH wheel: on a machine with PyPI access, in the"
+    echo "!!!!! benchmark will fail. Carry the wheels: on a machine with PyPI access, in the"
     echo "!!!!! repo root: pip download --no-deps --only-binary=:all: --python-version 3.12"
-    echo "!!!!!   --platform manylinux_2_17_x86_64 -d .whl mpich   (match this machine's Python),"
+    echo "!!!!!   --platform manylinux_2_28_x86_64 -d .whl mpi4py==4.1.2 mpich==5.0.2"
+    echo "!!!!!   (match this machine's Python),"
     echo "!!!!! carry .whl, and run this script again (it installs .whl/*.whl first)."
   fi
 
@@ -187,10 +201,10 @@ main() {
 
   if want bench; then
     local json=()
-    [ -n "$OUT_DIR" ] && json=(--json "$OUT_DIR/gpu_overhead.json")
+    [ -n "$OUT_DIR" ] && json=(--json "$OUT_DIR/gpu_step_overhead.json")
     # shellcheck disable=SC2086
-    run_step bench "$BENCH_TIMEOUT" "$PY" benchmarks/gpu_overhead.py "${json[@]}" \
-      ${GPU_CHECK_BENCH_ARGS:-} || failed=1
+    run_step bench "$BENCH_TIMEOUT" "$PY" benchmarks/gpu_step_overhead.py "${json[@]}" \
+      ${GPU_CHECK_BENCH_ARGS:---rounds 2 --blocks 4 --steps 30 --warmup 10} || failed=1
   fi
 
   echo
