@@ -52,7 +52,7 @@ from hvdlite.common.reduce_ops import Adasum, Average, Max, Min, Product, Reduce
 from hvdlite.common.runtime.build import (ccl_built, cuda_built, ddl_built, gloo_built,
                                           gloo_enabled, mpi_built, mpi_enabled, nccl_built,
                                           rocm_built, sycl_built)
-from hvdlite.common.runtime import elastic_wire
+from hvdlite.common.runtime import elastic_wire, warm_start
 from hvdlite.common.runtime.child_process import LAUNCHER_RANK_VARIABLES
 from hvdlite.common.runtime.elastic_wire import (EXIT_RESET, Codec, HostUpdateResult,
                                                  register_codec)

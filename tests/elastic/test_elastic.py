@@ -11,6 +11,8 @@ import json
 import socket
 import sys
 
+import pytest
+
 from tests.elastic.elastic_checks import check_history, of, read_logs, reset_seconds
 from tests.mpi_harness import TESTS, run_command
 
@@ -19,16 +21,24 @@ WORKER = TESTS / "elastic/workers/elastic_worker.py"
 HVDLITE_RUN = [sys.executable, "-m", "hvdlite.runner", "run"]
 
 
-def test_job_survives_a_killed_worker_and_grows_back_after_the_cooldown(tmp_path):
+@pytest.mark.parametrize("warm", ["warm", "cold"])
+def test_job_survives_a_killed_worker_and_grows_back_after_the_cooldown(tmp_path, warm):
+    """With warm starts (the default) the later worlds' workers are forked from the host's
+    warm process; with ``HVDLITE_ELASTIC_WARM_START=0`` every worker starts anew."""
     log = tmp_path / "log"
     log.mkdir()
-    plan = [{"world": 0, "step": 6, "rank": 1, "action": "sigkill"}]
+    # World 1 pauses long enough for the cooldown (1-2 s) and discovery (1 s) to bring the
+    # host back: with warm starts it would otherwise finish training in well under a second.
+    plan = [{"world": 0, "step": 6, "rank": 1, "action": "sigkill"},
+            {"world": 1, "step": 2, "rank": "all", "action": "pause", "pause": 4}]
     job = run_command(HVDLITE_RUN + ["-np", "2", "--min-np", "1", "--max-np", "2",
                                      "-H", "localhost:1,127.0.0.1:1",
                                      "--blacklist-cooldown-range", "1", "1",
                                      sys.executable, str(WORKER)],
                       0, timeout=300, env={"ELASTIC_LOG": str(log),
-                                           "ELASTIC_PLAN": json.dumps(plan)})
+                                           "ELASTIC_PLAN": json.dumps(plan),
+                                           "HVDLITE_ELASTIC_WARM_START": "0" if warm == "cold"
+                                           else "1"})
     assert job.returncode == 0, job.output
     here = {socket.gethostname()}
     worlds = read_logs(log)
@@ -38,5 +48,10 @@ def test_job_survives_a_killed_worker_and_grows_back_after_the_cooldown(tmp_path
     # the host change is an interrupt at a commit: world 2 starts where world 1 stopped
     assert of(worlds[2], "synced")[0]["step"] == max(e["step"] for e in of(worlds[1], "saved"))
     assert done[0]["loss"] < 1e-3, done[0]["loss"]
+    # world 0 starts cold everywhere; later worlds are forked warm (after the first commit the
+    # warm process holds torch), or all cold when warm starts are off
+    started = {w: [e["warm"] for e in of(worlds[w], "start")] for w in worlds}
+    assert started[0] == [False, False], started
+    assert all(started[w] == [warm == "warm"] * len(started[w]) for w in (1, 2)), started
     print(f"\nkilled worker: reset took {reset_seconds(worlds, 1)}; grown back: "
           f"{reset_seconds(worlds, 2)}", file=sys.stderr)

@@ -41,7 +41,8 @@ import numpy as np
 
 from hvdlite.common.api import ops
 from hvdlite.common.errors import HorovodInternalError, HostsUpdatedInterrupt, RankExitedError
-from hvdlite.common.runtime import elastic_channel, lifecycle, liveness, state as _state
+from hvdlite.common.runtime import (elastic_channel, lifecycle, liveness, state as _state,
+                                    warm_start)
 from hvdlite.common.runtime.elastic_wire import (EXIT_RESET, HostUpdateResult, dumps, pack,
                                                  unpack)
 
@@ -336,6 +337,7 @@ def _committed(state: State) -> None:
     commit_id, committed = _new_commit(session, state)
     if session.shipper is not None:
         session.shipper.offer(key, commit_id, committed)
+    warm_start.report_modules()   # once: what this host's next workers can have imported
 
 
 class _Agreement:

@@ -85,8 +85,7 @@ class Channel:
         """When the MPI launcher has killed the shield (another rank failed), this worker is
         left to report to the driver (``hvd.elastic.run`` does, then exits); it ends itself as
         soon as the driver closes the connection, or after :data:`ORPHAN_SECONDS`."""
-        while os.getppid() == shield:
-            time.sleep(0.2)
+        _wait_until_gone(shield)
         self.orphaned = True
         if self.closed:
             _exit_now()
@@ -343,3 +342,31 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _wait_until_gone(shield: int) -> None:
+    """Return when process ``shield`` has ended: this worker's parent (a cold start), or, for
+    a worker forked by the host's warm process (``warm_start``), a process it can only watch."""
+    if os.getppid() == shield:
+        while os.getppid() == shield:
+            time.sleep(0.2)
+        return
+    try:
+        import select
+        fd = os.pidfd_open(shield)   # readable once the process has ended
+    except (AttributeError, OSError):
+        fd = None
+    if fd is not None:
+        try:
+            select.select([fd], [], [])
+        finally:
+            os.close(fd)
+        return
+    while True:
+        try:
+            os.kill(shield, 0)
+        except ProcessLookupError:
+            return
+        except PermissionError:
+            pass
+        time.sleep(0.2)

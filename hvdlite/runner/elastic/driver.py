@@ -27,6 +27,7 @@ import copy
 import dataclasses
 import os
 import queue
+import secrets
 import signal
 import subprocess
 import sys
@@ -36,6 +37,7 @@ import time
 from typing import Callable, Mapping, Sequence, TextIO
 
 from hvdlite.common.core import elastic_wire as wire
+from hvdlite.common.core import warm_start
 
 from .. import addresses, mpi_flavor
 from ..job_process import exit_status, kill_group
@@ -138,6 +140,9 @@ class Driver:
         self.checked: set[str] = set()    # hosts that passed the ssh check
         self.signals: list[int] = []
         self._timestamp = 0
+        # Names this job's warm processes (one per host; see warm_start), or None: cold starts.
+        self.warm_token = (None if environ.get(warm_start.SWITCH_VARIABLE, "1").strip() == "0"
+                           else secrets.token_hex(8))
 
     # --- the job -----------------------------------------------------------------------------
     def run(self) -> int:
@@ -253,6 +258,9 @@ class Driver:
         env[wire.KEY_VARIABLE] = server.key.hex()
         env[wire.WORLD_VARIABLE] = str(index)
         forward = self.forward + [wire.DRIVER_VARIABLE, wire.KEY_VARIABLE, wire.WORLD_VARIABLE]
+        if self.warm_token is not None:
+            env[warm_start.WARM_VARIABLE] = self.warm_token
+            forward.append(warm_start.WARM_VARIABLE)
         world_dir = os.path.join(workdir, f"world{index}")
         os.makedirs(world_dir, exist_ok=True)
         argv, child_env = self.prepare(args, env, forward, world_dir)

@@ -143,6 +143,7 @@ class Server:
         self._lock = threading.Lock()
         self._closing = False
         self._threads: list[threading.Thread] = []
+        self._warm: list = []   # the hosts' warm processes: each lives as long as its connection
         self._accepter = threading.Thread(target=self._accept, name="hvdlite-elastic-accept",
                                           daemon=True)
         self._accepter.start()
@@ -170,6 +171,11 @@ class Server:
             while True:
                 message = conn.recv()
                 kind = message[0]
+                if kind == "warm" and member is None:   # a host's warm process (warm_start)
+                    with self._lock:
+                        self._warm.append(conn)
+                    conn.recv()   # it says nothing more: this ends when either side goes
+                    raise EOFError("warm process ended")
                 if kind == "hello":
                     _, world, rank, size, host, pid = message
                     member = Member(world, rank, size, host, pid, conn)
@@ -242,15 +248,14 @@ class Server:
         with self._lock:
             gone = [self.members.pop(k) for k in [k for k in self.members if k[0] == world]]
         for member in gone:   # shut the socket down: its reading thread then sees the end
-            try:
-                sock = socket.fromfd(member.conn.fileno(), socket.AF_INET, socket.SOCK_STREAM)
-                sock.shutdown(socket.SHUT_RDWR)
-                sock.close()
-            except (OSError, ValueError):
-                pass
+            _shut(member.conn)
 
     def close(self) -> None:
         self._closing = True
+        with self._lock:
+            warm, self._warm = self._warm, []
+        for conn in warm:   # the warm processes end (once their workers have)
+            _shut(conn)
         try:
             from multiprocessing.connection import Client
             host = "127.0.0.1" if self.bind == "0.0.0.0" else self.bind
@@ -259,3 +264,13 @@ class Server:
             pass
         self._accepter.join(5)
         self._listener.close()
+
+
+def _shut(conn) -> None:
+    """Shut a connection's socket down, so that the thread reading it sees the end."""
+    try:
+        sock = socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM)
+        sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
+    except (OSError, ValueError):
+        pass

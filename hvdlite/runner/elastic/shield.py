@@ -28,6 +28,9 @@ def main(argv: list[str]) -> int:
         print("usage: python -m hvdlite.runner.elastic.shield -- COMMAND ...", file=sys.stderr)
         return 2
     os.environ[SHIELD_VARIABLE] = str(os.getpid())
+    warm = _warm_start(argv)
+    if warm is not None:
+        return _end_like(_follow_warm(*warm))
     child = os.fork()
     if child == 0:   # the worker: out of the launcher's reach, then the command
         try:
@@ -51,6 +54,40 @@ def main(argv: list[str]) -> int:
             break
         except InterruptedError:
             continue
+    return _end_like(status)
+
+
+def _warm_start(argv: list[str]):
+    """The worker forked by this host's warm process (``(pid, connection)``), or None for a
+    cold start (see ``hvdlite.common.runtime.warm_start``)."""
+    from hvdlite.common.core import warm_start
+    if not os.environ.get(warm_start.WARM_VARIABLE):
+        return None
+    found = warm_start.spawn(argv)
+    if isinstance(found, str):
+        if os.environ.get("MPI_LOCALRANKID", "0") == "0":
+            print(f"hvdlite: elastic: starting this worker cold: {found}", file=sys.stderr,
+                  flush=True)
+        return None
+    return found
+
+
+def _follow_warm(pid: int, connection) -> int:
+    from hvdlite.common.core import warm_start
+
+    def forward(signum: int, _frame: object) -> None:
+        try:
+            os.killpg(pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    return warm_start.follow(pid, connection)
+
+
+def _end_like(status: int) -> int:
+    """Exit the way the worker ended (``status`` as ``os.waitpid`` gives it)."""
     if os.WIFSIGNALED(status):   # end the way the worker ended
         sig = os.WTERMSIG(status)
         if sig not in (signal.SIGKILL, signal.SIGSTOP):

@@ -15,6 +15,7 @@ Environment:
                    exit          os._exit(3) there
                    commit_kill   SIGKILL itself inside the commit (after saving, before the
                                  commit's collective check)
+                   pause         sleep "pause" seconds there (hold a world for the driver)
                    discover      rank "writer" (default 0) writes "hosts" to ELASTIC_DISCOVERY,
                                  and the event's ranks pause "pause" seconds (the driver
                                  notices meanwhile)
@@ -92,7 +93,8 @@ class LoggedState(hvd.elastic.TorchState):
 
 state = LoggedState(model, optimizer, sampler=sampler, epoch=0, step=0, seen=[])
 log("start", host=socket.gethostname(), pid=os.getpid(), t_process=T_PROCESS,
-    t_imported=T_IMPORTED, t_init=T_INIT)   # (its own t: the script's setup is done)
+    t_imported=T_IMPORTED, t_init=T_INIT,   # (its own t: the script's setup is done)
+    warm=os.environ.get("HVDLITE_ELASTIC_WARM_CHILD") == "1")   # forked by the warm process
 
 
 @hvd.elastic.run
@@ -123,6 +125,8 @@ def train(state):
                     os.kill(os.getpid(), signal.SIGKILL)
                 elif action == "exit":
                     os._exit(3)
+                elif action == "pause":
+                    time.sleep(event["pause"])
                 elif action == "commit_kill":
                     kill_in_commit = True
                 elif action == "discover":
