@@ -94,6 +94,14 @@ def jobs(host_bed):
     return get
 
 
+def _warm_by_host(events: list[dict]) -> dict[str, set[bool]]:
+    """Host -> whether its workers of this world were forked by its warm process."""
+    found: dict[str, set[bool]] = {}
+    for event in of(events, "start"):
+        found.setdefault(event["host"], set()).add(event["warm"])
+    return found
+
+
 def test_reference_run(jobs):
     job, worlds = jobs("reference")
     assert job.returncode == 0, job.output
@@ -112,6 +120,8 @@ def test_sigkilled_worker_resumes_from_the_last_commit(jobs):
     # Same size in every world: the same samples in the same order, so the same weights.
     assert done[0]["checksum"] == reference[0]["checksum"], \
         (done[0]["weights"][:4], reference[0]["weights"][:4])
+    # hvdnode1's workers of world 1 are forked by its warm process; hvdnode3 is new (cold)
+    assert _warm_by_host(worlds[1]) == {"hvdnode1": {True}, "hvdnode3": {False}}, worlds[1]
     print(f"\nsigkill: reset took {reset_seconds(worlds, 1)}", file=sys.stderr)
 
 
@@ -124,6 +134,7 @@ def test_repeated_failures_stop_at_the_reset_limit(jobs):
     # world 1 died inside a commit: the commit it was making is the newest saved one
     acted = of(worlds[1], "act")
     assert [e["action"] for e in acted] == ["commit_kill", "commit_kill"], acted
+    assert _warm_by_host(worlds[1]) == {"hvdnode1": {True}, "hvdnode2": {True}}, worlds[1]
     print(f"\nexit status 3: reset took {reset_seconds(worlds, 1)}", file=sys.stderr)
 
 
@@ -138,6 +149,9 @@ def test_hosts_added_by_discovery_and_a_host_removed(jobs):
     # A host update rolls nothing back: world 1 starts from world 0's live state.
     steps_before = max(e["step"] for e in of(worlds[0], "saved"))
     assert grown["step"] == steps_before
+    # warm where a host ran the world before; hvdnode2 joined in world 1 (cold)
+    assert _warm_by_host(worlds[1]) == {"hvdnode1": {True}, "hvdnode2": {False}}, worlds[1]
+    assert _warm_by_host(worlds[2]) == {"hvdnode1": {True}}, worlds[2]
     reference = jobs("reference")[1]
     ref_weights = of(reference[0], "done")[0]["weights"]
     for got, want in zip(done[0]["weights"], ref_weights):

@@ -349,6 +349,8 @@ class _Agreement:
 
     def __init__(self) -> None:
         process = _state.get("state.check_host_updates()")
+        self._request = None
+        self._raise_if_departed()
         self._comm = process.world.Dup()   # collective: every rank checks at the same point
         self._root = process.rank == 0
         self._buffer = np.zeros(2, dtype=np.int64)
@@ -359,6 +361,9 @@ class _Agreement:
         if self._request is not None:
             self._wait()
             agreed = (int(self._buffer[0]), int(self._buffer[1]))
+        # Never post to a world that has lost a rank: MPICH (libfabric's TCP) retries the
+        # connection to a process that has exited, inside the call, for ever.
+        self._raise_if_departed()
         self._buffer = np.array(offer if self._root else (0, 0), dtype=np.int64)
         self._request = self._comm.Ibcast(self._buffer, root=0)
         return agreed
@@ -370,15 +375,18 @@ class _Agreement:
     def _wait(self) -> None:
         pause = 0.0
         while not self._request.Test():
-            gone = liveness.departed_ranks()
-            if gone:
-                self._request = None
-                described = "; ".join(liveness.departed_among(gone)) or f"rank(s) {gone}"
-                raise RankExitedError(f"state.commit(): {described}, so the check for host "
-                                      f"updates cannot complete.")
+            self._raise_if_departed()
             time.sleep(pause)
             pause = min(pause * 2 or 1e-5, 1e-3)
         self._request = None
+
+    def _raise_if_departed(self) -> None:
+        gone = liveness.departed_ranks()
+        if gone:
+            self._request = None
+            described = "; ".join(liveness.departed_among(gone)) or f"rank(s) {gone}"
+            raise RankExitedError(f"state.commit(): {described}, so the check for host "
+                                  f"updates cannot complete.")
 
 
 def _agree(state: State, offer: tuple[int, int]) -> tuple[int, int] | None:

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from hvdlite.common.runtime import elastic_wire as wire
+from hvdlite.common.runtime import elastic_wire as wire, warm_start
 
 log = logging.getLogger("hvdlite")
 
@@ -75,6 +75,7 @@ class Channel:
                 time.sleep(0.2)
         self.rank = rank
         self._send(("hello", self.world, rank, size, host, os.getpid()))
+        warm_start.report_modules()   # what the script imported: the warm process starts on it
         threading.Thread(target=self._read, name="hvdlite-elastic", daemon=True).start()
         shield = os.environ.get(wire.SHIELD_VARIABLE)
         if shield and shield.isdigit():

@@ -121,25 +121,27 @@ def library_modules() -> list[str]:
     return names
 
 
-_reported = False
+_reported: set[str] = set()
 
 
 def report_modules() -> None:
-    """Tell this host's warm process which library modules to preload (once per process;
-    a worker forked warm or a job without warm starts sends nothing)."""
-    global _reported
+    """Tell this host's warm process which library modules to preload: those loaded since the
+    last report (``hvd.init()`` reports what the script imported, its first ``commit()`` what
+    its setup added, e.g. torch's optimizers' ``torch._dynamo``).  A worker forked warm, or a
+    job without warm starts, sends nothing."""
     token = os.environ.get(WARM_VARIABLE)
-    if _reported or not token or os.environ.get("HVDLITE_ELASTIC_WARM_CHILD"):
+    if not token or os.environ.get("HVDLITE_ELASTIC_WARM_CHILD"):
         return
-    _reported = True
     path = socket_path(token)
-    if path is None:
+    modules = [name for name in library_modules() if name not in _reported]
+    if path is None or not modules:
         return
     try:
         with _connect(path, timeout=2.0) as sock:
-            _send(sock, {"op": "preload", "modules": library_modules()})
+            _send(sock, {"op": "preload", "modules": modules})
     except OSError:
-        pass   # no warm process on this host: the next world starts cold
+        return   # no warm process on this host (yet): told at the next report, if any
+    _reported.update(modules)
 
 
 # --- the shield's side: ask for a worker -----------------------------------------------------
@@ -167,8 +169,9 @@ def python_command(argv: list[str]) -> bool:
 
 def spawn(argv: list[str]) -> tuple[int, socket.socket] | str | None:
     """Ask this host's warm process to fork the worker ``argv``: ``(pid, connection)`` (the
-    connection then brings ``("exit", wait status)``), a reason why not (say it), or None (no
-    warm process yet: it is started, and this worker starts cold)."""
+    connection then brings ``("exit", wait status)``), a reason why not (say it), or None (start
+    cold: the warm process is not there yet, and is started now, or has nothing to offer yet,
+    as in the job's first world)."""
     token = os.environ.get(WARM_VARIABLE)
     if not token or not python_command(argv):
         return None
@@ -195,7 +198,7 @@ def spawn(argv: list[str]) -> tuple[int, socket.socket] | str | None:
         sock.settimeout(None)
         return reply[1], sock
     sock.close()
-    return str(reply[1])
+    return str(reply[1]) or None
 
 
 def follow(pid: int, sock: socket.socket) -> int:
@@ -254,8 +257,8 @@ class _WarmProcess:
         self.path = socket_path(token)
         self.children: dict[int, socket.socket] = {}
         self.accepting = True
-        self.preloaded = False
         self.pending: list[str] = []   # modules still to import, in order (one per turn)
+        self.told = False              # a worker has said what to preload
         self.cold_reason: str | None = None
         self.listener: socket.socket | None = None
         self.driver = None
@@ -350,6 +353,12 @@ class _WarmProcess:
                 os.close(fd)
             return None
         import threading
+        if not self.told:   # nothing to preload yet: a fork would gain nothing over a start
+            _send(conn, ("cold", ""))
+            conn.close()
+            for fd in fds:
+                os.close(fd)
+            return None
         if self.cold_reason is None and threading.active_count() > 1:
             self.cold_reason = (f"the preloaded modules started {threading.active_count() - 1} "
                                 f"Python thread(s), so forking workers would not be safe")
@@ -394,9 +403,10 @@ class _WarmProcess:
                 conn.close()
 
     def _preload(self, modules: list[str]) -> None:
-        if not self.preloaded:
-            self.preloaded = True
-            self.pending = [m for m in reversed(modules) if not m.startswith(_NEVER_PRELOAD)]
+        """Queue ``modules`` (in import order) behind those still pending."""
+        self.told = True
+        fresh = [m for m in modules if not m.startswith(_NEVER_PRELOAD) and m not in sys.modules]
+        self.pending[:0] = reversed(fresh)   # popped from the end: oldest first
 
     def _preload_next(self) -> None:
         """Import the next module not imported yet (a worker forked meanwhile imports the rest

@@ -139,7 +139,11 @@ def test_the_first_worker_starts_cold_and_later_ones_are_forked_warm(job, tmp_pa
     wait_for(lambda: os.path.exists(path))   # the first shield started the warm process
     assert os.stat(path).st_mode & 0o077 == 0   # its owner alone may connect
 
-    # what a worker at its first commit sends: the warm process imports it
+    # until a worker has said what it imported, the warm process has nothing to offer: cold
+    early = shield(env, script, "0")
+    assert lines(early)["warm"] == "False" and "cold" not in early.stderr, early.stderr
+
+    # what a worker sends at hvd.init() and its first commit: the warm process imports it
     with warm_start._connect(path) as sock:
         warm_start._send(sock, {"op": "preload", "modules": ["decimal", "hvdlite.common",
                                                              "no_such_module_here"]})
