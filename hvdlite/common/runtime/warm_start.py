@@ -10,9 +10,10 @@ imports (``import torch`` and the ``torch._dynamo`` that torch's first optimizer
   also starts this module as a process of its own, the host's *warm process*, which connects to
   the driver (it lives as long as the driver's connection) and listens on a Unix socket in the
   host's temporary directory;
-* at its first ``commit()`` a worker sends it the names of the library modules it has loaded
-  (those under the interpreter's own and site directories: never the script's own modules,
-  hvdlite, or ``mpi4py.MPI``, whose import would start MPI); the warm process imports them;
+* at ``hvd.init()`` and at its first ``commit()`` a worker sends it the names of the library
+  modules it has loaded (those under the interpreter's own and site directories: never the
+  script's own modules, hvdlite, or ``mpi4py.MPI``, whose import would start MPI); the warm
+  process imports them, one between two requests;
 * in every later world, the shield asks the warm process for its worker: it passes the
   command, environment, working directory and its standard streams and MPI launcher socket
   (``PMI_FD``) over the socket; the warm process forks, and the child becomes the worker:
@@ -21,9 +22,10 @@ imports (``import torch`` and the ``torch._dynamo`` that torch's first optimizer
   it ends, to the shield, which ends the same way.
 
 A command that is not ``<this Python> script.py ...`` or ``<this Python> -m module ...``, a
-warm process that cannot be reached, or one whose imports started a Python thread (a fork
-would then not be safe) means a cold start, as before.  ``HVDLITE_ELASTIC_WARM_START=0`` turns
-warm starts off.
+warm process that cannot be reached, one with nothing preloaded yet (the first world), or one
+whose imports started a Python thread (a fork would then not be safe) means a cold start, as
+before.  ``HVDLITE_ELASTIC_WARM_START=0`` (in ``hvdlite run``'s environment) turns warm starts
+off.
 
 This file runs as a script (``python warm_start.py TOKEN``) so that the warm process imports
 nothing of hvdlite: only the standard library and the modules it is told to preload.
@@ -41,7 +43,8 @@ import time
 # Set by the elastic driver in every worker's environment: the job's token, which names the
 # socket; absent when warm starts are off.
 WARM_VARIABLE = "HVDLITE_ELASTIC_WARM"
-SWITCH_VARIABLE = "HVDLITE_ELASTIC_WARM_START"     # "0" turns warm starts off (driver side)
+SWITCH_VARIABLE = "HVDLITE_ELASTIC_WARM_START"     # read by the driver: one of OFF turns
+OFF = ("0", "false", "no", "off")                  # warm starts off
 DRIVER_VARIABLE = "HVDLITE_ELASTIC_DRIVER"         # elastic_wire's names (this file imports
 KEY_VARIABLE = "HVDLITE_ELASTIC_KEY"               # nothing of hvdlite; a test checks them)
 REQUEST_SECONDS = 5.0     # a request that does not arrive whole in this time is dropped

@@ -141,8 +141,8 @@ class Driver:
         self.signals: list[int] = []
         self._timestamp = 0
         # Names this job's warm processes (one per host; see warm_start), or None: cold starts.
-        self.warm_token = (None if environ.get(warm_start.SWITCH_VARIABLE, "1").strip() == "0"
-                           else secrets.token_hex(8))
+        off = environ.get(warm_start.SWITCH_VARIABLE, "").strip().lower() in warm_start.OFF
+        self.warm_token = None if off else secrets.token_hex(8)
 
     # --- the job -----------------------------------------------------------------------------
     def run(self) -> int:
