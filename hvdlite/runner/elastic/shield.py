@@ -40,14 +40,7 @@ def main(argv: list[str]) -> int:
             print(f"hvdlite: cannot run {argv[0]}: {exc.strerror}", file=sys.stderr)
         os._exit(127)
 
-    def forward(signum: int, _frame: object) -> None:
-        try:
-            os.killpg(child, signum)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, forward)
+    _forward_signals(child)
     while True:
         try:
             _, status = os.waitpid(child, 0)
@@ -74,16 +67,20 @@ def _warm_start(argv: list[str]):
 
 def _follow_warm(pid: int, connection) -> int:
     from hvdlite.common.core import warm_start
+    _forward_signals(pid)
+    return warm_start.follow(pid, connection)
 
+
+def _forward_signals(worker: int) -> None:
+    """Pass the launcher's SIGTERM/SIGINT/SIGHUP on to the worker's session."""
     def forward(signum: int, _frame: object) -> None:
         try:
-            os.killpg(pid, signum)
+            os.killpg(worker, signum)
         except (ProcessLookupError, PermissionError):
             pass
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
-    return warm_start.follow(pid, connection)
 
 
 def _end_like(status: int) -> int:

@@ -155,7 +155,8 @@ def test_the_first_worker_starts_cold_and_later_ones_are_forked_warm(job, tmp_pa
     assert warm["warm"] == "True" and warm["parent-is-shield"] == "False", second.stdout
     assert warm["own-session"] == "True" and warm["main"] == "__main__ worker.py"
     assert warm["argv"] == "['5', '--flag']" and warm["stdin"] == "from stdin"
-    assert warm["mark"] == "two" and warm["cwd"] == str(elsewhere)   # this shield's, not the first's
+    # the environment and directory are this shield's, not the first one's
+    assert warm["mark"] == "two" and warm["cwd"] == str(elsewhere)
     assert warm["preloaded"] == "True" and warm["hvdlite-preloaded"] == "False"
 
     # a worker killed by a signal: the shield ends the same way (what the launcher sees)
