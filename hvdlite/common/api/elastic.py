@@ -337,7 +337,7 @@ def _committed(state: State) -> None:
     commit_id, committed = _new_commit(session, state)
     if session.shipper is not None:
         session.shipper.offer(key, commit_id, committed)
-    warm_start.report_modules()   # once: what this host's next workers can have imported
+    warm_start.report_modules(last=True)   # (the first commit's report is the last)
 
 
 class _Agreement:
@@ -345,11 +345,10 @@ class _Agreement:
     newest host update (a non-blocking ``MPI_Ibcast`` of two integers on a communicator of its
     own, so no negotiation round is spent on it) and takes the one posted at the previous
     check, which the step in between has long completed.  A peer that died is noticed through
-    the watchdog while waiting (``RankExitedError``)."""
+    the watchdog while waiting, and nothing is posted once one has (``RankExitedError``)."""
 
     def __init__(self) -> None:
         process = _state.get("state.check_host_updates()")
-        self._request = None
         self._raise_if_departed()
         self._comm = process.world.Dup()   # collective: every rank checks at the same point
         self._root = process.rank == 0

@@ -348,26 +348,8 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 def _wait_until_gone(shield: int) -> None:
     """Return when process ``shield`` has ended: this worker's parent (a cold start), or, for
     a worker forked by the host's warm process (``warm_start``), a process it can only watch."""
-    if os.getppid() == shield:
-        while os.getppid() == shield:
-            time.sleep(0.2)
+    if os.getppid() != shield:
+        warm_start.wait_for_exit(shield)
         return
-    try:
-        import select
-        fd = os.pidfd_open(shield)   # readable once the process has ended
-    except (AttributeError, OSError):
-        fd = None
-    if fd is not None:
-        try:
-            select.select([fd], [], [])
-        finally:
-            os.close(fd)
-        return
-    while True:
-        try:
-            os.kill(shield, 0)
-        except ProcessLookupError:
-            return
-        except PermissionError:
-            pass
+    while os.getppid() == shield:
         time.sleep(0.2)

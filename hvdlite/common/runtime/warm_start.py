@@ -47,6 +47,8 @@ SWITCH_VARIABLE = "HVDLITE_ELASTIC_WARM_START"     # read by the driver: one of 
 OFF = ("0", "false", "no", "off")                  # warm starts off
 DRIVER_VARIABLE = "HVDLITE_ELASTIC_DRIVER"         # elastic_wire's names (this file imports
 KEY_VARIABLE = "HVDLITE_ELASTIC_KEY"               # nothing of hvdlite; a test checks them)
+# Set in every worker a warm process forked (it reports nothing: its modules are preloaded).
+CHILD_VARIABLE = "HVDLITE_ELASTIC_WARM_CHILD"
 REQUEST_SECONDS = 5.0     # a request that does not arrive whole in this time is dropped
 _HEADER = struct.Struct("!Q")
 _MAX_FDS = 16
@@ -107,16 +109,16 @@ def _connect(path: str, timeout: float | None = REQUEST_SECONDS) -> socket.socke
 
 
 # --- the worker's side: what to preload -----------------------------------------------------
-def library_modules() -> list[str]:
+def library_modules(skip: set[str] | frozenset[str] = frozenset()) -> list[str]:
     """The modules of this process that come from the interpreter's own or site directories,
     in the order they were imported (the script's own modules, hvdlite and ``mpi4py.MPI`` are
-    never preloaded)."""
+    never preloaded), but for those in ``skip``."""
     import sysconfig
     roots = {os.path.realpath(p) + os.sep for p in
              {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}}
     names = []
     for name, module in list(sys.modules.items()):
-        if name.startswith(_NEVER_PRELOAD) or module is None:
+        if name in skip or name.startswith(_NEVER_PRELOAD) or module is None:
             continue
         where = getattr(module, "__file__", None)
         if where and any(os.path.realpath(where).startswith(root) for root in roots):
@@ -125,18 +127,22 @@ def library_modules() -> list[str]:
 
 
 _reported: set[str] = set()
+_finished = False   # the last report was made (or tried): later calls cost nothing
 
 
-def report_modules() -> None:
+def report_modules(last: bool = False) -> None:
     """Tell this host's warm process which library modules to preload: those loaded since the
-    last report (``hvd.init()`` reports what the script imported, its first ``commit()`` what
-    its setup added, e.g. torch's optimizers' ``torch._dynamo``).  A worker forked warm, or a
-    job without warm starts, sends nothing."""
+    last report.  ``hvd.init()`` reports what the script imported, and its first ``commit()``
+    (``last``) what its setup added, e.g. torch's optimizers' ``torch._dynamo``; after that
+    this returns at once, for it is called at every commit.  A worker forked warm, or a job
+    without warm starts, sends nothing."""
+    global _finished
     token = os.environ.get(WARM_VARIABLE)
-    if not token or os.environ.get("HVDLITE_ELASTIC_WARM_CHILD"):
+    if _finished or not token or os.environ.get(CHILD_VARIABLE):
         return
+    _finished = last
     path = socket_path(token)
-    modules = [name for name in library_modules() if name not in _reported]
+    modules = library_modules(skip=_reported)
     if path is None or not modules:
         return
     try:
@@ -214,11 +220,28 @@ def follow(pid: int, sock: socket.socket) -> int:
                 return message[1]
     except (OSError, EOFError):
         pass
-    while True:   # the warm process is gone: the worker is not ours to wait for
+    wait_for_exit(pid)   # the warm process is gone: the worker is not ours to wait for
+    return 1 << 8
+
+
+def wait_for_exit(pid: int) -> None:
+    """Return once process ``pid``, which need not be a child of this one, has ended."""
+    try:
+        import select
+        fd = os.pidfd_open(pid)   # readable once the process has ended
+    except (AttributeError, OSError):
+        fd = None
+    if fd is not None:
+        try:
+            select.select([fd], [], [])
+        finally:
+            os.close(fd)
+        return
+    while True:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            return 1 << 8
+            return
         except PermissionError:
             pass
         time.sleep(0.2)
@@ -446,7 +469,7 @@ def _become_worker(request: dict) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.clear()
     os.environ.update(request["env"])
-    os.environ["HVDLITE_ELASTIC_WARM_CHILD"] = "1"
+    os.environ[CHILD_VARIABLE] = "1"
     os.chdir(request["cwd"])
     numpy = sys.modules.get("numpy")
     if numpy is not None:   # a cold process seeds numpy's global generator from the OS

@@ -54,8 +54,6 @@ def _warm_start(argv: list[str]):
     """The worker forked by this host's warm process (``(pid, connection)``), or None for a
     cold start (see ``hvdlite.common.runtime.warm_start``)."""
     from hvdlite.common.core import warm_start
-    if not os.environ.get(warm_start.WARM_VARIABLE):
-        return None
     found = warm_start.spawn(argv)
     if isinstance(found, str):
         if os.environ.get("MPI_LOCALRANKID", "0") == "0":
