@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -213,6 +214,10 @@ def group_lines(title: str, group: dict) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    # Each variant reduces the tensors under names of its own, as a training loop's tensors
+    # keep theirs: the response cache must hold every variant's names (about 1,500), or each
+    # variant would evict the next one's and every round would be negotiated in full.
+    os.environ.setdefault("HVDLITE_CACHE_CAPACITY", "4096")
     comm = MPI.COMM_WORLD.Dup()
     paths = TorchPaths() if args.framework == "torch" else TensorFlowPaths()
     env = ab.environment(comm)

@@ -202,6 +202,12 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
 
 # --- grouped ops -----------------------------------------------------------------------------
 def _group_views(tensors, what: str, in_place: bool = False):
+    """Each member's contiguous source, its core view and core dtype name (see
+    :func:`as_core_array`)."""
+    if all(type(t) is torch.Tensor and not t.requires_grad and t.is_cpu
+           and t.dtype in NUMPY_DTYPES and not t.is_sparse and t.is_contiguous()
+           for t in tensors):   # the usual case: plain CPU tensors, viewed as they are
+        return tensors, [t.numpy() for t in tensors], None
     srcs, arrays, dtypes = [], [], []
     for t in tensors:
         check_tensor(t, what)
@@ -222,11 +228,18 @@ def grouped_allreduce_async(tensors, average: bool | None = None, name: str | No
                             process_set: ProcessSet = global_process_set) -> GroupHandle:
     """Start allreducing a list of tensors as one unit (negotiated together, fused where
     possible); ``synchronize`` returns the list of reduced tensors."""
-    srcs, arrays, dtypes = _group_views(tensors, f"grouped_allreduce {name or ''}".strip())
+    srcs, arrays, dtypes = _group_views(list(tensors),
+                                        f"grouped_allreduce {name or ''}".strip())
+    reduce_op = resolve_op(op, average)
+    if dtypes is None:   # plain CPU tensors: the core allocates the results, wrapped uncopied
+        handle = core.submit_group(
+            ALLREDUCE, arrays, name=name, reduce_op=reduce_op, prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor, process_set=process_set)
+        return handle.then(lambda results: [torch.from_numpy(r) for r in results])
     outs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in srcs]
     handle = core.submit_group(
         ALLREDUCE, arrays, name=name, outputs=[as_core_array(o)[0] for o in outs], dtypes=dtypes,
-        reduce_op=resolve_op(op, average), prescale_factor=prescale_factor,
+        reduce_op=reduce_op, prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, process_set=process_set)
     return handle.then(lambda _: (srcs, outs)[1])
 

@@ -5,7 +5,7 @@ import pytest
 from tests.mpi_harness import assert_case_passed, assert_every_case_reported
 from tests.workers import core_cases as cc
 
-CASES = ("fast.taken", "fast.checks", "fast.mismatch")
+CASES = ("fast.taken", "fast.checks", "fast.mismatch", "fast.group", "fast.group_checks")
 WORKER = ["core/workers/core_fast_submit_worker.py"]
 
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from hvdlite.common.api.announce import (_NOTHING_TO_ANNOUNCE, _announce, _auto_name,
                                          announcing_with)
-from hvdlite.common.api.submission import _contiguous, make_entry
+from hvdlite.common.api.submission import _contiguous, fast_host_allreduce_group, make_entry
 from hvdlite.common.engine.handle import GroupHandle
 from hvdlite.common.engine.messages import ALLGATHER, ALLREDUCE, REDUCESCATTER
 from hvdlite.common.reduce_ops import ReduceOp, resolve_op
@@ -38,17 +38,32 @@ def submit_group(kind: str, arrays: Sequence[np.ndarray], *, name: str | None = 
     # are announced as failed, so the other ranks' group fails too and later names stay paired.
     group, names = _group_names(kind, name, set_id, n)
     try:
-        entries = [make_entry(engine, members, kind, array, name=names[i],
-                              output=None if outputs is None else outputs[i],
-                              allocate=None if allocates is None else allocates[i],
-                              dtype=None if dtypes is None else dtypes[i], set_id=set_id,
-                              group=group, group_size=n, auto_named=auto_named, **kwargs)
-                   for i, array in enumerate(arrays)]
+        entries = None
+        if (kind == ALLREDUCE and members is None and allocates is None
+                and (dtypes is None or not any(dtypes))
+                and kwargs.keys() <= _FAST_GROUP_ARGUMENTS
+                and (outputs is None or all(o is a for o, a in zip(outputs, arrays)))):
+            entries = fast_host_allreduce_group(
+                engine, arrays, outputs is not None, names, group, not auto_named,
+                kwargs.get("reduce_op", ReduceOp.Sum), kwargs.get("prescale_factor", 1.0),
+                kwargs.get("postscale_factor", 1.0))
+        if entries is None:
+            entries = [make_entry(engine, members, kind, array, name=names[i],
+                                  output=None if outputs is None else outputs[i],
+                                  allocate=None if allocates is None else allocates[i],
+                                  dtype=None if dtypes is None else dtypes[i], set_id=set_id,
+                                  group=group, group_size=n, auto_named=auto_named,
+                                  **kwargs)
+                       for i, array in enumerate(arrays)]
     except Exception as exc:
         if auto_named:
             _announce(engine, members, names, exc, group=group)
         raise
     return GroupHandle(group, engine.submit_group(entries))
+
+
+# The arguments an allreduce group may carry and still take the fast path.
+_FAST_GROUP_ARGUMENTS = frozenset({"reduce_op", "prescale_factor", "postscale_factor"})
 
 
 def _group_names(kind: str, name: str | None, set_id: int, n: int) -> tuple[str, list[str]]:

@@ -71,6 +71,35 @@ def fast_host_allreduce(array, output, name, reduce_op, prescale_factor, postsca
                                engine.new_handle(name)))
 
 
+def fast_host_allreduce_group(engine, arrays, in_place: bool, names: list[str], group: str,
+                              cacheable: bool, reduce_op, prescale_factor,
+                              postscale_factor) -> list[Entry] | None:
+    """The entries of a grouped allreduce on the global set whose members are contiguous host
+    arrays of dtypes validated (with ``reduce_op``) before, for the global set's ``engine``: :func:`fast_host_allreduce` for a
+    whole group, ``None`` if any member is unusual (the caller takes the general path, which
+    also raises the errors).  ``in_place``: each member is its own output."""
+    if type(prescale_factor) is not float or type(postscale_factor) is not float:
+        return None
+    checked_pairs = _checked_host_allreduce
+    for array in arrays:
+        if type(array) is not np.ndarray or (array.dtype, reduce_op) not in checked_pairs:
+            return None
+        flags = array.flags
+        if not flags.c_contiguous or (in_place and not flags.writeable):
+            return None
+    new_handle, size = engine.new_handle, len(arrays)
+    entries = []
+    for array, name in zip(arrays, names):
+        dtype, shape = array.dtype, array.shape
+        checked = checked_pairs[(dtype, reduce_op)]
+        request = _new_request(Request, (name, ALLREDUCE, checked[0], shape, checked[1], -1, -1,
+                                         prescale_factor, postscale_factor, (), group, size,
+                                         cacheable, ""))
+        entries.append(Entry(request, array, array if in_place else result_empty(shape, dtype),
+                             _default_allocate, new_handle(name)))
+    return entries
+
+
 class PreparedAllreduce:
     """One named allreduce submitted again and again on the same memory (a gradient bucket's
     flat buffer): checked once by :func:`prepare_allreduce`, after which each :meth:`submit`

@@ -6,7 +6,7 @@ general path, with the same errors) everything the general path rejects.
 import numpy as np
 
 import hvdlite as hvd
-from hvdlite.common.api import submission
+from hvdlite.common.api import grouped, submission
 from tests.workers.core_refs import (allreduce_expected, attempt, check_array, check_exact,
                                      noncontiguous)
 from tests.workers._report import Reporter
@@ -103,8 +103,114 @@ def fast_path_mismatch():
                 allreduce_expected([data(k) for k in range(SIZE)], "float32", "Sum", SIZE))
 
 
+def no_general_path():
+    """make_entry replaced by a function that fails the case if it is called."""
+    original = submission.make_entry
+
+    def general_path_used(*args, **kwargs):
+        raise AssertionError("make_entry ran: the fast path was not taken")
+
+    submission.make_entry = general_path_used
+    grouped.make_entry = general_path_used
+    return original
+
+
+def general_path_back(original) -> None:
+    submission.make_entry = grouped.make_entry = original
+
+
+def fast_group_taken():
+    """A grouped allreduce whose members' dtypes are known skips make_entry for every member:
+    in place, out of place, unnamed, with scale factors, several dtypes and shapes."""
+    warm("float32", hvd.Sum)
+    warm("int64", hvd.Sum)
+    warm("float64", hvd.Average)
+    shapes = [(5,), (3, 4), (), (2, 3, 2), (0,)]
+    every = [[data(k, int(np.prod(s)) or 0).reshape(s) for k in range(SIZE)] for s in shapes]
+    ints = [data(k, 9, "int64") for k in range(SIZE)]
+    floats64 = [data(k, 11, "float64") for k in range(SIZE)]
+    work = [per_rank[RANK].copy() for per_rank in every]
+    original = no_general_path()
+    try:
+        got_inplace = hvd.grouped_allreduce_(work + [ints[RANK].copy()], op=hvd.Sum,
+                                             name="fast.g.inplace")
+        got_new = hvd.grouped_allreduce([p[RANK] for p in every] + [ints[RANK]], op=hvd.Sum,
+                                        name="fast.g.new")
+        got_unnamed = hvd.grouped_allreduce([p[RANK] for p in every], op=hvd.Sum)
+        got_scaled = hvd.grouped_allreduce([p[RANK] for p in every], op=hvd.Sum,
+                                           prescale_factor=0.5, postscale_factor=3.0,
+                                           name="fast.g.scaled")
+        got_avg = hvd.grouped_allreduce([floats64[RANK]], op=hvd.Average, name="fast.g.avg")
+    finally:
+        general_path_back(original)
+    expected = [allreduce_expected(p, "float32", "Sum", SIZE) for p in every]
+    for label, got in (("in place", got_inplace), ("out of place", got_new),
+                       ("unnamed", got_unnamed)):
+        for i, (g, e) in enumerate(zip(got, expected)):
+            assert g.shape == e.shape, (label, i, g.shape, e.shape)
+            check_array(f"{label} member {i}", g, e)
+    for g, w in zip(got_inplace, work):
+        assert g is w, "grouped_allreduce_ must return its inputs"
+    for i, per_rank in enumerate(every):
+        check_exact(f"input {i} untouched", per_rank[RANK], data(RANK, per_rank[RANK].size)
+                    .reshape(per_rank[RANK].shape))
+    check_array("int64 in place", got_inplace[-1],
+                allreduce_expected(ints, "int64", "Sum", SIZE))
+    check_array("int64 out of place", got_new[-1],
+                allreduce_expected(ints, "int64", "Sum", SIZE))
+    for i, (g, p) in enumerate(zip(got_scaled, every)):
+        check_array(f"scaled member {i}", g, allreduce_expected(p, "float32", "Sum", SIZE,
+                                                                0.5, 3.0))
+    check_array("float64 average", got_avg[0],
+                allreduce_expected(floats64, "float64", "Average", SIZE))
+
+
+def fast_group_keeps_the_checks():
+    """Known pairs, unusual groups: each one falls back to the general path, which does what it
+    always did (reduces a member of a new dtype or op, copies a non-contiguous one) or raises
+    its usual error; a shape that differs across ranks fails the whole group, naming it."""
+    warm("float32", hvd.Sum)
+    inputs = [data(k) for k in range(SIZE)]
+    expected = allreduce_expected(inputs, "float32", "Sum", SIZE)
+    base = data(RANK, 74)
+    view = base[::2]   # non-contiguous: copied by the general path
+    got = hvd.grouped_allreduce([inputs[RANK], view], op=hvd.Sum, name="fast.g.noncontig")
+    check_array("member 0 beside a non-contiguous one", got[0], expected)
+    check_array("non-contiguous member", got[1],
+                allreduce_expected([data(k, 74)[::2] for k in range(SIZE)], "float32", "Sum",
+                                   SIZE))
+    got = hvd.grouped_allreduce([inputs[RANK], data(RANK, dtype="int16")], op=hvd.Max,
+                                name="fast.g.newpair")
+    check_array("new pair", got[1], allreduce_expected([data(k, dtype="int16")
+                                                        for k in range(SIZE)], "int16", "Max",
+                                                       SIZE))
+    readonly = data(RANK)
+    readonly.flags.writeable = False
+    got = hvd.grouped_allreduce([readonly], op=hvd.Sum, name="fast.g.readonly")
+    check_array("read-only input, out of place", got[0], expected)
+    err = attempt(lambda: hvd.grouped_allreduce_([data(RANK), readonly], op=hvd.Sum,
+                                                 name="fast.g.readonly_"))
+    assert isinstance(err, ValueError) and "writable" in str(err), repr(err)
+    err = attempt(lambda: hvd.grouped_allreduce([data(RANK), np.ones(3, bool)],
+                                                op=hvd.Average, name="fast.g.bool"))
+    assert isinstance(err, hvd.UnsupportedDtypeError), repr(err)
+    err = attempt(lambda: hvd.grouped_allreduce([data(RANK), data(RANK, 10 + RANK)],
+                                                op=hvd.Sum, name="fast.g.mm"))
+    assert isinstance(err, hvd.TensorMismatchError), repr(err)
+    assert "fast.g.mm.1" in str(err) and "shape" in str(err), str(err)
+    held = hvd.grouped_allreduce_async([data(RANK)], op=hvd.Sum, name="fast.g.twice")
+    err = attempt(lambda: hvd.grouped_allreduce_async([data(RANK)], op=hvd.Sum,
+                                                      name="fast.g.twice"))
+    assert isinstance(err, hvd.DuplicateNameError), repr(err)
+    held.wait()
+    got = hvd.grouped_allreduce([data(RANK)], op=hvd.Sum, name="fast.g.after")
+    check_array("after the failures", got[0], expected)
+
+
 r.case("fast.taken", fast_path_taken)
 r.case("fast.checks", fast_path_keeps_the_checks)
 r.case("fast.mismatch", fast_path_mismatch)
+r.case("fast.group", fast_group_taken)
+r.case("fast.group_checks", fast_group_keeps_the_checks)
 r.write()
 hvd.shutdown()

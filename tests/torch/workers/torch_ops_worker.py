@@ -508,6 +508,7 @@ def fast_path_taken():
     dtype still reduces correctly in place, out of place (a new tensor, the input untouched)
     and async, with scale factors.  Tensors that need the general path (autograd, bfloat16,
     non-contiguous, a Parameter) are then shown to still get there."""
+    from hvdlite.common.api import grouped as core_grouped
     from hvdlite.common.api import submission as core_submission
     from hvdlite.torch import async_ops
     fast = [dt for dt in C.DTYPES if dt != "bfloat16"]
@@ -521,8 +522,24 @@ def fast_path_taken():
     def general_path(*args, **kwargs):
         raise AssertionError("the general path ran: the fast path was not taken")
 
-    async_ops._submit = core_submission.make_entry = general_path
+    async_ops._submit = core_submission.make_entry = core_grouped.make_entry = general_path
     try:
+        for op in ("Sum", "Max", "Average"):   # grouped: every dtype of the op in one group
+            dts = [dt for o, dt in pairs if o == op]
+            case = f"fast.group.{op}"
+            inputs = {dt: [C.op_input(f"{case}.{dt}", k, dt, op, (2, 3)) for k in range(SIZE)]
+                      for dt in dts}
+            mine = [inputs[dt][RANK].clone() for dt in dts]
+            outs = hvd.synchronize(hvd.grouped_allreduce_async(mine, op=OP[op], name=case))
+            work = [t.clone() for t in mine]
+            done = hvd.grouped_allreduce_(work, op=OP[op], name=case + "_")
+            for dt, x, out, w, d in zip(dts, mine, outs, work, done):
+                expected = C.reduce_reference(inputs[dt], op, dt)
+                assert out.dtype == x.dtype and out.shape == x.shape, (dt, out.dtype, out.shape)
+                check_values(out, expected, dt, exact_for(op, dt), f"grouped {dt}")
+                assert_unchanged(x, inputs[dt][RANK])
+                assert d is w, "grouped_allreduce_ must return its inputs"
+                check_values(w, expected, dt, exact_for(op, dt), f"grouped in place {dt}")
         for op, dt in pairs:
             case = f"fast.{op}.{dt}"
             inputs = [C.op_input(case, k, dt, op, (2, 5)) for k in range(SIZE)]
@@ -545,6 +562,7 @@ def fast_path_taken():
                      exact=False, what="scaled")
     finally:
         async_ops._submit, core_submission.make_entry = originals
+        core_grouped.make_entry = originals[1]
     taken = []
     async_ops._submit = lambda *a, **k: (taken.append(a[0]), originals[0](*a, **k))[1]
     try:
