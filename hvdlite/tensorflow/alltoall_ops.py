@@ -11,7 +11,7 @@ from .autodiff import _alltoall_grad_wrapper, _differentiable
 from .errors import _public
 from .graph import _label, _node, _op_name, _set_shapes, _sub_name
 from .membership import _members, _set_size
-from .tensor_bridge import _dtype_name, _execute, _gathered_shape
+from .tensor_bridge import _core_dtype, _execute, _gathered_shape
 
 
 def _splits_tensor(splits, set_size: int, rows: int | None, what: str):
@@ -43,7 +43,7 @@ def _splits_tensor(splits, set_size: int, rows: int | None, what: str):
 def _alltoall_raw(x, splits, name, process_set, members):
     """(output, received_splits) of one alltoall; ``splits`` is a tensor or None."""
     what = f"alltoall of {name or 'unnamed tensor'}"
-    dtype = _dtype_name(x, what)
+    dtype = _core_dtype(x, what)
     inputs = [x] if splits is None else [x, splits]
     kwargs = {"process_set": process_set}
 

@@ -26,6 +26,7 @@ except ImportError:   # moved in some release: XLA then reports it itself
     GraphOrParentsInXlaContext = None
 
 from . import errors as tf_errors
+from .eager_arrays import as_tensor, host_array
 from .membership import _set_id
 
 _graph_state: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -106,13 +107,13 @@ def _node(label: str, fn: Callable[..., list], inputs: list, touts: list,
     classes."""
     if tf.executing_eagerly():
         try:
-            outs = fn(*[np.asarray(t.numpy()) for t in inputs])
+            outs = fn(*[host_array(t) for t in inputs])
         except Exception as exc:  # noqa: BLE001 - re-raised as Horovod's class
             converted = tf_errors.to_tf_error(exc)
             if converted is exc:
                 raise
             raise converted from None
-        return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outs, touts)]
+        return [as_tensor(o, d) for o, d in zip(outs, touts)]
 
     def run(*arrays):
         return [np.asarray(o) for o in fn(*arrays)]

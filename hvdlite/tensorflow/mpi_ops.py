@@ -1,12 +1,13 @@
 """Horovod-compatible collective ops on TensorFlow tensors: eagerly, inside ``tf.function``, and
 in TF1-style graphs run by a ``tf.compat.v1.Session``.
 
-Eagerly, a CPU tensor goes to the core as ``tensor.numpy()`` (which shares the tensor's buffer)
-and the result comes back with ``tf.convert_to_tensor``.  In a graph every call becomes one
-stateful ``tf.numpy_function`` node that submits its tensor(s) and waits (a grouped op is one
-node that submits the whole group).  Each node has a control dependency on the graph's previous
-one, so that every rank starts them in the same order (a ``tf.function`` runs them all; in a
-TF1 graph, fetching a node also runs the nodes built before it, except the broadcasts of
+Eagerly, a CPU tensor goes to the core as a numpy view of its buffer and the result comes back as a
+tensor sharing the result's memory where TensorFlow allows it (see :mod:`.eager_arrays`); no
+gradient is recorded unless a gradient tape or forward accumulator is active. In a graph every call
+becomes one stateful ``tf.numpy_function`` node that submits its tensor(s) and waits (a grouped op
+is one node that submits the whole group). Each node has a control dependency on the graph's
+previous one, so that every rank starts them in the same order (a ``tf.function`` runs them all; in
+a TF1 graph, fetching a node also runs the nodes built before it, except the broadcasts of
 variables, which stay out of that chain: see ``_chained``).
 
 Names.  Ranks match collectives by name.  ``name=None`` means:
@@ -34,7 +35,8 @@ while a graph is built.  Inside a graph TensorFlow reports a collective's failur
 
 Where the code lives (this module keeps every public name, and is what the rest of the adapter
 imports): :mod:`.graph` (graph nodes, their ordering chain, trace-time names),
-:mod:`.tensor_bridge` (tensors to the core and back), :mod:`.membership` (process-set
+:mod:`.tensor_bridge` (tensors to the core and back), :mod:`.eager_arrays` (eager tensors
+to numpy and back without copies), :mod:`.membership` (process-set
 members), :mod:`.autodiff` (custom gradients; the differentiable allreduce, allgather and
 reducescatter), the public ops in :mod:`.collective_ops` (allreduce, allgather, reducescatter
 and their grouped forms), :mod:`.broadcast_ops`, :mod:`.alltoall_ops`, :mod:`.control_ops`

@@ -1,5 +1,5 @@
 """TensorFlow tensors to the core and back: each collective's inputs go to the core as numpy
-arrays (a CPU tensor's ``numpy()`` shares its buffer), one core op per tensor
+arrays (views of CPU tensors' buffers), one core op per tensor
 (:func:`_collective`) or one core group (:func:`_group`), all in one graph node; the results come
 back as tensors with the static shapes the op promises."""
 from __future__ import annotations
@@ -14,8 +14,11 @@ from .graph import _label, _node, _set_shapes
 from .membership import _set_rank, _set_size
 
 
-def _dtype_name(tensor, what: str) -> str:
-    """Canonical core dtype name; raises the core's UnsupportedDtypeError for other dtypes."""
+def _core_dtype(tensor, what: str) -> str | None:
+    """Check that the core supports ``tensor``'s dtype (raising its UnsupportedDtypeError if
+    not); return the dtype name to tell the core when the numpy view carries a stand-in
+    (bfloat16), else None: the view's own dtype, which lets the core's fast submission paths
+    take the array."""
     dt = tensor.dtype
     if dt == tf.bfloat16:
         return dtype_info("bfloat16", what).name
@@ -23,7 +26,8 @@ def _dtype_name(tensor, what: str) -> str:
         np_dtype = dt.as_numpy_dtype
     except TypeError:
         np_dtype = dt.name
-    return dtype_info(np_dtype, what).name
+    dtype_info(np_dtype, what)
+    return None
 
 
 def _contiguous(array) -> np.ndarray:
@@ -86,7 +90,7 @@ def _collective(kind: str, tensors: list, names: list, kwargs: dict,
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
         return []
-    dtypes = [_dtype_name(t, f"{kind} of {n or 'unnamed tensor'}")
+    dtypes = [_core_dtype(t, f"{kind} of {n or 'unnamed tensor'}")
               for t, n in zip(tensors, names)]
     kwargs = dict(kwargs, process_set=process_set)
 
@@ -105,7 +109,7 @@ def _group(kind: str, tensors: list, name, kwargs: dict, process_set=None,
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
         return []
-    dtypes = [_dtype_name(t, f"grouped {kind} of {name or 'unnamed tensors'}.{i}")
+    dtypes = [_core_dtype(t, f"grouped {kind} of {name or 'unnamed tensors'}.{i}")
               for i, t in enumerate(tensors)]
     kwargs = dict(kwargs, process_set=process_set)
 

@@ -42,7 +42,7 @@ FRAMEWORK_SHORT = ["--small-count", "6", "--small-kib", "4", "--large-mib", "1",
     ("torch", {"torch allreduce (sync)", "torch allreduce_async_",
                "torch grouped_allreduce_async"}),
     ("tf", {"tf allreduce (eager)", "tf allreduce in tf.function",
-            "tf grouped_allreduce in tf.function"})])
+            "tf grouped_allreduce in tf.function", "TensorFlow alone: t + 0 in tf.function"})])
 def test_framework_benchmark_short_run(tmp_path, framework, variants):
     """benchmarks/framework_benchmark.py times every adapter variant against raw MPI and
     checks each one's results against numpy (a wrong result fails the job)."""
@@ -59,7 +59,12 @@ def test_framework_benchmark_short_run(tmp_path, framework, variants):
     for group in groups.values():
         names = set(group["variants"])
         assert "raw MPI (one Allreduce of all the bytes)" in names
-        assert all(v["correct"] and v["iterations"] >= 3 for v in group["variants"].values())
+        for name, v in group["variants"].items():
+            assert v["iterations"] >= 3, (name, v)
+            if name.startswith("TensorFlow alone"):   # timed references: no collective
+                assert v["correct"] is None, (name, v)
+            else:
+                assert v["correct"] is True, (name, v)
     assert variants <= set(groups["round"]["variants"])
 
 

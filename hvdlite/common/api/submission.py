@@ -74,10 +74,11 @@ def fast_host_allreduce(array, output, name, reduce_op, prescale_factor, postsca
 def fast_host_allreduce_group(engine, arrays, in_place: bool, names: list[str], group: str,
                               cacheable: bool, reduce_op, prescale_factor,
                               postscale_factor) -> list[Entry] | None:
-    """The entries of a grouped allreduce on the global set whose members are contiguous host
-    arrays of dtypes validated (with ``reduce_op``) before, for the global set's ``engine``: :func:`fast_host_allreduce` for a
-    whole group, ``None`` if any member is unusual (the caller takes the general path, which
-    also raises the errors).  ``in_place``: each member is its own output."""
+    """The entries of a grouped allreduce on the global set (``engine``) whose members are
+    contiguous host arrays of dtypes validated (with ``reduce_op``) before: what
+    :func:`fast_host_allreduce` does for one tensor, for a whole group; ``None`` if any member
+    is unusual (the caller takes the general path, which also raises the errors).
+    ``in_place``: each member is its own output."""
     if type(prescale_factor) is not float or type(postscale_factor) is not float:
         return None
     checked_pairs = _checked_host_allreduce

@@ -41,6 +41,8 @@ OTHER_CASES = [
     "unnamed.eager_root_rank",
     "unnamed.eager_splits",
     "unnamed.eager_grouped_member",
+    "eager.zero_copy",
+    "eager.records_only_under_a_tape",
 ]
 
 CASES = ([f"{c}.{m}" for m in MODES for c in PER_MODE]

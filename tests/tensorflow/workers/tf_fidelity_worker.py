@@ -796,6 +796,80 @@ def optimizer_groups_arguments():
         raises([ValueError], lambda: make(groups=0), "groups")
 
 
+# --- eager hand-off: no copies where TensorFlow allows, no gradient recording without a tape ----
+def eager_zero_copy():
+    """Eagerly a CPU tensor reaches the core as a view of its buffer, and an aligned result
+    comes back as a tensor sharing its memory (DLPack); an unaligned one, and dtypes DLPack
+    does not carry, are copied, with the same values."""
+    from hvdlite.common.memory import aligned_empty
+    from hvdlite.tensorflow.eager_arrays import as_tensor, host_array
+    t = tf.constant(np.arange(12, dtype=np.float32).reshape(3, 4))
+    view = host_array(t)
+    assert np.shares_memory(view, t._numpy()), "the input was copied"
+    np.testing.assert_array_equal(view, np.arange(12).reshape(3, 4))
+    for dtype in (np.float32, np.float64, np.int32, np.int64, np.float16, np.uint8):
+        aligned = aligned_empty((5, 3), dtype)
+        aligned[...] = np.arange(15).reshape(5, 3)
+        adopted = as_tensor(aligned, tf.as_dtype(dtype))
+        assert adopted.dtype == tf.as_dtype(dtype) and adopted.shape == (5, 3), adopted
+        assert np.shares_memory(adopted._numpy(), aligned), f"{dtype}: an aligned result was copied"
+        np.testing.assert_array_equal(adopted.numpy(), np.arange(15).reshape(5, 3))
+    raw = np.empty(400, dtype=np.uint8)   # a float32 array starting 4 bytes past a 64-byte line
+    start = (-raw.ctypes.data % 64) + 4
+    unaligned = raw[start:start + 4 * 64].view(np.float32)
+    unaligned[...] = np.arange(64)
+    copied = as_tensor(unaligned, tf.float32)
+    assert not np.shares_memory(copied._numpy(), unaligned), "an unaligned result was adopted"
+    np.testing.assert_array_equal(copied.numpy(), np.arange(64))
+    for values, dtype in ((np.array([True, False]), tf.bool),
+                          (np.array([1 + 2j], np.complex64), tf.complex64)):
+        np.testing.assert_array_equal(as_tensor(values, dtype).numpy(), values)
+    scalar = aligned_empty((), np.float64)
+    scalar[...] = 2.5
+    assert as_tensor(scalar, tf.float64).numpy() == 2.5
+    big = tf.constant(np.full(1 << 18, RANK + 1, dtype=np.float32))   # 1 MiB: aligned result
+    got = hvd.allreduce(big, op=hvd.Sum, name="eager.zero_copy.big")
+    np.testing.assert_array_equal(got.numpy(), np.full(1 << 18, sum(range(1, SIZE + 1))))
+    np.testing.assert_array_equal(big.numpy(), np.full(1 << 18, RANK + 1))   # input intact
+    half = hvd.allreduce(tf.constant(np.full(7, RANK + 1, np.float32), dtype=tf.bfloat16),
+                         op=hvd.Sum, name="eager.zero_copy.bf16")
+    assert half.dtype == tf.bfloat16, half.dtype
+    np.testing.assert_array_equal(tf.cast(half, tf.float32).numpy(),
+                                  np.full(7, sum(range(1, SIZE + 1))))
+
+
+def eager_records_only_under_a_tape():
+    """An eager allreduce outside any gradient tape builds no custom gradient (the wrapper's
+    cost is the largest part of a small eager op); under a tape, or a forward accumulator,
+    it does, and the gradient is Horovod's (the allreduce of the upstream gradient)."""
+    from hvdlite.tensorflow import autodiff
+    calls = []
+    original = autodiff.tf.custom_gradient
+
+    def counting(f):
+        calls.append(f)
+        return original(f)
+
+    autodiff.tf.custom_gradient = counting
+    try:
+        x = tf.constant(np.full(3, float(RANK + 1)))
+        got = hvd.allreduce(x, op=hvd.Sum, name="eager.no_tape")
+        assert not calls, f"custom_gradient built {len(calls)} times without a tape"
+        np.testing.assert_array_equal(got.numpy(), np.full(3, sum(range(1, SIZE + 1))))
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = hvd.allreduce(x, op=hvd.Sum, name="eager.tape")
+            loss = tf.reduce_sum(y * float(RANK + 1))
+        assert len(calls) == 1, len(calls)
+        grad = tape.gradient(loss, x)
+        np.testing.assert_array_equal(grad.numpy(), np.full(3, float(sum(range(1, SIZE + 1)))))
+        with tf.autodiff.ForwardAccumulator(x, tf.ones_like(x)):
+            hvd.allreduce(x, op=hvd.Sum, name="eager.accumulator")
+        assert len(calls) > 1, "no custom gradient under a forward accumulator"
+    finally:
+        autodiff.tf.custom_gradient = original
+
+
 # --- run: graph modes first, eager last ----------------------------------------------------------
 # --- item 8: an eager op that fails on one rank before it is submitted --------------------------
 LAST = SIZE - 1
@@ -877,6 +951,8 @@ r.case("unnamed.eager_dtype", unnamed_eager_dtype)
 r.case("unnamed.eager_root_rank", unnamed_eager_root_rank)
 r.case("unnamed.eager_splits", unnamed_eager_splits)
 r.case("unnamed.eager_grouped_member", unnamed_eager_grouped_member)
+r.case("eager.zero_copy", eager_zero_copy)
+r.case("eager.records_only_under_a_tape", eager_records_only_under_a_tape)
 
 missing = sorted(set(CASES) - set(r.results))
 assert not missing, missing
