@@ -31,12 +31,18 @@ _SHOWN_PER_RANK = 3   # names listed per rank in a stall report
 
 def first_due(submitted_at: float, config: Config) -> float:
     """When a tensor submitted at ``submitted_at`` is first due for a stall report."""
+    return submitted_at + first_due_after(config)
+
+
+def first_due_after(config: Config) -> float:
+    """How long after its submission a tensor is first due for a stall report (NEVER when
+    stall checks are off)."""
     if not config.stall_check_enabled:
         return NEVER
-    due = submitted_at + config.stall_check_seconds
+    after = config.stall_check_seconds
     if config.stall_shutdown_seconds > 0:
-        due = min(due, submitted_at + config.stall_shutdown_seconds)
-    return due
+        after = min(after, config.stall_shutdown_seconds)
+    return after
 
 
 def next_due(now: float, submitted_at: float, config: Config) -> float:
