@@ -17,7 +17,8 @@ STALL_SHUTDOWN_ENV = {"HVDLITE_STALL_CHECK_TIME_SECONDS": "1",
                       "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "2"}
 ENVS = {"stall_warn": STALL_WARN_ENV, "stall_shutdown": STALL_SHUTDOWN_ENV,
         "stall_late": STALL_SHUTDOWN_ENV, "stall_mismatch": STALL_SHUTDOWN_ENV,
-        "data_stall_warn": STALL_WARN_ENV, "data_stall_shutdown": STALL_SHUTDOWN_ENV}
+        "data_stall_warn": STALL_WARN_ENV, "data_stall_shutdown": STALL_SHUTDOWN_ENV,
+        "vanished_before_set_change": {"HVDLITE_DYNAMIC_PROCESS_SETS": "1"}}
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,6 +82,23 @@ def test_hard_exit_does_not_hang(np_):
     job, wall = launch("hard_exit", np_, np_ - 1)
     assert not job.timed_out, f"hung after a rank vanished\n{job.output}"
     assert job.returncode not in (0, None), job.output
+    assert wall < 30, f"job took {wall:.1f} s"
+
+
+@pytest.mark.parametrize("np_,odd", LAYOUTS)
+def test_process_set_change_after_a_rank_left(np_, odd):
+    """add_process_set / remove_process_set are collectives over every rank outside the
+    engine: with a rank gone (found out while waiting in add_process_set), each survivor's
+    call raises RankExitedError naming it within seconds, and the job ends non-zero instead
+    of hanging."""
+    job, wall = launch("vanished_before_set_change", np_, odd)
+    assert not job.timed_out, f"hung instead of failing fast\n{job.output}"
+    assert job.returncode not in (0, None), job.output
+    survivors = reports_with(job, "add_set_after_exit")
+    assert len(survivors) == np_ - 1, f"{len(survivors)} survivors reported\n{job.output}"
+    for rep in survivors:
+        for case in ("warmup", "add_set_after_exit", "remove_set_after_exit"):
+            assert rep[case] is None, f"{case}: {rep[case]}\n{job.output}"
     assert wall < 30, f"job took {wall:.1f} s"
 
 

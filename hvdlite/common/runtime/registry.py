@@ -2,9 +2,68 @@
 removing them, and finding the engine an operation on a set runs on."""
 from __future__ import annotations
 
+import logging
+import pickle
+
+import numpy as np
+
+from hvdlite.common.errors import RankExitedError, StallError
+from hvdlite.common.runtime import liveness
 from hvdlite.common.runtime import state as _state
 from hvdlite.common.runtime.process_sets import ProcessSet, check_ranks, resolve_ranks
 from hvdlite.common.runtime.state import ProcessState
+from hvdlite.common.runtime.waiting import wait_until
+
+log = logging.getLogger("hvdlite")
+
+
+def _allgather(state: ProcessState, obj, what: str) -> list:
+    """``state.world.allgather(obj)`` that a rank gone without shutting down cannot block:
+    refused at once if one is known to be gone, else two non-blocking exchanges (sizes, then
+    the pickled objects) whose waits check every second for departed ranks (MPICH's TCP
+    netmod can block for ever inside a call posted towards an exited peer) and give up at the
+    stall shutdown time."""
+    world = state.world
+    _raise_if_departed(what, 0.0, state)
+    data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+    sizes = np.empty(world.Get_size(), dtype=np.int64)
+    _wait(world.Iallgather(np.array([data.size], dtype=np.int64), sizes), state, what)
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    gathered = np.empty(int(sizes.sum()), dtype=np.uint8)
+    from mpi4py import MPI
+    _wait(world.Iallgatherv(data, [gathered, sizes, offsets, MPI.BYTE]), state, what)
+    return [pickle.loads(gathered[o:o + n].tobytes()) for o, n in zip(offsets, sizes)]
+
+
+def _wait(request, state: ProcessState, what: str) -> None:
+    config = state.config
+    warned = []
+
+    def slow(waited: float) -> None:
+        _raise_if_departed(what, waited, state)
+        if config.stall_shutdown_seconds > 0 and waited >= config.stall_shutdown_seconds:
+            raise StallError(f"{what} on rank {state.rank} gave up after {waited:.0f} s "
+                             f"waiting for the other ranks (HVDLITE_STALL_SHUTDOWN_TIME_SECONDS="
+                             f"{config.stall_shutdown_seconds:g}); every rank must call it.")
+        if config.stall_check_enabled and waited >= config.stall_check_seconds and not warned:
+            warned.append(True)
+            log.warning("rank %d has waited %.0f s for the other ranks in %s; every rank must "
+                        "call it.", state.rank, waited, what)
+
+    wait_until(request.Test, config.wait_sleep_cap, on_slow=slow)
+
+
+def _raise_if_departed(what: str, waited: float, state: ProcessState) -> None:
+    gone = liveness.departed_ranks() or liveness.vanished(
+        r for r in range(state.size) if r != state.rank)
+    if gone:
+        described = ("; ".join(liveness.departed_among(gone))
+                     or f"rank(s) {gone} exited without shutting down hvdlite")
+        after = f" (after {waited:.0f} s of waiting)" if waited else ""
+        raise RankExitedError(f"{what} cannot complete on rank {state.rank}{after}: "
+                              f"{described}; no further collective operations are possible in "
+                              f"this job. Look at that rank's output and its host's system log "
+                              f"for the cause.")
 
 
 def register(state: ProcessState, process_set: ProcessSet) -> ProcessSet:
@@ -15,7 +74,7 @@ def register(state: ProcessState, process_set: ProcessSet) -> ProcessSet:
     comm = process_set.mpi_comm
     mine = None if comm is not None and comm == MPI.COMM_NULL else resolve_ranks(
         process_set, state.world)
-    every = state.world.allgather(mine)
+    every = _allgather(state, mine, "registering a process set")
     if comm is None:   # a list of ranks: every rank must pass the same one
         if len({tuple(r) for r in every}) > 1:
             listing = "; ".join(f"rank {i}: {r}" for i, r in enumerate(every))
@@ -90,7 +149,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
                          "HVDLITE_DYNAMIC_PROCESS_SETS=1 or call "
                          "hvd.init(process_sets='dynamic')).")
     set_id = process_set.process_set_id
-    every = state.world.allgather(set_id)
+    every = _allgather(state, set_id, "hvd.remove_process_set()")
     if 0 in every:
         raise ValueError(f"the global process set cannot be removed (ranks "
                          f"{[r for r, i in enumerate(every) if i == 0]} tried to).")

@@ -19,6 +19,9 @@ that misbehaves:
                        barrier; stall check 1 s): the others warn, then all finish correctly
   data_stall_shutdown  the same for 6 s with the stall shutdown at 2 s: every rank raises
                        StallError from the data exchange instead of waiting for ever
+  vanished_before_set_change  the last rank is gone as in "vanished" while the others add,
+                       then remove, a process set (run with HVDLITE_DYNAMIC_PROCESS_SETS=1):
+                       both raise RankExitedError within seconds
 
 Survivors report their cases and then re-raise what they caught, so that mpiexec exits non-zero
 whichever rank it hears from first.  Every rank prints a marker line to stderr too, so the pytest
@@ -287,5 +290,47 @@ elif SCENARIO in ("vanished", "vanished_late_waiter"):
     if SCENARIO == "vanished_late_waiter" and RANK == min(k for k in range(SIZE) if k != ODD):
         time.sleep(1.2)
     survivor_waits()
+elif SCENARIO == "vanished_before_set_change":
+    # add_process_set / remove_process_set are collectives over the whole world outside the
+    # engine.  The odd rank is "gone" as in the vanished scenario (stopped, the launcher keeps
+    # the job running), but the survivors learn it only 1.5 s after they entered
+    # add_process_set: their wait inside it must notice and raise RankExitedError; the
+    # removal after it must raise at once.
+    if RANK == ODD:
+        import signal
+        r.write()
+        say("stopping as if gone")
+        os.kill(os.getpid(), signal.SIGSTOP)   # the survivors' non-zero exit ends the job
+        os._exit(0)
+    import subprocess
+    import threading
+    from hvdlite.common.runtime import liveness
+    assert ODD in liveness._peers, f"rank {ODD} was not recorded at init: {liveness._peers}"
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    identity = (child.pid, liveness._start_time(child.pid))
+    child.kill()
+    child.wait()
+    threading.Timer(1.5, liveness._peers.__setitem__, (ODD, identity)).start()
+    start = time.monotonic()
+    caught = attempt(lambda: hvd.add_process_set([k for k in range(SIZE) if k != ODD]))
+    elapsed = time.monotonic() - start
+    say(f"caught {type(caught).__name__} after {elapsed:.2f} s: {caught}")
+    removal = attempt(lambda: hvd.remove_process_set(hvd.ProcessSet([0])))
+
+    def add_fails():
+        assert isinstance(caught, hvd.RankExitedError), f"got {caught!r}"
+        assert f"[{ODD}]" in str(caught), f"message does not name rank {ODD}: {caught}"
+        assert "registering a process set" in str(caught), str(caught)
+        assert 1.4 < elapsed < 10.0, f"took {elapsed:.1f} s"
+
+    def remove_fails():
+        assert isinstance(removal, hvd.RankExitedError), f"got {removal!r}"
+        assert "hvd.remove_process_set()" in str(removal), str(removal)
+
+    r.case("add_set_after_exit", add_fails)
+    r.case("remove_set_after_exit", remove_fails)
+    r.write()
+    if caught is not None:
+        raise caught
 else:
     raise SystemExit(f"unknown scenario {SCENARIO!r}")
