@@ -204,10 +204,14 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
 def _group_views(tensors, what: str, in_place: bool = False):
     """Each member's contiguous source, its core view and core dtype name (see
     :func:`as_core_array`)."""
-    if all(type(t) is torch.Tensor and not t.requires_grad and t.is_cpu
-           and t.dtype in NUMPY_DTYPES and not t.is_sparse and t.is_contiguous()
-           for t in tensors):   # the usual case: plain CPU tensors, viewed as they are
-        return tensors, [t.numpy() for t in tensors], None
+    arrays = []
+    for t in tensors:   # the usual case: plain, contiguous CPU tensors, viewed as they are
+        if (type(t) is not torch.Tensor or t.requires_grad or not t.is_cpu
+                or t.dtype not in NUMPY_DTYPES or t.is_sparse or not t.is_contiguous()):
+            break
+        arrays.append(t.numpy())
+    else:
+        return tensors, arrays, None
     srcs, arrays, dtypes = [], [], []
     for t in tensors:
         check_tensor(t, what)
