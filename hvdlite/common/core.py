@@ -48,6 +48,7 @@ from hvdlite.common.errors import (DuplicateNameError, FailedOnRankError, GpuUna
                                    UnsupportedDtypeError, UnsupportedOperationError)
 from hvdlite.common.gpu import cuda
 from hvdlite.common.intranode import cma
+from hvdlite.common.memory import result_empty
 from hvdlite.common.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum, resolve_op
 from hvdlite.common.runtime.build import (ccl_built, cuda_built, ddl_built, gloo_built,
                                           gloo_enabled, mpi_built, mpi_enabled, nccl_built,

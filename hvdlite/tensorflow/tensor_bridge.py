@@ -4,11 +4,17 @@ arrays (views of CPU tensors' buffers), one core op per tensor
 back as tensors with the static shapes the op promises."""
 from __future__ import annotations
 
+import contextlib
+import itertools
+import math
+from typing import Iterator
+
 import numpy as np
 import tensorflow as tf
 
 from hvdlite.common import core
-from hvdlite.common.core import ALLGATHER, dtype_info, split_rows, TensorMismatchError
+from hvdlite.common.core import (ALLGATHER, ALLREDUCE, dtype_info, split_rows,
+                                 TensorMismatchError)
 
 from .graph import _label, _node, _set_shapes
 from .membership import _set_rank, _set_size
@@ -112,15 +118,63 @@ def _group(kind: str, tensors: list, name, kwargs: dict, process_set=None,
     dtypes = [_core_dtype(t, f"grouped {kind} of {name or 'unnamed tensors'}.{i}")
               for i, t in enumerate(tensors)]
     kwargs = dict(kwargs, process_set=process_set)
+    if kind == ALLREDUCE and _travels_flat(tensors, dtypes):
+        return _flat_group(tensors, name, kwargs, mismatch_hint)
 
     def fn(*arrays):
-        try:
+        with _hinted(mismatch_hint):
             return _execute_group(kind, arrays, name, dtypes, kwargs)
-        except TensorMismatchError as exc:
-            if mismatch_hint is None:
-                raise
-            raise TensorMismatchError(f"{exc}\n{mismatch_hint}") from exc
 
     outs = _node(_label(f"grouped_{kind}", name), fn, tensors, [t.dtype for t in tensors])
     _set_shapes(outs, shapes if shapes is not None else [t.shape for t in tensors])
     return outs
+
+
+@contextlib.contextmanager
+def _hinted(mismatch_hint: str | None) -> Iterator[None]:
+    """Add ``mismatch_hint`` to the message of a TensorMismatchError raised inside."""
+    try:
+        yield
+    except TensorMismatchError as exc:
+        if mismatch_hint is None:
+            raise
+        raise TensorMismatchError(f"{exc}\n{mismatch_hint}") from exc
+
+
+def _travels_flat(tensors: list, dtypes: list) -> bool:
+    """Whether a grouped allreduce in a graph can reach its node as one flat tensor: two or
+    more members of one numpy-native dtype and fully known shapes.  A node's cost grows with
+    its inputs and outputs (about 10 us each: one node of 200 inputs and outputs took 2.4-2.6
+    ms in a model-like function, the same values concatenated before it and split after it
+    1.8-2.2 ms)."""
+    if tf.executing_eagerly() or len(tensors) < 2 or any(dtypes):
+        return False
+    dtype = tensors[0].dtype
+    return all(t.dtype == dtype and t.shape.is_fully_defined() for t in tensors)
+
+
+def _flat_group(tensors: list, name, kwargs: dict, mismatch_hint: str | None) -> list:
+    """A grouped allreduce as one graph node with one input and one output: the members are
+    concatenated (TensorFlow), reduced by the core as the same group of members (views of
+    the flat input into views of one flat result: the same names, shapes and errors as
+    member-by-member), and split again."""
+    shapes = [tuple(t.shape.as_list()) for t in tensors]
+    sizes = [math.prod(shape) for shape in shapes]
+    starts = list(itertools.accumulate(sizes, initial=0))
+    dtype = tensors[0].dtype
+
+    def fn(flat):
+        flat = _contiguous(flat)
+        result = core.result_empty((starts[-1],), flat.dtype)
+        members = [flat[a:b].reshape(shape) for a, b, shape in zip(starts, starts[1:], shapes)]
+        outputs = [result[a:b].reshape(shape)
+                   for a, b, shape in zip(starts, starts[1:], shapes)]
+        with _hinted(mismatch_hint):
+            core.submit_group(ALLREDUCE, members, name=name, outputs=outputs, **kwargs).wait()
+        return [result]
+
+    flat_in = tf.concat([tf.reshape(t, [-1]) for t in tensors], 0)
+    (flat_out,) = _node(_label("grouped_allreduce", name), fn, [flat_in], [dtype])
+    flat_out.set_shape([starts[-1]])
+    return [tf.reshape(part, shape)
+            for part, shape in zip(tf.split(flat_out, sizes), shapes)]

@@ -49,17 +49,23 @@ LAYOUTS = [pytest.param(2, 1, id="np2-odd1"), pytest.param(3, 2, id="np3-odd2"),
            pytest.param(3, 0, id="np3-odd0")]
 
 
+def assert_survivors_passed(job, wall: float, np_: int, cases: tuple[str, ...]) -> None:
+    """The job ended non-zero within seconds instead of hanging, and every rank but the odd
+    one reported each of ``cases`` as passed."""
+    assert not job.timed_out, f"hung instead of failing fast\n{job.output}"
+    assert job.returncode not in (0, None), f"mpiexec exited {job.returncode}\n{job.output}"
+    survivors = reports_with(job, cases[-1])
+    assert len(survivors) == np_ - 1, f"{len(survivors)} survivors reported\n{job.output}"
+    for rep in survivors:
+        for case in cases:
+            assert rep[case] is None, f"{case}: {rep[case]}\n{job.output}"
+    assert wall < 30, f"job took {wall:.1f} s"
+
+
 def assert_survivors_failed_fast(job, wall: float, np_: int, odd: int) -> None:
     """Every rank but ``odd`` caught RankExitedError within seconds and passed its checks, and
     the job ended non-zero instead of hanging."""
-    assert not job.timed_out, f"hung instead of failing fast\n{job.output}"
-    assert job.returncode not in (0, None), f"mpiexec exited {job.returncode}\n{job.output}"
-    survivors = reports_with(job, "wait_on_exited_rank")
-    assert len(survivors) == np_ - 1, f"{len(survivors)} survivors reported\n{job.output}"
-    for rep in survivors:
-        for case in ("warmup", "wait_on_exited_rank", "later_ops_fail"):
-            assert rep[case] is None, f"{case}: {rep[case]}\n{job.output}"
-    assert wall < 30, f"job took {wall:.1f} s"
+    assert_survivors_passed(job, wall, np_, ("warmup", "later_ops_fail", "wait_on_exited_rank"))
     caught = re.findall(r"\[fault-worker rank (\d+)\] caught RankExitedError after", job.stderr)
     assert sorted(int(c) for c in caught) == [k for k in range(np_) if k != odd], job.output
 
@@ -92,14 +98,8 @@ def test_process_set_change_after_a_rank_left(np_, odd):
     call raises RankExitedError naming it within seconds, and the job ends non-zero instead
     of hanging."""
     job, wall = launch("vanished_before_set_change", np_, odd)
-    assert not job.timed_out, f"hung instead of failing fast\n{job.output}"
-    assert job.returncode not in (0, None), job.output
-    survivors = reports_with(job, "add_set_after_exit")
-    assert len(survivors) == np_ - 1, f"{len(survivors)} survivors reported\n{job.output}"
-    for rep in survivors:
-        for case in ("warmup", "add_set_after_exit", "remove_set_after_exit"):
-            assert rep[case] is None, f"{case}: {rep[case]}\n{job.output}"
-    assert wall < 30, f"job took {wall:.1f} s"
+    assert_survivors_passed(job, wall, np_,
+                            ("warmup", "remove_set_after_exit", "add_set_after_exit"))
 
 
 @pytest.mark.parametrize("np_,odd", LAYOUTS)

@@ -148,9 +148,17 @@ def test_an_elastic_job_survives_the_loss_of_a_whole_node(cluster):
     open(os.path.join(out, "stop"), "w").close()
     result = _result(proc)
     steps = read_steps(out)
-    # Nothing after the last commit lost and nothing before it repeated: the steps of the
-    # worlds run on without a gap or a repeat.
-    assert [s["step"] for s in steps] == list(range(len(steps)))
+    # Nothing committed lost and nothing committed run again.  Rank 0 logs a step before its
+    # commit, and the node dies at an arbitrary moment: a step logged but not yet committed
+    # when the node went is run again by the next world (Horovod's semantics), so at a change
+    # of world the step may repeat once; anywhere else the steps run on without a gap.
+    assert steps[0]["step"] == 0, steps[:3]
+    for before, after in zip(steps, steps[1:]):
+        if after["world"] == before["world"]:
+            assert after["step"] == before["step"] + 1, (before, after)
+        else:
+            assert after["world"] > before["world"], (before, after)
+            assert after["step"] in (before["step"], before["step"] + 1), (before, after)
     assert steps[0]["size"] == 4 and steps[-1]["size"] == 2
     assert [r["host"] for r in result] == [N1, N1]
     assert result[0]["params"] == result[1]["params"]

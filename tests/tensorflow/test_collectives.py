@@ -20,7 +20,7 @@ _PER_MODE = [
     "reducescatter.ops", "reducescatter.grad",
     "grouped_allgather", "grouped_allgather.grad",
     "grouped_reducescatter", "grouped_reducescatter.grad",
-    "grouped_allreduce", "grouped_allreduce.grad",
+    "grouped_allreduce", "grouped_allreduce.grad", "grouped_allreduce.flat",
     "join", "adasum", "process_set.ops", "process_set.tape",
 ]
 MAIN_CASES = [f"{c}.{mode}" for mode in ("eager", "graph") for c in _PER_MODE] + [

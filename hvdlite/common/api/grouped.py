@@ -41,10 +41,9 @@ def submit_group(kind: str, arrays: Sequence[np.ndarray], *, name: str | None = 
         entries = None
         if (kind == ALLREDUCE and members is None and allocates is None
                 and (dtypes is None or not any(dtypes))
-                and kwargs.keys() <= _FAST_GROUP_ARGUMENTS
-                and (outputs is None or all(o is a for o, a in zip(outputs, arrays)))):
+                and kwargs.keys() <= _FAST_GROUP_ARGUMENTS):
             entries = fast_host_allreduce_group(
-                engine, arrays, outputs is not None, names, group, not auto_named,
+                engine, arrays, outputs, names, group, not auto_named,
                 kwargs.get("reduce_op", ReduceOp.Sum), kwargs.get("prescale_factor", 1.0),
                 kwargs.get("postscale_factor", 1.0))
         if entries is None:

@@ -71,33 +71,41 @@ def fast_host_allreduce(array, output, name, reduce_op, prescale_factor, postsca
                                engine.new_handle(name)))
 
 
-def fast_host_allreduce_group(engine, arrays, in_place: bool, names: list[str], group: str,
+def fast_host_allreduce_group(engine, arrays, outputs, names: list[str], group: str,
                               cacheable: bool, reduce_op, prescale_factor,
                               postscale_factor) -> list[Entry] | None:
     """The entries of a grouped allreduce on the global set (``engine``) whose members are
     contiguous host arrays of dtypes validated (with ``reduce_op``) before: what
     :func:`fast_host_allreduce` does for one tensor, for a whole group; ``None`` if any member
     is unusual (the caller takes the general path, which also raises the errors).
-    ``in_place``: each member is its own output."""
+    ``outputs``: None (new results), or one per member: the member itself (in place) or a
+    contiguous, writable array of its dtype and shape."""
     if type(prescale_factor) is not float or type(postscale_factor) is not float:
         return None
     checked_pairs = _checked_host_allreduce
     for array in arrays:
-        if type(array) is not np.ndarray or (array.dtype, reduce_op) not in checked_pairs:
+        if type(array) is not np.ndarray or (array.dtype, reduce_op) not in checked_pairs \
+                or not array.flags.c_contiguous:
             return None
-        flags = array.flags
-        if not flags.c_contiguous or (in_place and not flags.writeable):
-            return None
+    if outputs is not None:
+        for array, output in zip(arrays, outputs):
+            if output is not array and (type(output) is not np.ndarray
+                                        or output.dtype != array.dtype
+                                        or output.shape != array.shape
+                                        or not output.flags.c_contiguous):
+                return None
+            if not output.flags.writeable:
+                return None
     new_handle, size = engine.new_handle, len(arrays)
     entries = []
-    for array, name in zip(arrays, names):
+    for i, (array, name) in enumerate(zip(arrays, names)):
         dtype, shape = array.dtype, array.shape
         checked = checked_pairs[(dtype, reduce_op)]
         request = _new_request(Request, (name, ALLREDUCE, checked[0], shape, checked[1], -1, -1,
                                          prescale_factor, postscale_factor, (), group, size,
                                          cacheable, ""))
-        entries.append(Entry(request, array, array if in_place else result_empty(shape, dtype),
-                             _default_allocate, new_handle(name)))
+        output = result_empty(shape, dtype) if outputs is None else outputs[i]
+        entries.append(Entry(request, array, output, _default_allocate, new_handle(name)))
     return entries
 
 

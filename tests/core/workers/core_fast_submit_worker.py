@@ -7,6 +7,7 @@ import numpy as np
 
 import hvdlite as hvd
 from hvdlite.common.api import grouped, submission
+from hvdlite.common.engine import messages as hvd_messages
 from tests.workers.core_refs import (allreduce_expected, attempt, check_array, check_exact,
                                      noncontiguous)
 from tests.workers._report import Reporter
@@ -141,11 +142,21 @@ def fast_group_taken():
                                            prescale_factor=0.5, postscale_factor=3.0,
                                            name="fast.g.scaled")
         got_avg = hvd.grouped_allreduce([floats64[RANK]], op=hvd.Average, name="fast.g.avg")
+        # given outputs (the TensorFlow adapter's flat group: views of one result buffer)
+        flat_out = np.empty(sum(p[RANK].size for p in every), np.float32)
+        starts = np.cumsum([0] + [p[RANK].size for p in every])
+        outs = [flat_out[a:b].reshape(p[RANK].shape)
+                for a, b, p in zip(starts, starts[1:], every)]
+        got_given = grouped.submit_group(hvd_messages.ALLREDUCE, [p[RANK] for p in every],
+                                         name="fast.g.given", outputs=outs,
+                                         reduce_op=hvd.Sum).wait()
     finally:
         general_path_back(original)
+    for i, (g, o) in enumerate(zip(got_given, outs)):
+        assert g is o, f"member {i}: the result is not the given output"
     expected = [allreduce_expected(p, "float32", "Sum", SIZE) for p in every]
     for label, got in (("in place", got_inplace), ("out of place", got_new),
-                       ("unnamed", got_unnamed)):
+                       ("unnamed", got_unnamed), ("given outputs", got_given)):
         for i, (g, e) in enumerate(zip(got, expected)):
             assert g.shape == e.shape, (label, i, g.shape, e.shape)
             check_array(f"{label} member {i}", g, e)

@@ -66,6 +66,32 @@ def warm_up():
 r.case("warmup", warm_up)
 
 
+def stop_as_if_gone(delay: float) -> None:
+    """The odd rank of the "vanished" scenarios: report, wait ``delay`` s, then stop (SIGSTOP:
+    its background thread no longer answers, yet the launcher sees a live process); the
+    survivors' non-zero exit ends the job."""
+    import signal
+    r.write()
+    time.sleep(delay)
+    say("stopping as if gone")
+    os.kill(os.getpid(), signal.SIGSTOP)
+    os._exit(0)
+
+
+def exited_identity() -> tuple[int, int]:
+    """(pid, start time) of a process that has exited: pointing a survivor's record of the odd
+    rank at it makes that rank look gone to hvdlite's node-local check."""
+    import subprocess
+    from hvdlite.common.runtime import liveness
+    assert ODD in liveness._peers, f"rank {ODD} was not recorded at init: {liveness._peers}"
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    identity = (child.pid, liveness._start_time(child.pid))
+    assert identity[1] is not None and liveness.vanished([]) == []
+    child.kill()
+    child.wait()
+    return identity
+
+
 def survivor_waits():
     """Wait on an allreduce the last rank never joins; must fail fast with RankExitedError."""
     start = time.monotonic()
@@ -272,21 +298,9 @@ elif SCENARIO in ("vanished", "vanished_late_waiter"):
     # "vanished_late_waiter": the lowest surviving rank starts waiting 1.2 s after the others,
     # so it notices only after they have noticed, exited and begun aborting the job.
     if RANK == ODD:
-        import signal
-        r.write()
-        time.sleep(0.5)   # let the others start waiting first
-        say("stopping as if gone")
-        os.kill(os.getpid(), signal.SIGSTOP)   # the survivors' non-zero exit ends the job
-        os._exit(0)
-    import subprocess
+        stop_as_if_gone(0.5)   # after letting the others start waiting
     from hvdlite.common.runtime import liveness
-    assert ODD in liveness._peers, f"rank {ODD} was not recorded at init: {liveness._peers}"
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    identity = (child.pid, liveness._start_time(child.pid))
-    assert identity[1] is not None and liveness.vanished([]) == []
-    child.kill()
-    child.wait()
-    liveness._peers[ODD] = identity
+    liveness._peers[ODD] = exited_identity()
     if SCENARIO == "vanished_late_waiter" and RANK == min(k for k in range(SIZE) if k != ODD):
         time.sleep(1.2)
     survivor_waits()
@@ -297,20 +311,10 @@ elif SCENARIO == "vanished_before_set_change":
     # add_process_set: their wait inside it must notice and raise RankExitedError; the
     # removal after it must raise at once.
     if RANK == ODD:
-        import signal
-        r.write()
-        say("stopping as if gone")
-        os.kill(os.getpid(), signal.SIGSTOP)   # the survivors' non-zero exit ends the job
-        os._exit(0)
-    import subprocess
+        stop_as_if_gone(0.0)
     import threading
     from hvdlite.common.runtime import liveness
-    assert ODD in liveness._peers, f"rank {ODD} was not recorded at init: {liveness._peers}"
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    identity = (child.pid, liveness._start_time(child.pid))
-    child.kill()
-    child.wait()
-    threading.Timer(1.5, liveness._peers.__setitem__, (ODD, identity)).start()
+    threading.Timer(1.5, liveness._peers.__setitem__, (ODD, exited_identity())).start()
     start = time.monotonic()
     caught = attempt(lambda: hvd.add_process_set([k for k in range(SIZE) if k != ODD]))
     elapsed = time.monotonic() - start

@@ -381,6 +381,50 @@ def grouped_allreduce_grad(graph):
     np.testing.assert_allclose(gb.numpy(), 2.0 * np.sum(wb, 0), rtol=1e-6)
 
 
+def grouped_allreduce_flat(graph):
+    """A group of one dtype with known shapes reaches its graph node as one flat tensor (one
+    input, one output) and comes back in its members' shapes: exact sums, 0-d and empty
+    members, the gradient (the same grouped allreduce of the upstream gradients), and a
+    member whose shape differs across ranks failing the group with that member's name, after
+    which the job goes on."""
+    shapes = [(3, 2), (4,), (), (0,), (5, 1, 2)]
+    inputs = [[ints(f"garf.{k}", q, shape, np.float32) for k, shape in enumerate(shapes)]
+              for q in range(SIZE)]
+    mine = [tf.constant(v) for v in inputs[RANK]]
+    got = run(lambda *xs: hvd.grouped_allreduce(list(xs), op=hvd.Sum, name="garf"), graph,
+              *mine)
+    for k, shape in enumerate(shapes):
+        want = np.sum([per[k] for per in inputs], axis=0).astype(np.float32)
+        assert tuple(got[k].shape) == shape, (k, got[k].shape)
+        np.testing.assert_array_equal(got[k].numpy(), want)
+    if graph:
+        ops = tf.function(lambda *xs: hvd.grouped_allreduce(list(xs), name="garf.n")) \
+            .get_concrete_function(*mine).graph.get_operations()
+        nodes = [op for op in ops if "PyFunc" in op.type]
+        assert len(nodes) == 1 and len(nodes[0].inputs) == 1 and len(nodes[0].outputs) == 1, \
+            [(op.name, len(op.inputs), len(op.outputs)) for op in nodes]
+    xs = [tf.Variable(ints("garf.grad.a", RANK, (3,), np.float32)),
+          tf.Variable(ints("garf.grad.b", RANK, (2, 2), np.float32))]
+    ws = [[ints(f"garf.grad.w{k}", q, v.shape, np.float32) for q in range(SIZE)]
+          for k, v in enumerate(xs)]
+
+    def compute():
+        with tf.GradientTape() as tape:
+            a, b = hvd.grouped_allreduce(xs, op=hvd.Sum, prescale_factor=2.0, name="garf.g")
+            loss = tf.reduce_sum(a * ws[0][RANK]) + tf.reduce_sum(b * ws[1][RANK])
+        return tape.gradient(loss, xs)
+
+    for grad, w in zip(run(compute, graph), ws):
+        np.testing.assert_allclose(grad.numpy(), 2.0 * np.sum(w, 0), rtol=1e-6)
+    odd = [tf.ones([2]), tf.ones([3 if RANK == 0 else 4])]
+    expect_raises(tf.errors.InvalidArgumentError if graph else tf.errors.FailedPreconditionError,
+                  lambda: run(lambda a, b: hvd.grouped_allreduce([a, b], name="garf.mm"),
+                              graph, *odd), "garf.mm.1")
+    after = run(lambda a, b: hvd.grouped_allreduce([a, b], op=hvd.Sum, name="garf.after"),
+                graph, tf.ones([2]), tf.ones([3]))
+    np.testing.assert_array_equal(after[1].numpy(), np.full(3, float(SIZE)))
+
+
 # --- join ----------------------------------------------------------------------------------------
 def join_case(graph):
     """Rank r runs r + 1 allreduce steps, then joins; joined ranks contribute zeros.
@@ -625,6 +669,7 @@ else:
         r.case(f"grouped_reducescatter.grad.{mode}", grouped_reducescatter_grad, graph)
         r.case(f"grouped_allreduce.{mode}", grouped_allreduce, graph)
         r.case(f"grouped_allreduce.grad.{mode}", grouped_allreduce_grad, graph)
+        r.case(f"grouped_allreduce.flat.{mode}", grouped_allreduce_flat, graph)
         r.case(f"join.{mode}", join_case, graph)
         r.case(f"adasum.{mode}", adasum_case, graph)
         r.case(f"process_set.ops.{mode}", ps_ops, graph)
