@@ -202,8 +202,9 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
 
 # --- grouped ops -----------------------------------------------------------------------------
 def _group_views(tensors, what: str, in_place: bool = False):
-    """Each member's contiguous source, its core view and core dtype name (see
-    :func:`as_core_array`)."""
+    """(contiguous sources, core views, core dtype names) of the members (see
+    :func:`as_core_array`); the dtype names are None, not a list, when every member is a plain
+    contiguous CPU tensor, viewed as it is."""
     arrays = []
     for t in tensors:   # the usual case: plain, contiguous CPU tensors, viewed as they are
         if (type(t) is not torch.Tensor or t.requires_grad or not t.is_cpu
