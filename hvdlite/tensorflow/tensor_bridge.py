@@ -118,8 +118,9 @@ def _group(kind: str, tensors: list, name, kwargs: dict, process_set=None,
     dtypes = [_core_dtype(t, f"grouped {kind} of {name or 'unnamed tensors'}.{i}")
               for i, t in enumerate(tensors)]
     kwargs = dict(kwargs, process_set=process_set)
-    if kind == ALLREDUCE and _travels_flat(tensors, dtypes):
-        return _flat_group(tensors, name, kwargs, mismatch_hint)
+    small = _flat_members(tensors, dtypes) if kind == ALLREDUCE else []
+    if small:
+        return _flat_group(tensors, small, name, kwargs, mismatch_hint)
 
     def fn(*arrays):
         with _hinted(mismatch_hint):
@@ -141,40 +142,64 @@ def _hinted(mismatch_hint: str | None) -> Iterator[None]:
         raise TensorMismatchError(f"{exc}\n{mismatch_hint}") from exc
 
 
-def _travels_flat(tensors: list, dtypes: list) -> bool:
-    """Whether a grouped allreduce in a graph can reach its node as one flat tensor: two or
-    more members of one numpy-native dtype and fully known shapes.  A node's cost grows with
-    its inputs and outputs (about 10 us each: one node of 200 inputs and outputs took 2.4-2.6
-    ms in a model-like function, the same values concatenated before it and split after it
-    1.8-2.2 ms)."""
+# Members up to this size reach a grouped allreduce's graph node concatenated into one flat
+# tensor; larger ones as inputs of their own.  A node costs about 10 us per input and output,
+# the concatenation a copy of the bytes: flat, 200 members of 16 KiB took 3.1 ms against 4.1
+# ms one input each, 64 KiB members broke even, and 20 of 1 MiB took 8.2-8.6 ms against 6.0.
+FLAT_MEMBER_BYTES = 32 * 1024
+
+
+def _flat_members(tensors: list, dtypes: list) -> list[int]:
+    """The members of a grouped allreduce in a graph that travel concatenated (empty if fewer
+    than two would): those of the first member's numpy-native dtype, with fully known shapes
+    and at most FLAT_MEMBER_BYTES."""
     if tf.executing_eagerly() or len(tensors) < 2 or any(dtypes):
-        return False
+        return []
     dtype = tensors[0].dtype
-    return all(t.dtype == dtype and t.shape.is_fully_defined() for t in tensors)
+    small = [i for i, t in enumerate(tensors)
+             if t.dtype == dtype and t.shape.is_fully_defined()
+             and t.shape.num_elements() * dtype.size <= FLAT_MEMBER_BYTES]
+    return small if len(small) >= 2 else []
 
 
-def _flat_group(tensors: list, name, kwargs: dict, mismatch_hint: str | None) -> list:
-    """A grouped allreduce as one graph node with one input and one output: the members are
-    concatenated (TensorFlow), reduced by the core as the same group of members (views of
-    the flat input into views of one flat result: the same names, shapes and errors as
-    member-by-member), and split again."""
-    shapes = [tuple(t.shape.as_list()) for t in tensors]
+def _flat_group(tensors: list, small: list[int], name, kwargs: dict,
+                mismatch_hint: str | None) -> list:
+    """A grouped allreduce as one graph node whose ``small`` members arrive concatenated into
+    one flat tensor (and leave as one), the others one input and output each.  The core
+    reduces the same group of members as ever (views of the flat input into views of one flat
+    result), so names, shapes and errors are those of the member-by-member node."""
+    small_set = set(small)
+    large = [i for i in range(len(tensors)) if i not in small_set]
+    shapes = [tuple(tensors[i].shape.as_list()) for i in small]
     sizes = [math.prod(shape) for shape in shapes]
     starts = list(itertools.accumulate(sizes, initial=0))
-    dtype = tensors[0].dtype
+    dtype = tensors[small[0]].dtype
 
-    def fn(flat):
+    def fn(flat, *large_arrays):
         flat = _contiguous(flat)
         result = core.result_empty((starts[-1],), flat.dtype)
-        members = [flat[a:b].reshape(shape) for a, b, shape in zip(starts, starts[1:], shapes)]
-        outputs = [result[a:b].reshape(shape)
-                   for a, b, shape in zip(starts, starts[1:], shapes)]
+        members: list = [None] * len(tensors)
+        outputs: list = [None] * len(tensors)
+        for i, a, b, shape in zip(small, starts, starts[1:], shapes):
+            members[i], outputs[i] = flat[a:b].reshape(shape), result[a:b].reshape(shape)
+        large_results = []
+        for i, array in zip(large, large_arrays):
+            members[i] = _contiguous(array)
+            outputs[i] = core.result_empty(array.shape, array.dtype)
+            large_results.append(outputs[i])
         with _hinted(mismatch_hint):
             core.submit_group(ALLREDUCE, members, name=name, outputs=outputs, **kwargs).wait()
-        return [result]
+        return [result] + large_results
 
-    flat_in = tf.concat([tf.reshape(t, [-1]) for t in tensors], 0)
-    (flat_out,) = _node(_label("grouped_allreduce", name), fn, [flat_in], [dtype])
+    flat_in = tf.concat([tf.reshape(tensors[i], [-1]) for i in small], 0)
+    outs = _node(_label("grouped_allreduce", name), fn, [flat_in] + [tensors[i] for i in large],
+                 [dtype] + [tensors[i].dtype for i in large])
+    flat_out, large_outs = outs[0], outs[1:]
     flat_out.set_shape([starts[-1]])
-    return [tf.reshape(part, shape)
-            for part, shape in zip(tf.split(flat_out, sizes), shapes)]
+    _set_shapes(large_outs, [tensors[i].shape for i in large])
+    reduced: list = [None] * len(tensors)
+    for i, part, shape in zip(small, tf.split(flat_out, sizes), shapes):
+        reduced[i] = tf.reshape(part, shape)
+    for i, out in zip(large, large_outs):
+        reduced[i] = out
+    return reduced

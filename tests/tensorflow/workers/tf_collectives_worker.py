@@ -403,6 +403,23 @@ def grouped_allreduce_flat(graph):
         nodes = [op for op in ops if "PyFunc" in op.type]
         assert len(nodes) == 1 and len(nodes[0].inputs) == 1 and len(nodes[0].outputs) == 1, \
             [(op.name, len(op.inputs), len(op.outputs)) for op in nodes]
+    # members too large to be worth concatenating, and of another dtype, travel on their own
+    mixed = [[ints("garf.m0", q, (3,), np.float32), ints("garf.m1", q, (9000,), np.float32),
+              ints("garf.m2", q, (2, 2), np.int32), ints("garf.m3", q, (4,), np.float32)]
+             for q in range(SIZE)]
+    mine_mixed = [tf.constant(v) for v in mixed[RANK]]
+    got = run(lambda *xs: hvd.grouped_allreduce(list(xs), op=hvd.Sum, name="garf.mixed"),
+              graph, *mine_mixed)
+    for k in range(4):
+        want = np.sum([per[k] for per in mixed], axis=0).astype(mixed[0][k].dtype)
+        assert got[k].dtype.as_numpy_dtype == want.dtype and tuple(got[k].shape) == want.shape
+        np.testing.assert_array_equal(got[k].numpy(), want)
+    if graph:
+        ops = tf.function(lambda *xs: hvd.grouped_allreduce(list(xs), name="garf.mixed.n")) \
+            .get_concrete_function(*mine_mixed).graph.get_operations()
+        nodes = [op for op in ops if "PyFunc" in op.type]
+        assert len(nodes) == 1 and len(nodes[0].inputs) == 3 and len(nodes[0].outputs) == 3, \
+            [(op.name, len(op.inputs), len(op.outputs)) for op in nodes]
     xs = [tf.Variable(ints("garf.grad.a", RANK, (3,), np.float32)),
           tf.Variable(ints("garf.grad.b", RANK, (2, 2), np.float32))]
     ws = [[ints(f"garf.grad.w{k}", q, v.shape, np.float32) for q in range(SIZE)]
