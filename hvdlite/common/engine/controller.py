@@ -37,7 +37,7 @@ from hvdlite.common.engine.handle import Entry
 from hvdlite.common.engine.join import last_to_join, reducible_slots, route_unjoinable, stand_in
 from hvdlite.common.engine.messages import JOIN, SIGNATURE, Response, runs_while_joined
 from hvdlite.common.engine.response_cache import ResponseCache
-from hvdlite.common.engine.stall import NEVER, check_wait, first_due_after, next_due
+from hvdlite.common.engine.stall import NEVER, check_wait, first_due, next_due
 from hvdlite.common.engine.transport import Transport
 from hvdlite.common.runtime.waiting import wait_until
 
@@ -159,42 +159,27 @@ class Controller:
         pending, cached_slot, cached = self.pending, self.cache.slot_of, self.cache.slots
         signature = SIGNATURE
         grouped = False
-        # With nothing pending before this round, the pending tensors are the new ones: their
-        # slots to announce and whether any is unsent are collected in the same pass.
-        only_new = not pending and not self._someone_joined
-        ready_slots: list[int] = []
-        unsent = self._join_unsent
-        report_after = first_due_after(cfg)
-        earliest = NEVER
         # Runs for every tensor of every step: the cache lookup is inlined (ResponseCache.lookup
-        # has the same logic), and so is stall.first_due.
+        # has the same logic).
         for entry in new_entries:
             request = entry.request
             name = request[0]
             if request[1] == JOIN:
                 self.join_entry, self._join_round, self._join_unsent = entry, self.rounds, True
-                unsent = True
                 continue
             pending[name] = entry
             slot = cached_slot.get(name)
             if slot is not None:
                 if cached[slot][1] == request[signature]:   # Request.signature()
                     entry.slot = slot
-                    ready_slots.append(slot)
                 else:
                     invalid_here.add(slot)
-                    if not entry.sent:
-                        unsent = True
-            elif not entry.sent:
-                unsent = True
-            submitted = entry.submitted_at
-            entry.next_stall_report = submitted + report_after
-            if submitted < earliest:
-                earliest = submitted
+            entry.next_stall_report = first_due(entry.submitted_at, cfg)
             if entry.group is not None:
                 grouped = True
-        if earliest < self._stall_scan_at and report_after != NEVER:
-            self._stall_scan_at = earliest + report_after
+        if new_entries and cfg.stall_check_enabled:
+            self._stall_scan_at = min(self._stall_scan_at,
+                                      first_due(min(e.submitted_at for e in new_entries), cfg))
         if grouped:   # a group is announced through the cache only if all its members hit
             seen: set[int] = set()   # each group once: its members are all new entries
             for entry in new_entries:
@@ -202,7 +187,6 @@ class Controller:
                 if group is not None and id(group) not in seen:
                     seen.add(id(group))
                     if any(m.slot is None for m in group):
-                        only_new = False   # some slots collected above are withdrawn
                         for member in group:
                             member.slot = None
         if self._someone_joined:
@@ -211,15 +195,14 @@ class Controller:
         want_stall = self.stall_due(now)
 
         nw = self.cache.num_words
-        if not only_new:   # one pass: cached slots to announce, and unsent ones
-            ready_slots = []
-            unsent = self._join_unsent
-            for entry in pending.values():
-                slot = entry.slot
-                if slot is not None:
-                    ready_slots.append(slot)
-                elif not entry.sent:
-                    unsent = True
+        ready_slots = []
+        unsent = self._join_unsent
+        for entry in pending.values():   # one pass: cached slots to announce, and unsent ones
+            slot = entry.slot
+            if slot is not None:
+                ready_slots.append(slot)
+            elif not entry.sent:
+                unsent = True
         if self.join_entry is not None:   # stand in for every cached reduction
             ready_slots = set(ready_slots).union(reducible_slots(self.cache))
         ready_here = _pack(ready_slots, nw)
@@ -267,11 +250,11 @@ class Controller:
         pop, ready = pending.pop, outcome.ready
         if not all_joined:   # when everyone has joined, the stand-in bits mean nothing
             for slot in _bits(result[:nw]):
-                if invalid_set and slot in invalid_set:
-                    continue
-                response = cached[slot][0]
-                entry = pop(response[0], None)   # [0]: the name
-                ready.append((response, entry if entry is not None else stand_in(response)))
+                if slot not in invalid_set:
+                    response = cached[slot][0]
+                    entry = pop(response.name, None)
+                    ready.append((response, entry if entry is not None
+                                  else stand_in(response)))
 
         slow = invalid or any_flags & (F_UNSENT | F_SHUTDOWN | F_STALL)
         if slow:

@@ -31,18 +31,12 @@ _SHOWN_PER_RANK = 3   # names listed per rank in a stall report
 
 def first_due(submitted_at: float, config: Config) -> float:
     """When a tensor submitted at ``submitted_at`` is first due for a stall report."""
-    return submitted_at + first_due_after(config)
-
-
-def first_due_after(config: Config) -> float:
-    """How long after its submission a tensor is first due for a stall report (NEVER when
-    stall checks are off)."""
     if not config.stall_check_enabled:
         return NEVER
-    after = config.stall_check_seconds
+    due = submitted_at + config.stall_check_seconds
     if config.stall_shutdown_seconds > 0:
-        after = min(after, config.stall_shutdown_seconds)
-    return after
+        due = min(due, submitted_at + config.stall_shutdown_seconds)
+    return due
 
 
 def next_due(now: float, submitted_at: float, config: Config) -> float:
