@@ -60,9 +60,19 @@ def split_rows(rows, parts):
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
-def pyfunc_nodes(fn, *args) -> int:
+def pyfunc_ops(fn, *args) -> list:
+    """The Python nodes (hvdlite's collectives) of ``fn`` traced as a tf.function."""
     graph = tf.function(fn).get_concrete_function(*args).graph
-    return sum(1 for op in graph.get_operations() if "PyFunc" in op.type)
+    return [op for op in graph.get_operations() if "PyFunc" in op.type]
+
+
+def pyfunc_nodes(fn, *args) -> int:
+    return len(pyfunc_ops(fn, *args))
+
+
+def node_arity(fn, *args) -> list[tuple[int, int]]:
+    """(inputs, outputs) of each Python node of ``fn`` traced as a tf.function."""
+    return [(len(op.inputs), len(op.outputs)) for op in pyfunc_ops(fn, *args)]
 
 
 def expect_raises(exc_type, fn, *needles):
@@ -398,11 +408,8 @@ def grouped_allreduce_flat(graph):
         assert tuple(got[k].shape) == shape, (k, got[k].shape)
         np.testing.assert_array_equal(got[k].numpy(), want)
     if graph:
-        ops = tf.function(lambda *xs: hvd.grouped_allreduce(list(xs), name="garf.n")) \
-            .get_concrete_function(*mine).graph.get_operations()
-        nodes = [op for op in ops if "PyFunc" in op.type]
-        assert len(nodes) == 1 and len(nodes[0].inputs) == 1 and len(nodes[0].outputs) == 1, \
-            [(op.name, len(op.inputs), len(op.outputs)) for op in nodes]
+        arity = node_arity(lambda *xs: hvd.grouped_allreduce(list(xs), name="garf.n"), *mine)
+        assert arity == [(1, 1)], arity
     # members too large to be worth concatenating, and of another dtype, travel on their own
     mixed = [[ints("garf.m0", q, (3,), np.float32), ints("garf.m1", q, (9000,), np.float32),
               ints("garf.m2", q, (2, 2), np.int32), ints("garf.m3", q, (4,), np.float32)]
@@ -415,11 +422,9 @@ def grouped_allreduce_flat(graph):
         assert got[k].dtype.as_numpy_dtype == want.dtype and tuple(got[k].shape) == want.shape
         np.testing.assert_array_equal(got[k].numpy(), want)
     if graph:
-        ops = tf.function(lambda *xs: hvd.grouped_allreduce(list(xs), name="garf.mixed.n")) \
-            .get_concrete_function(*mine_mixed).graph.get_operations()
-        nodes = [op for op in ops if "PyFunc" in op.type]
-        assert len(nodes) == 1 and len(nodes[0].inputs) == 3 and len(nodes[0].outputs) == 3, \
-            [(op.name, len(op.inputs), len(op.outputs)) for op in nodes]
+        arity = node_arity(lambda *xs: hvd.grouped_allreduce(list(xs), name="garf.mixed.n"),
+                           *mine_mixed)
+        assert arity == [(3, 3)], arity
     xs = [tf.Variable(ints("garf.grad.a", RANK, (3,), np.float32)),
           tf.Variable(ints("garf.grad.b", RANK, (2, 2), np.float32))]
     ws = [[ints(f"garf.grad.w{k}", q, v.shape, np.float32) for q in range(SIZE)]
