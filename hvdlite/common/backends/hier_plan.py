@@ -4,10 +4,7 @@ MPI: unit-tested on its own).
 A process set that spans hosts is seen as its hosts, each with its ranks in rank order (local
 rank ``i`` of host ``h`` is ``hosts[h][i]``).  Hosts may hold different numbers of ranks.
 
-Allreduce.  A small buffer (under :data:`SMALL_BYTES`, where every message costs its latency,
-not its bytes) is reduced onto each host's first rank, allreduced among those (one rank per
-host) and spread within each host again: a single exchange across hosts, whatever the layout.
-Otherwise, on each host the elements are split into one share per local rank
+Allreduce.  On each host the elements are split into one share per local rank
 (:func:`share_bounds`: nearly equal, cache-line aligned, the split the intra-node paths use),
 and local rank ``i`` holds its host's reduction of share ``i``.  Across hosts, an element must
 be combined by the one rank on every host that holds it.  Cutting the buffer at every host's
@@ -81,21 +78,20 @@ def share_bounds(count: int, itemsize: int, local_size: int) -> list[int]:
     return SharedFusion.shares(count, itemsize, local_size)
 
 
-# Below this, a buffer crosses hosts in one piece, between the hosts' first ranks: the shares'
-# several exchanges would each cost a network latency (with 3 + 1 ranks, the lone rank would
-# run three of them one after another) and save only bytes.  The shared-memory window starts
-# at the same size, so smaller batches are reduced within a host by MPI anyway.
+# Below this, a buffer costs its latency, not its bytes, and the hierarchical path leaves it
+# to MPI's allreduce over every rank (and its allgather): MPI's small-message algorithms already
+# cross hosts only as often as they must when a host's ranks are consecutive, while the
+# hierarchical path adds a step within each host before and after the exchange across hosts.
+# Measured on the simulated hosts (2 + 2, 3 + 1 and 1 + 2 + 1 ranks), one flat allreduce was
+# 2-27% faster than the hierarchical steps at 4-256 KiB, and level at 1 MiB.
 SMALL_BYTES = 64 * 1024
 
 
 def reduce_segments(hosts: Hosts, count: int, itemsize: int) -> list[Segment]:
     """The non-empty segments of a ``count``-element buffer, in element order (see the module's
-    docstring); the same on every rank.  A small buffer is one segment of the hosts' first
-    ranks (:func:`whole`)."""
+    docstring); the same on every rank."""
     if count == 0:
         return []
-    if whole(count, itemsize):
-        return [Segment(0, count, tuple(ranks[0] for ranks in hosts.members))]
     bounds = [share_bounds(count, itemsize, size) for size in hosts.local_sizes]
     cuts = sorted({b for host in bounds for b in host})
     segments = []
@@ -110,11 +106,6 @@ def reduce_segments(hosts: Hosts, count: int, itemsize: int) -> list[Segment]:
             group.append(hosts.members[h][owner[h]])
         segments.append(Segment(lo, hi, tuple(group)))
     return segments
-
-
-def whole(count: int, itemsize: int) -> bool:
-    """Whether a buffer is reduced onto each host's first rank instead of into shares."""
-    return count * itemsize < SMALL_BYTES
 
 
 def my_segments(segments: list[Segment], rank: int) -> list[Segment]:

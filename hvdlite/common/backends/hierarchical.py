@@ -4,8 +4,8 @@
 Allreduce, as Horovod's hierarchical allreduce does it (reduce-scatter within the host,
 allreduce of one's share across hosts, allgather within the host):
 
-(A buffer under 64 KiB instead goes onto each host's first rank, across hosts among those, and
-back out within each host: one exchange across hosts instead of one per share.)
+(A batch under 64 KiB, :data:`~.hier_plan.SMALL_BYTES`, is left to MPI's allreduce over every
+rank: it costs its latency, and one flat allreduce measured faster than these three steps.)
 
 1. within each host, local rank ``i`` reduces share ``i`` of the elements over its host's ranks
    (a single large tensor by direct copies between the ranks' memory where the host allows
@@ -39,7 +39,7 @@ import numpy as np
 
 from hvdlite.common.backends.base import DataPath
 from hvdlite.common.backends.hier_plan import (SMALL_BYTES, Hosts, gather_groups, my_segments,
-                                               reduce_segments, share_bounds, whole)
+                                               reduce_segments, share_bounds)
 from hvdlite.common.backends.mpi import (POLITE_MAX_BYTES, copy_out_pieces, displacements, flat,
                                          pack, phase, postscale_factor, row_layout)
 from hvdlite.common.dtypes import (dtype_info, mpi_datatype, mpi_reduce_op, numpy_reduce_ufunc,
@@ -111,6 +111,8 @@ class HierarchicalPath(DataPath):
             return False
         if response.kind == ALLREDUCE:
             if not self.allreduce_on or response.reduce_op == ReduceOp.Adasum:
+                return False
+            if sum(entry.nbytes for _, entry in batch) < SMALL_BYTES:   # latency-bound
                 return False
         elif response.kind != ALLGATHER or not self.allgather_on:
             return False
@@ -246,10 +248,7 @@ class HierarchicalPath(DataPath):
 
         def within(src: np.ndarray, out: np.ndarray) -> None:
             """MPI on the host's communicator: src reduced, across, gathered into out."""
-            if whole(count, info.itemsize):
-                self._by_mpi_root(batch, src, out, mpi_type, mpi_op, across)
-            else:
-                self._by_mpi(batch, src, out, count, info, mpi_type, mpi_op, across, polite)
+            self._by_mpi(batch, src, out, count, info, mpi_type, mpi_op, across, polite)
 
         post = postscale_factor(response, self.size)
         ufunc = numpy_reduce_ufunc(info, op)
@@ -349,23 +348,6 @@ class HierarchicalPath(DataPath):
         request = self.local.Iallgatherv([share, mpi_type], [out, (counts, bounds[:-1]),
                                                              mpi_type])
         self._finish(request, polite)
-        self.by_mpi += 1
-
-    def _by_mpi_root(self, batch: Batch, src: np.ndarray, out: np.ndarray, mpi_type, mpi_op,
-                     across) -> None:
-        """A small buffer within the host through MPI: ``Reduce`` of ``src`` onto the host's
-        first rank, which takes it ``across``, then ``Bcast`` into ``out`` (latency-bound, so
-        always waited for politely)."""
-        MPI = self._MPI
-        phase(batch, "MPI_REDUCE")
-        if self.local.Get_rank() == 0:
-            send = MPI.IN_PLACE if src is out else [src, mpi_type]
-            self._wait(self.local.Ireduce(send, [out, mpi_type], op=mpi_op, root=0))
-            across(0, out)
-        else:
-            self._wait(self.local.Ireduce([src, mpi_type], None, op=mpi_op, root=0))
-        phase(batch, "MPI_BCAST")
-        self._wait(self.local.Ibcast([out, mpi_type], root=0))
         self.by_mpi += 1
 
     def _allgather(self, response: Response, entry: Entry) -> None:
