@@ -236,7 +236,13 @@ def main(argv=None) -> int:
     hvd.barrier()
     hvd.shutdown()
     comm.Free()
-    return 0 if correct and used > 0 and (gathered > 0 or not gathers) else 1
+    # the path must have run whatever it takes (batches and results of 64 KiB or more)
+    from hvdlite.common.backends.hier_plan import SMALL_BYTES
+    reduced = [*args.sizes, args.lone_kib * KIB, args.small_count * args.small_kib * KIB]
+    ran_as_expected = ((used > 0) == any(n >= SMALL_BYTES for n in reduced)
+                       and (gathered > 0) == any(n * comm.Get_size() >= SMALL_BYTES
+                                                 for n in args.gather_sizes))
+    return 0 if correct and ran_as_expected else 1
 
 
 if __name__ == "__main__":

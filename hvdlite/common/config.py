@@ -359,6 +359,13 @@ KNOBS: tuple[Knob, ...] = (
          details="Host tensors only, results of 64 KiB up to `HVDLITE_SHM_FUSION_MB`; off by "
                  "default: measured slower than MPI's allgather on these machines (see "
                  "[Multi-host](multi-host.md#hierarchical-allreduce-and-allgather))."),
+    Knob("EARLY_REDUCTIONS", "early_reductions", Switch(), True, RANK0,
+         "1: a named allreduce of up to 64 KiB that runs alone round after round (a loss, a "
+         "small model's gradient bucket) is reduced beside the negotiation round, one "
+         "exchange instead of two; 0: always negotiate first",
+         details="The result is the same bits either way (see [How it works]"
+                 "(how-it-works.md#early-reductions)); a wrong prediction costs one small "
+                 "exchange beside the round."),
     Knob("WATCHDOG", "watchdog", Switch(), True, RANK0,
          "1: every rank keeps a TCP connection to rank 0, so a rank that ends without "
          "hvd.shutdown() on any host (killed, os._exit, its host gone) makes every other rank "
@@ -419,6 +426,7 @@ class Config:
     gradient_bucket_bytes: int = _default("gradient_bucket_bytes")
     hierarchical_allreduce: bool = _default("hierarchical_allreduce")
     hierarchical_allgather: bool = _default("hierarchical_allgather")
+    early_reductions: bool = _default("early_reductions")
     watchdog: bool = _default("watchdog")
     watchdog_port: int = _default("watchdog_port")
     timeline_filename: str | None = _default("timeline_filename")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 from hvdlite.common.engine.data_paths import Batch, DeviceWork, PathContext
 
@@ -18,6 +18,8 @@ class DataPath(abc.ABC):
     name: ClassVar[str]
     #: Serves GPU batches (True) or host-memory ones.
     device: ClassVar[bool] = False
+    #: Offers :meth:`start_early` and :meth:`finish_early` (see ``engine/early.py``).
+    reduces_early: ClassVar[bool] = False
 
     def __init__(self, context: PathContext) -> None:
         self.context = context
@@ -37,3 +39,14 @@ class DataPath(abc.ABC):
     def close(self, collective: bool, abort: bool = False) -> None:
         """Release resources.  ``collective``: every rank of the set calls it at the same
         point; ``abort``: peers may be gone (unblock rather than wait for them)."""
+
+    def start_early(self, response, entry) -> Callable[[], bool]:
+        """Start ``response``'s allreduce (a single host tensor this path served alone) during
+        the negotiation round, with ``entry``'s data (None: this rank's share is ignored);
+        return its test.  The input is not touched: the result may be dropped."""
+        raise NotImplementedError
+
+    def finish_early(self, response, entry) -> None:
+        """The early allreduce stood: write its result into ``entry.output``, exactly as
+        :meth:`execute` would have."""
+        raise NotImplementedError

@@ -13,6 +13,11 @@ Ranks take part in rounds while they have pending work, and every ``IDLE_TICK_SE
 so the coordinator always learns within a bounded time who is missing what, and a rank that
 shuts down is noticed by the others.  Waiting never spins (see :mod:`waiting`).
 
+A round may also carry one *early* reduction (see :mod:`.early`): the engine predicts that a
+cached allreduce which ran alone in the last rounds comes again, and every rank starts its data
+exchange beside the AND; if the AND then says that every rank contributed it, the result stands
+and the tensor completes without a second exchange.
+
 Grouped operations are announced through the cache only when every member hits it, and the
 coordinator releases a group's responses together, so a group always executes in one round.
 A rank that called ``join()`` announces every cached reduction as ready and stands in for tensors
@@ -28,6 +33,7 @@ ranks by their global rank.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -85,10 +91,16 @@ def _bits(words: list[int]) -> list[int]:
 
 
 class RoundOutcome:
-    __slots__ = ("ready", "shutdown_ranks", "progress", "everyone_busy", "joined")
+    __slots__ = ("ready", "early", "sole_slot", "shutdown_ranks", "progress", "everyone_busy",
+                 "joined")
 
     def __init__(self) -> None:
         self.ready: list[tuple[Response, Entry | None]] = []  # in execution order
+        # The early reduction that stood (its result is in the early exchange's buffer)
+        self.early: tuple[Response, Entry] | None = None
+        # The one cached slot ready everywhere in a round with nothing else to do (no new
+        # requests, no stale slots, nobody joined): the same on every rank
+        self.sole_slot: int | None = None
         self.shutdown_ranks: tuple[int, ...] = ()
         self.progress = False
         self.everyone_busy = False
@@ -153,7 +165,13 @@ class Controller:
             self._wait(self.transport.sends_done, "negotiation")
 
     # ---------------------------------------------------------------------------------------
-    def run_round(self, new_entries: list[Entry], shutdown: bool) -> RoundOutcome:
+    def run_round(self, new_entries: list[Entry], shutdown: bool,
+                  early: tuple[int, Callable[[Entry | None], Callable[[], bool]]] | None = None
+                  ) -> RoundOutcome:
+        """One round (see the module's docstring).  ``early``: ``(slot, start)``, the same on
+        every rank: ``start(entry)`` starts the early exchange of the cached allreduce in
+        ``slot`` with this rank's pending entry for it (None if it has none: its share is
+        then ignored) and returns its test."""
         invalid_here: set[int] = set()
         cfg = self.config
         pending, cached_slot, cached = self.pending, self.cache.slot_of, self.cache.slots
@@ -230,7 +248,17 @@ class Controller:
             stale[:] = stale_here
             np.invert(stale, out=stale)
             send[2 * nw:] = tail
-        self._wait(self.transport.start_and(send, recv), "negotiation")
+        early_entry = None
+        if early is None:
+            self._wait(self.transport.start_and(send, recv), "negotiation")
+        else:
+            early_slot = early[0]
+            early_entry = pending.get(cached[early_slot][0].name)
+            if early_entry is not None and early_entry.slot != early_slot:
+                early_entry = None   # a stale submission under that name: its share is moot
+            early_done = early[1](early_entry)
+            and_done = self.transport.start_and(send, recv)
+            self._wait(lambda: and_done() & early_done(), "negotiation")   # (both tested)
         result = recv.tolist()
         self.rounds += 1
 
@@ -248,15 +276,23 @@ class Controller:
                     for member in entry.group or (entry,):
                         member.slot = None   # now negotiated in full, like a new tensor
         pop, ready = pending.pop, outcome.ready
-        if not all_joined:   # when everyone has joined, the stand-in bits mean nothing
-            for slot in _bits(result[:nw]):
-                if slot not in invalid_set:
-                    response = cached[slot][0]
-                    entry = pop(response.name, None)
-                    ready.append((response, entry if entry is not None
-                                  else stand_in(response)))
+        agreed = [] if all_joined else _bits(result[:nw])   # slots ready on every rank
+        # The early exchange stands if every rank contributed its entry: its slot's bit is set
+        # everywhere, still valid, and no rank stood in for it (nobody joined).
+        early_stands = (early_entry is not None and early[0] in agreed
+                        and early[0] not in invalid_set and not any_flags & F_JOINED)
+        for slot in agreed:   # (when everyone has joined, the stand-in bits mean nothing)
+            if slot not in invalid_set:
+                response = cached[slot][0]
+                entry = pop(response.name, None)
+                if early_stands and entry is early_entry:
+                    outcome.early = (response, entry)
+                    continue
+                ready.append((response, entry if entry is not None else stand_in(response)))
 
         slow = invalid or any_flags & (F_UNSENT | F_SHUTDOWN | F_STALL)
+        if not slow and len(agreed) == 1 and not any_flags & F_JOINED:
+            outcome.sole_slot = agreed[0]
         if slow:
             new_responses, outcome.shutdown_ranks = self._exchange(
                 shutdown, bool(any_flags & F_STALL), now)
@@ -271,7 +307,8 @@ class Controller:
                     outcome.ready.append((response, entry))
         if all_joined and self.join_entry is not None:
             outcome.joined = (self.join_entry, self._last_to_join())
-        outcome.progress = bool(outcome.ready) or bool(slow) or outcome.joined is not None
+        outcome.progress = (bool(outcome.ready) or outcome.early is not None or bool(slow)
+                            or outcome.joined is not None)
         outcome.everyone_busy = not (any_flags & F_IDLE)
         return outcome
 

@@ -19,6 +19,7 @@ import numpy as np
 from hvdlite.common.config import Config
 from hvdlite.common.engine.controller import IDLE_TICK_SECONDS, Controller
 from hvdlite.common.engine.data_paths import PathContext, select
+from hvdlite.common.engine.early import EARLY_MAX_BYTES, EarlyPlan
 from hvdlite.common.engine.fusion import plan_batches
 from hvdlite.common.engine.handle import Entry, Handle
 from hvdlite.common.engine.in_flight import InFlight
@@ -26,6 +27,7 @@ from hvdlite.common.engine.transport import MPITransport
 from hvdlite.common.engine.messages import ALLREDUCE, ERROR_FAILED_ON_RANK, ERROR_STALL, Response
 from hvdlite.common.errors import (DuplicateNameError, FailedOnRankError, HvdliteError,
                                    RankExitedError, ShutdownError, StallError, TensorMismatchError)
+from hvdlite.common.reduce_ops import ReduceOp
 from hvdlite.common.gpu import cuda
 from hvdlite.common.gpu.completion import GpuCompletions
 from hvdlite.common.runtime import timeline as _timeline
@@ -97,6 +99,15 @@ class Engine:
         self._streams = 0
         self._stream_closed = threading.Event()
         self.rounds_with_work = 0   # negotiation rounds that took new entries (tests, benchmarks)
+        # Early reductions (see :mod:`.early`): the plan, the path that serves them, the
+        # largest tensor taken (0: none; tests and benchmarks change it with nothing in
+        # flight, on every rank alike), and how many stood
+        self._early = EarlyPlan()
+        self._early_path = next((p for p in self._host_paths if p.reduces_early), None)
+        self.early_max_bytes = (EARLY_MAX_BYTES if config.early_reductions
+                                and self._early_path is not None else 0)
+        self.early_reductions = 0
+        self._sole_path = None   # the path of the last round's batch, if it ran one alone
         self._stopped: str | None = None        # why the engine stopped, once it has
         self._stopped_cls: type[ShutdownError] = ShutdownError
         self._thread = threading.Thread(target=self._run, name="hvdlite-engine", daemon=True)
@@ -249,8 +260,13 @@ class Engine:
                     tl.cycle()
                     for entry in new:
                         tl.negotiate_start(entry.name, entry.request.kind, entry.submitted_at)
-                outcome = self.controller.run_round(new, shutdown)
+                outcome = self.controller.run_round(
+                    new, shutdown, self._early.next if self.early_max_bytes else None)
+                if outcome.early is not None:
+                    self._complete_early(*outcome.early)
                 self._execute(outcome.ready)
+                self._early.after_round(outcome.sole_slot, outcome.progress,
+                                        lambda: self._early_start(outcome))
                 if outcome.joined is not None:
                     join_entry, last_rank = outcome.joined
                     self._complete(join_entry, last_rank)
@@ -301,9 +317,12 @@ class Engine:
                     self._complete(entry, error=cls(response.error))
                 else:
                     runnable.append((response, entry))
+        self._sole_path = None
         for batch in plan_batches(runnable, _fusion_key, _nbytes, self.config.fusion_threshold):
             path = select(self._device_paths if batch[0][0].device >= 0 else self._host_paths,
                           batch)
+            if len(runnable) == 1:
+                self._sole_path = path
             if path.device:
                 self._execute_on_device(path, batch)
                 continue
@@ -311,6 +330,29 @@ class Engine:
                 tl.activity([r.name for r, _ in batch], f"MPI_{batch[0][0].kind.upper()}")
             path.execute(batch)
             self._complete_batch([entry for _, entry in batch])
+
+    def _early_start(self, outcome):
+        """How the next rounds start the tensor that ran alone in this one early, or None if
+        it cannot be (see :mod:`.early`); decided from what every rank agreed on."""
+        if outcome.early is not None or len(outcome.ready) != 1:
+            return None
+        response, entry = outcome.ready[0]
+        if (self._sole_path is not self._early_path or entry is None
+                or response.kind != ALLREDUCE or response.device >= 0
+                or response.reduce_op == ReduceOp.Adasum or entry.request.group
+                or not 0 < entry.nbytes <= self.early_max_bytes or self.controller.size < 2):
+            return None
+        return functools.partial(self._early_path.start_early, response)
+
+    def _complete_early(self, response: Response, entry: Entry) -> None:
+        """An early reduction stood: its result is in the early exchange's buffer."""
+        tl = _timeline.ACTIVE
+        if tl is not None:
+            tl.negotiate_end(response.name, ALLREDUCE, None)
+            tl.activity([response.name], "MPI_ALLREDUCE")
+        self._early_path.finish_early(response, entry)
+        self.early_reductions += 1
+        self._complete_batch([entry])
 
     def path(self, name: str):
         """This engine's data path called ``name`` (tests and benchmarks look inside)."""

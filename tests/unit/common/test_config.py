@@ -246,6 +246,7 @@ ROUND_TRIPS = {
     "RESULT_POOL_MB": ("result_pool_bytes", "3", 3 * 2**20),
     "HIERARCHICAL_ALLREDUCE": ("hierarchical_allreduce", "0", False),
     "HIERARCHICAL_ALLGATHER": ("hierarchical_allgather", "true", True),
+    "EARLY_REDUCTIONS": ("early_reductions", "0", False),
     "WATCHDOG": ("watchdog", "0", False),
     "WATCHDOG_PORT": ("watchdog_port", "29511", 29511),
 }

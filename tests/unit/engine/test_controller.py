@@ -42,12 +42,16 @@ class RankLog:
     ready: list[list[tuple[str, str | None, str | None]]]   # per round: (name, error kind, err)
     joined: list = dataclasses.field(default_factory=list)
     shutdown_ranks: list = dataclasses.field(default_factory=list)
+    early: list = dataclasses.field(default_factory=list)   # per round: the early name or None
+    sole: list = dataclasses.field(default_factory=list)    # per round: outcome.sole_slot
     controller: Controller | None = None
 
 
-def run(size: int, script, rounds: int, config: Config = CONFIG, pause: float = 0.0):
+def run(size: int, script, rounds: int, config: Config = CONFIG, pause: float = 0.0,
+        early=None):
     """``script(rank, round) -> (new entries, shutdown?)``; runs ``rounds`` rounds on every
-    rank (each in its own thread) and returns each rank's RankLog and the network."""
+    rank (each in its own thread) and returns each rank's RankLog and the network.
+    ``early(rank, round)``: the round's early reduction, ``(slot, start)``, or None."""
     network = FakeNetwork(size)
     logs = [RankLog([]) for _ in range(size)]
     errors: list[BaseException] = []
@@ -58,7 +62,11 @@ def run(size: int, script, rounds: int, config: Config = CONFIG, pause: float = 
             logs[rank].controller = controller
             for rnd in range(rounds):
                 new, shutdown = script(rank, rnd)
-                outcome = controller.run_round(list(new), shutdown)
+                outcome = controller.run_round(list(new), shutdown,
+                                               None if early is None else early(rank, rnd))
+                logs[rank].early.append(None if outcome.early is None
+                                        else outcome.early[0].name)
+                logs[rank].sole.append(outcome.sole_slot)
                 logs[rank].ready.append([(r.name, r.error_kind, r.error)
                                          for r, e in outcome.ready])
                 if outcome.joined is not None:
@@ -260,3 +268,81 @@ def test_a_tensor_missing_on_a_rank_fails_after_the_stall_shutdown_time():
     assert [(n, k) for n, k, _ in got] == [("w", ERROR_STALL)]   # shutdown < check: honoured
     assert "missing on ranks [1]" in got[0][2] and "rank 1 has no operation pending" in got[0][2]
     assert not [item for rnd in logs[1].ready for item in rnd]   # rank 1 never had it
+
+
+# --- early reductions (engine/early.py) ------------------------------------------------------
+def early_from(first_round: int, slot: int = 0):
+    """An ``early`` for :func:`run`: from ``first_round`` on, every rank starts ``slot`` early;
+    returns it and the entries each rank's start was given, per (rank, round)."""
+    given = {}
+
+    def early(rank, rnd):
+        if rnd < first_round:
+            return None
+
+        def start(entry):
+            given[(rank, rnd)] = entry
+            return lambda: True
+        return slot, start
+    return early, given
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_cached_tensor_alone_in_its_round_is_the_sole_slot(size):
+    logs, _ = run(size, lambda rank, rnd: ([entry("x")], False), rounds=3)
+    for log in logs:
+        assert log.sole == [None, 0, 0]   # round 0 negotiated it in full
+
+
+def test_two_cached_tensors_in_a_round_have_no_sole_slot():
+    logs, _ = run(2, lambda rank, rnd: ([entry("x"), entry("y")], False), rounds=2)
+    assert logs[0].sole == logs[1].sole == [None, None]
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_an_early_reduction_stands_when_every_rank_contributed(size):
+    early, given = early_from(1)
+    logs, _ = run(size, lambda rank, rnd: ([entry("x")], False), rounds=3, early=early)
+    for rank, log in enumerate(logs):
+        assert log.early == [None, "x", "x"]
+        assert [names(log, r) for r in range(3)] == [["x"], [], []]   # not run again
+        assert all(given[(rank, rnd)].name == "x" for rnd in (1, 2))
+        assert not log.controller.pending
+
+
+def test_an_early_reduction_is_dropped_when_a_rank_has_not_submitted():
+    early, given = early_from(1)
+
+    def script(rank, rnd):
+        return ([entry("x")] if rnd != 1 or rank == 0 else []), False
+    logs, _ = run(2, script, rounds=3, early=early)
+    assert given[(1, 1)] is None and given[(0, 1)].name == "x"
+    for log in logs:
+        assert log.early == [None, None, "x"]   # round 2: rank 1's x arrived, x stands
+        assert [names(log, r) for r in range(3)] == [["x"], [], []]
+
+
+def test_an_early_reduction_is_dropped_for_a_changed_signature():
+    early, given = early_from(1)
+
+    def script(rank, rnd):
+        return [entry("x", shape=(5,) if (rank, rnd) == (0, 1) else (4,))], False
+    logs, _ = run(2, script, rounds=2, early=early)
+    assert given[(0, 1)] is None   # its x no longer matches the cached slot
+    for log in logs:
+        assert log.early == [None, None]
+    # the mismatch is then found in full, as without early reductions
+    assert [e for _, e, _ in logs[1].ready[1]] == ["mismatch"]
+
+
+def test_an_early_reduction_is_dropped_when_a_rank_joins():
+    early, _ = early_from(1)
+
+    def script(rank, rnd):
+        if rnd == 1 and rank == 1:
+            return [entry("j", kind=JOIN)], False
+        return ([entry("x")] if rnd == 0 or rank == 0 else []), False
+    logs, _ = run(2, script, rounds=2, early=early)
+    assert logs[0].early == logs[1].early == [None, None]
+    assert names(logs[0], 1) == ["x"]   # run as usual, rank 1 standing in
+    assert logs[0].sole[1] is None and logs[1].sole[1] is None
