@@ -14,7 +14,7 @@ barriers around every block, each rank's median per iteration, maximised over th
   in-place ``hvd.allreduce_`` with the hierarchical path off (``flat``: one MPI allreduce over
   every rank) and on (``hierarchical``);
 * ``lone``: one ``--lone-kib`` allreduce (out of place, ``hvd.allreduce``): raw, flat,
-  hierarchical;
+  hierarchical, and flat without early reductions (``engine/early.py``);
 * ``round``: ``--small-count`` tensors of ``--small-kib`` submitted with
   ``hvd.allreduce_async_`` and all waited for, against one raw ``Allreduce`` of their total
   bytes: raw, flat, hierarchical;
@@ -36,6 +36,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import allreduce_benchmark as ab  # noqa: E402  (sets OMP_NUM_THREADS, imports this hvdlite)
 from allreduce_benchmark import MPI, Case, KIB, hvd, np  # noqa: E402
+
+from hvdlite.common.engine.early import EARLY_MAX_BYTES  # noqa: E402
+from hvdlite.common.runtime import state  # noqa: E402
 
 VARIANTS = ("raw", "flat", "hierarchical")
 
@@ -59,18 +62,20 @@ def parse_args(argv=None) -> argparse.Namespace:
 def hierarchical(on: bool) -> None:
     """Switch the global set's hierarchical allreduce and allgather on or off on this rank
     (every rank does it at the same point, after a barrier)."""
-    from hvdlite.common.runtime import state
     path = state.engine().path("hierarchical")
     path.allreduce_on = path.allgather_on = on
 
 
-def barrier_with(on: bool | None, comm):
-    """The barrier of a variant's blocks: raw MPI's, or hvdlite's after setting the path."""
+def barrier_with(on: bool | None, comm, early: bool = True):
+    """The barrier of a variant's blocks: raw MPI's, or hvdlite's after setting the path (and
+    switching early reductions on or off, as every rank does at the same point)."""
     if on is None:
         return comm.Barrier
 
     def barrier() -> None:
         hierarchical(on)
+        engine = state.engine()
+        engine.early_max_bytes = EARLY_MAX_BYTES if early and engine.config.early_reductions else 0
         hvd.barrier()
     return barrier
 
@@ -128,7 +133,8 @@ def bench_lone(args, comm) -> dict:
         ok &= check(hvd_step, lambda: np.array_equal(got["out"], want), on, comm)
     cases = {"raw": Case(lambda: comm.Allreduce(send, recv, op=MPI.SUM), comm.Barrier),
              "flat": Case(hvd_step, barrier_with(False, comm)),
-             "hierarchical": Case(hvd_step, barrier_with(True, comm))}
+             "hierarchical": Case(hvd_step, barrier_with(True, comm)),
+             "flat_no_early": Case(hvd_step, barrier_with(False, comm, early=False))}
     ab.measure(list(cases.values()), ab.iterations_for(send.nbytes, args), args, comm)
     return {"bytes": send.nbytes, "correct": ok, **timings(cases, comm)}
 
@@ -200,7 +206,6 @@ def main(argv=None) -> int:
     comm = MPI.COMM_WORLD.Dup()
     hvd.init()
     env = ab.environment(comm)
-    from hvdlite.common.runtime import state
     path = state.engine().path("hierarchical")
     ab.say("hvdlite across hosts: flat against hierarchical allreduce, raw MPI alongside",
            *ab.environment_lines(env),
@@ -213,6 +218,9 @@ def main(argv=None) -> int:
         ab.say(line(ab.format_size(nbytes), large[-1]))
     lone = bench_lone(args, comm)
     ab.say(line(f"lone {args.lone_kib} KiB", lone))
+    plain = lone["flat_no_early"]["median_ms"]
+    ab.say(f"{'(no early)':>16} {'':>9} {plain:>9.3f} {'':>9} {'':>10} {'':>9} "
+           f"{plain / lone['raw']['median_ms']:>8.2f}x   flat without early reductions")
     rounds = None
     if args.small_count > 0:
         rounds = bench_round(args, comm)
@@ -223,9 +231,12 @@ def main(argv=None) -> int:
         ab.say(line(f"gather {ab.format_size(nbytes)}", gathers[-1]))
     used = comm.allreduce(path.allreduces, op=MPI.MIN)
     gathered = comm.allreduce(path.allgathers, op=MPI.MIN)
+    early = comm.allreduce(state.engine().early_reductions, op=MPI.MIN)
     ab.say("", f"hierarchical allreduce batches / allgathers on the slowest-counting rank: "
-           f"{used} / {gathered}; times are each rank's median per iteration, max over ranks; "
-           f"raw = one MPI Allreduce (Allgather) of the same bytes")
+           f"{used} / {gathered}; early reductions: {early} (HVDLITE_EARLY_REDUCTIONS="
+           f"{int(state.engine().config.early_reductions)}); times are each rank's median "
+           f"per iteration, max over ranks; raw = one MPI Allreduce (Allgather) of the same "
+           f"bytes")
     correct = all(r["correct"] for r in large + gathers) and lone["correct"] and (
         rounds is None or rounds["correct"])
     if args.json and comm.Get_rank() == 0:
