@@ -360,9 +360,10 @@ KNOBS: tuple[Knob, ...] = (
                  "default: measured slower than MPI's allgather on these machines (see "
                  "[Multi-host](multi-host.md#hierarchical-allreduce-and-allgather))."),
     Knob("EARLY_REDUCTIONS", "early_reductions", Switch(), True, RANK0,
-         "1: a named allreduce of up to 64 KiB that runs alone round after round (a loss, a "
-         "small model's gradient bucket) is reduced beside the negotiation round, one "
-         "exchange instead of two; 0: always negotiate first",
+         "1: named allreduces of up to 64 KiB that run alone in their rounds in a repeating "
+         "order (a loss, a small model's gradient bucket, a loop over parameters or metrics) "
+         "are reduced beside the negotiation round, one exchange instead of two; 0: always "
+         "negotiate first",
          details="The result is the same bits either way (see [How it works]"
                  "(how-it-works.md#early-reductions)); a wrong prediction costs one small "
                  "exchange beside the round."),

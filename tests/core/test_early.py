@@ -1,13 +1,14 @@
 """Early reductions (hvdlite/common/engine/early.py) under real MPI launches (2 and 3 ranks):
-taken for a small allreduce repeated alone, the same bits as the usual path, and dropped
-whenever a rank has not contributed."""
+taken for small allreduces that run alone in a repeating order, the same bits as the usual path,
+and dropped whenever a rank has not contributed."""
 import pytest
 
 from tests.mpi_harness import assert_case_passed, assert_every_case_reported
 from tests.workers import core_cases as cc
 
 CASES = tuple(f"early.{dt}" for dt in cc.DTYPES) + (
-    "early.bits", "early.misses", "early.join", "early.off_and_large", "early.process_set")
+    "early.loop", "early.bits", "early.misses", "early.join", "early.off_and_large",
+    "early.process_set")
 WORKER = ["core/workers/core_early_worker.py"]
 
 

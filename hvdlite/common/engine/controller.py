@@ -13,10 +13,10 @@ Ranks take part in rounds while they have pending work, and every ``IDLE_TICK_SE
 so the coordinator always learns within a bounded time who is missing what, and a rank that
 shuts down is noticed by the others.  Waiting never spins (see :mod:`waiting`).
 
-A round may also carry one *early* reduction (see :mod:`.early`): the engine predicts that a
-cached allreduce which ran alone in the last rounds comes again, and every rank starts its data
-exchange beside the AND; if the AND then says that every rank contributed it, the result stands
-and the tensor completes without a second exchange.
+A round may also carry one *early* reduction (see :mod:`.early`): the engine predicts from
+earlier rounds which cached allreduce comes alone next, and every rank starts its data exchange
+beside the AND; if the AND then says that every rank contributed it, the result stands and the
+tensor completes without a second exchange.
 
 Grouped operations are announced through the cache only when every member hits it, and the
 coordinator releases a group's responses together, so a group always executes in one round.

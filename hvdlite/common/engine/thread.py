@@ -102,7 +102,7 @@ class Engine:
         # Early reductions (see :mod:`.early`): the plan, the path that serves them, the
         # largest tensor taken (0: none; tests and benchmarks change it with nothing in
         # flight, on every rank alike), and how many stood
-        self._early = EarlyPlan()
+        self._early = EarlyPlan(self._cached_response)
         self._early_path = next((p for p in self._host_paths if p.reduces_early), None)
         self.early_max_bytes = (EARLY_MAX_BYTES if config.early_reductions
                                 and self._early_path is not None else 0)
@@ -331,9 +331,15 @@ class Engine:
             path.execute(batch)
             self._complete_batch([entry for _, entry in batch])
 
+    def _cached_response(self, slot: int):
+        """The response the negotiation's cache holds in ``slot`` (None: none)."""
+        slots = self.controller.cache.slots
+        held = slots[slot] if slot < len(slots) else None
+        return None if held is None else held[0]
+
     def _early_start(self, outcome):
-        """How the next rounds start the tensor that ran alone in this one early, or None if
-        it cannot be (see :mod:`.early`); decided from what every rank agreed on."""
+        """How later rounds start the tensor that ran alone in this one early, or None if it
+        cannot be (see :mod:`.early`); decided from what every rank agreed on."""
         if outcome.early is not None or len(outcome.ready) != 1:
             return None
         response, entry = outcome.ready[0]

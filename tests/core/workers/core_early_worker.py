@@ -5,6 +5,8 @@ usual path gives, or the early result is dropped and the tensor runs as usual.
 * ``early.<dtype>``: every op (and prescale/postscale where the dtype allows), in place and
   out of place, a 0-d and a 3-D shape, each name repeated: results exact, the same bits as
   with early reductions off, and early reductions counted;
+* ``early.loop``: a loop of synchronous allreduces over several named tensors (a model's
+  parameters, a list of metrics), pass after pass: each predicts the next, exact results;
 * ``early.bits``: random float32, float16 and bfloat16 values (inexact sums): the same bits on
   every rank and as with early reductions off;
 * ``early.misses``: ranks arriving at random moments, two names taking turns, a name changing
@@ -91,6 +93,23 @@ def dtype_case(dtype: str) -> None:
             assert digest(g) == digest(plain[i]), f"{label}[{i}]: bits differ from the usual path"
     # every name repeated REPEATS times alone: all but its first three are early
     assert early == len(runs) * (REPEATS - 3), f"{early} early reductions for {len(runs)} names"
+
+
+def loop_case() -> None:
+    specs = [("float32", (5,)), ("int64", (3, 2)), ("float64", ()), ("float16", (40,)),
+             ("int32", (1000,))]
+    inputs = [[cc.op_input(f"early.loop.{i}", k, dt, "Sum", shape) for k in range(SIZE)]
+              for i, (dt, shape) in enumerate(specs)]
+    wants = [allreduce_expected(xs, dt, "Sum", SIZE) for xs, (dt, _) in zip(inputs, specs)]
+    passes = 6
+    before = ENGINE.early_reductions
+    for p in range(passes):
+        for i, (xs, want) in enumerate(zip(inputs, wants)):
+            check_array(f"pass {p} tensor {i}", total(xs[RANK], f"early.loop.{i}"), want)
+    early = ENGINE.early_reductions - before
+    # pass 1 negotiates, pass 2 learns each successor, pass 3 predicts all but the first
+    n = len(specs)
+    assert early == (n - 1) + n * (passes - 3), f"{early} early reductions"
 
 
 def bits_case() -> None:
@@ -196,6 +215,7 @@ def process_set_case() -> None:
 
 for dt in cc.DTYPES:
     r.case(f"early.{dt}", dtype_case, dt)
+r.case("early.loop", loop_case)
 r.case("early.bits", bits_case)
 r.case("early.misses", misses_case)
 r.case("early.join", join_case)
