@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import allreduce_benchmark as ab  # noqa: E402  (sets OMP_NUM_THREADS, imports this hvdlite)
 from allreduce_benchmark import MPI, Case, KIB, hvd, np  # noqa: E402
 
+from hvdlite.common.backends.hier_plan import SMALL_BYTES  # noqa: E402
 from hvdlite.common.engine.early import EARLY_MAX_BYTES  # noqa: E402
 from hvdlite.common.runtime import state  # noqa: E402
 
@@ -244,15 +245,14 @@ def main(argv=None) -> int:
             "environment": env, "large": large, "lone": lone, "round": rounds,
             "gather": gathers, "hierarchical_batches": used, "hierarchical_allgathers": gathered},
             indent=2) + "\n")
-    hvd.barrier()
-    hvd.shutdown()
-    comm.Free()
     # the path must have run whatever it takes (batches and results of 64 KiB or more)
-    from hvdlite.common.backends.hier_plan import SMALL_BYTES
     reduced = [*args.sizes, args.lone_kib * KIB, args.small_count * args.small_kib * KIB]
     ran_as_expected = ((used > 0) == any(n >= SMALL_BYTES for n in reduced)
                        and (gathered > 0) == any(n * comm.Get_size() >= SMALL_BYTES
                                                  for n in args.gather_sizes))
+    hvd.barrier()
+    hvd.shutdown()
+    comm.Free()
     return 0 if correct and ran_as_expected else 1
 
 
