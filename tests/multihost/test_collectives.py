@@ -7,7 +7,9 @@ workers, launched with their ranks spread over hosts (2+2 and 3+1 ranks per host
 * core_process_sets_worker.py static: every collective on process sets that lie within one
   host and sets that span hosts (a set's shared-memory window is used only in the former);
 * core_steady_worker.py (2+2): cached steady state, fusion, and large tensors, whose intra-node
-  paths stay unused when the ranks span hosts.
+  paths stay unused when the ranks span hosts;
+* core_early_worker.py: early reductions (the data beside the negotiation round) across hosts,
+  the same bits as without them, counted exactly.
 """
 import pytest
 
@@ -15,6 +17,7 @@ from tests.mpi_harness import STALL_SAFETY_NET_ENV, case_failures
 from tests.multihost.hosts import check_host_job
 from tests.multihost.layouts import LAYOUTS
 from tests.workers import core_cases as cc
+from tests.core.test_early import CASES as EARLY_CASES
 from tests.core.workers.core_collectives_worker import cases_for as collectives_cases
 from tests.core.workers.core_process_sets_worker import cases as process_set_cases
 
@@ -27,6 +30,7 @@ WORKERS = {   # name -> (argv, environment, layouts, the cases it reports at 4 r
                      ("2+2", "3+1"), process_set_cases("static", 4)),
     "steady": (["core/workers/core_steady_worker.py", "default"], cc.STEADY_CONFIGS["default"],
                ("2+2",), cc.STEADY_CASES),
+    "early": (["core/workers/core_early_worker.py"], {}, ("2+2", "3+1"), EARLY_CASES),
 }
 
 
