@@ -38,7 +38,6 @@ import allreduce_benchmark as ab  # noqa: E402  (sets OMP_NUM_THREADS, imports t
 from allreduce_benchmark import MPI, Case, KIB, hvd, np  # noqa: E402
 
 from hvdlite.common.backends.hier_plan import SMALL_BYTES  # noqa: E402
-from hvdlite.common.engine.early import EARLY_MAX_BYTES  # noqa: E402
 from hvdlite.common.runtime import state  # noqa: E402
 
 VARIANTS = ("raw", "flat", "hierarchical")
@@ -75,8 +74,7 @@ def barrier_with(on: bool | None, comm, early: bool = True):
 
     def barrier() -> None:
         hierarchical(on)
-        engine = state.engine()
-        engine.early_max_bytes = EARLY_MAX_BYTES if early and engine.config.early_reductions else 0
+        state.engine().early_on = early   # (in effect from the round after the barrier)
         hvd.barrier()
     return barrier
 

@@ -54,6 +54,7 @@ F_SHUTDOWN = 1 << 1    # some rank is shutting down
 F_STALL = 1 << 2       # some rank wants a stall report
 F_IDLE = 1 << 3        # some rank has nothing pending (so waiting on it is not a livelock)
 F_JOINED = 1 << 4      # some rank has called join()
+F_NO_EARLY = 1 << 5    # some rank has early reductions switched off
 _ALL_ONES = 0xFFFFFFFFFFFFFFFF
 
 
@@ -91,8 +92,8 @@ def _bits(words: list[int]) -> list[int]:
 
 
 class RoundOutcome:
-    __slots__ = ("ready", "early", "sole_slot", "shutdown_ranks", "progress", "everyone_busy",
-                 "joined")
+    __slots__ = ("ready", "early", "sole_slot", "early_allowed", "shutdown_ranks", "progress",
+                 "everyone_busy", "joined")
 
     def __init__(self) -> None:
         self.ready: list[tuple[Response, Entry | None]] = []  # in execution order
@@ -101,6 +102,8 @@ class RoundOutcome:
         # The one cached slot ready everywhere in a round with nothing else to do (no new
         # requests, no stale slots, nobody joined): the same on every rank
         self.sole_slot: int | None = None
+        # Every rank has early reductions switched on (so the next round may carry one)
+        self.early_allowed = False
         self.shutdown_ranks: tuple[int, ...] = ()
         self.progress = False
         self.everyone_busy = False
@@ -166,12 +169,14 @@ class Controller:
 
     # ---------------------------------------------------------------------------------------
     def run_round(self, new_entries: list[Entry], shutdown: bool,
-                  early: tuple[int, Callable[[Entry | None], Callable[[], bool]]] | None = None
-                  ) -> RoundOutcome:
+                  early: tuple[int, Callable[[Entry | None], Callable[[], bool]]] | None = None,
+                  early_on: bool = False) -> RoundOutcome:
         """One round (see the module's docstring).  ``early``: ``(slot, start)``, the same on
         every rank: ``start(entry)`` starts the early exchange of the cached allreduce in
         ``slot`` with this rank's pending entry for it (None if it has none: its share is
-        then ignored) and returns its test."""
+        then ignored) and returns its test.  ``early_on``: this rank has early reductions
+        switched on; the outcome's ``early_allowed`` says whether every rank has (a switch
+        flipped on one rank thus takes effect on every rank at the same round)."""
         invalid_here: set[int] = set()
         cfg = self.config
         pending, cached_slot, cached = self.pending, self.cache.slot_of, self.cache.slots
@@ -235,6 +240,8 @@ class Controller:
             flags |= F_IDLE
         if self.join_entry is not None:
             flags |= F_JOINED
+        if not early_on:
+            flags |= F_NO_EARLY
         # AND across ranks: ready bits as they are; "some rank has it" bits negated; last word
         # "this rank has joined" as is (so the AND says "all have joined").
         send, recv = self._buffers(2 * nw + 2)
@@ -310,6 +317,7 @@ class Controller:
         outcome.progress = (bool(outcome.ready) or outcome.early is not None or bool(slow)
                             or outcome.joined is not None)
         outcome.everyone_busy = not (any_flags & F_IDLE)
+        outcome.early_allowed = not any_flags & F_NO_EARLY
         return outcome
 
     # --- join --------------------------------------------------------------------------------

@@ -100,12 +100,15 @@ class Engine:
         self._stream_closed = threading.Event()
         self.rounds_with_work = 0   # negotiation rounds that took new entries (tests, benchmarks)
         # Early reductions (see :mod:`.early`): the plan, the path that serves them, the
-        # largest tensor taken (0: none; tests and benchmarks change it with nothing in
-        # flight, on every rank alike), and how many stood
+        # largest tensor taken (0: none; the same on every rank), and how many stood.
+        # ``early_on`` may be flipped at run time (tests, benchmarks): it takes effect, on every
+        # rank at once, from the round after the one in which every rank's switch agrees.
         self._early = EarlyPlan(self._cached_response)
         self._early_path = next((p for p in self._host_paths if p.reduces_early), None)
-        self.early_max_bytes = (EARLY_MAX_BYTES if config.early_reductions
-                                and self._early_path is not None else 0)
+        self._early_max_bytes = (EARLY_MAX_BYTES if config.early_reductions
+                                 and self._early_path is not None else 0)
+        self.early_on = self._early_max_bytes > 0
+        self._early_allowed = False   # the last round's verdict: every rank's switch is on
         self.early_reductions = 0
         self._sole_path = None   # the path of the last round's batch, if it ran one alone
         self._stopped: str | None = None        # why the engine stopped, once it has
@@ -261,7 +264,9 @@ class Engine:
                     for entry in new:
                         tl.negotiate_start(entry.name, entry.request.kind, entry.submitted_at)
                 outcome = self.controller.run_round(
-                    new, shutdown, self._early.next if self.early_max_bytes else None)
+                    new, shutdown, self._early.next if self._early_allowed else None,
+                    self.early_on)
+                self._early_allowed = outcome.early_allowed
                 if outcome.early is not None:
                     self._complete_early(*outcome.early)
                 self._execute(outcome.ready)
@@ -346,7 +351,7 @@ class Engine:
         if (self._sole_path is not self._early_path or entry is None
                 or response.kind != ALLREDUCE or response.device >= 0
                 or response.reduce_op == ReduceOp.Adasum or entry.request.group
-                or not 0 < entry.nbytes <= self.early_max_bytes or self.controller.size < 2):
+                or not 0 < entry.nbytes <= self._early_max_bytes or self.controller.size < 2):
             return None
         return functools.partial(self._early_path.start_early, response)
 

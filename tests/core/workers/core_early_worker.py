@@ -41,9 +41,9 @@ r = Reporter(RANK)
 
 
 def set_early(engine, on: bool) -> None:
-    """Switch early reductions on or off on every rank, with nothing in flight."""
-    hvd.barrier()
-    engine.early_max_bytes = EARLY_MAX_BYTES if on else 0
+    """Switch early reductions on or off on every rank (in effect from the round after the
+    barrier, in which every rank's switch agrees)."""
+    engine.early_on = on
     hvd.barrier()
 
 

@@ -44,14 +44,16 @@ class RankLog:
     shutdown_ranks: list = dataclasses.field(default_factory=list)
     early: list = dataclasses.field(default_factory=list)   # per round: the early name or None
     sole: list = dataclasses.field(default_factory=list)    # per round: outcome.sole_slot
+    allowed: list = dataclasses.field(default_factory=list)  # per round: early_allowed
     controller: Controller | None = None
 
 
 def run(size: int, script, rounds: int, config: Config = CONFIG, pause: float = 0.0,
-        early=None):
+        early=None, early_on=lambda rank, rnd: True):
     """``script(rank, round) -> (new entries, shutdown?)``; runs ``rounds`` rounds on every
     rank (each in its own thread) and returns each rank's RankLog and the network.
-    ``early(rank, round)``: the round's early reduction, ``(slot, start)``, or None."""
+    ``early(rank, round)``: the round's early reduction, ``(slot, start)``, or None;
+    ``early_on(rank, round)``: whether the rank has early reductions switched on."""
     network = FakeNetwork(size)
     logs = [RankLog([]) for _ in range(size)]
     errors: list[BaseException] = []
@@ -63,7 +65,9 @@ def run(size: int, script, rounds: int, config: Config = CONFIG, pause: float = 
             for rnd in range(rounds):
                 new, shutdown = script(rank, rnd)
                 outcome = controller.run_round(list(new), shutdown,
-                                               None if early is None else early(rank, rnd))
+                                               None if early is None else early(rank, rnd),
+                                               early_on(rank, rnd))
+                logs[rank].allowed.append(outcome.early_allowed)
                 logs[rank].early.append(None if outcome.early is None
                                         else outcome.early[0].name)
                 logs[rank].sole.append(outcome.sole_slot)
@@ -346,3 +350,11 @@ def test_an_early_reduction_is_dropped_when_a_rank_joins():
     assert logs[0].early == logs[1].early == [None, None]
     assert names(logs[0], 1) == ["x"]   # run as usual, rank 1 standing in
     assert logs[0].sole[1] is None and logs[1].sole[1] is None
+
+
+def test_early_reductions_are_allowed_only_while_every_rank_has_them_on():
+    # rank 1 switches off in round 1 and on again in round 3: the verdict is the same everywhere
+    logs, _ = run(3, lambda rank, rnd: ([], False), rounds=5,
+                  early_on=lambda rank, rnd: not (rank == 1 and rnd in (1, 2)))
+    for log in logs:
+        assert log.allowed == [True, False, False, True, True]
