@@ -6,6 +6,8 @@ import abc
 from typing import Callable, ClassVar
 
 from hvdlite.common.engine.data_paths import Batch, DeviceWork, PathContext
+from hvdlite.common.engine.handle import Entry
+from hvdlite.common.engine.messages import Response
 
 
 class DataPath(abc.ABC):
@@ -40,13 +42,13 @@ class DataPath(abc.ABC):
         """Release resources.  ``collective``: every rank of the set calls it at the same
         point; ``abort``: peers may be gone (unblock rather than wait for them)."""
 
-    def start_early(self, response, entry) -> Callable[[], bool]:
+    def start_early(self, response: Response, entry: Entry | None) -> Callable[[], bool]:
         """Start ``response``'s allreduce (a single host tensor this path served alone) during
         the negotiation round, with ``entry``'s data (None: this rank's share is ignored);
         return its test.  The input is not touched: the result may be dropped."""
         raise NotImplementedError
 
-    def finish_early(self, response, entry) -> None:
+    def finish_early(self, response: Response, entry: Entry) -> None:
         """The early allreduce stood: write its result into ``entry.output``, exactly as
         :meth:`execute` would have."""
         raise NotImplementedError

@@ -8,6 +8,7 @@ shared-memory window) and Adasum come before it in the engine's list.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 
@@ -124,7 +125,7 @@ class MPIPath(DataPath):
         else:
             raise ValueError(f"unknown operation {response.kind!r}")
 
-    def start_early(self, response: Response, entry: Entry | None):
+    def start_early(self, response: Response, entry: Entry | None) -> Callable[[], bool]:
         # What _allreduce_one does, on copies: the prescaled input, reduced out of place.
         info = dtype_info(response.dtype)
         nbytes = math.prod(response.shape) * info.itemsize

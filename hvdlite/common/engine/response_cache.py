@@ -45,6 +45,11 @@ class ResponseCache:
     def response(self, slot: int) -> Response:
         return self.slots[slot][0]
 
+    def held(self, slot: int) -> Response | None:
+        """The response in ``slot`` now, or None if the slot is empty or was never used."""
+        entry = self.slots[slot] if slot < len(self.slots) else None
+        return None if entry is None else entry[0]
+
     def put(self, response: Response, own_request: Request) -> int | None:
         """Remember a negotiated response under this rank's own request signature."""
         if not (response.cacheable and response.error is None) or self.capacity <= 0:

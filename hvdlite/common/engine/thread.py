@@ -27,9 +27,9 @@ from hvdlite.common.engine.transport import MPITransport
 from hvdlite.common.engine.messages import ALLREDUCE, ERROR_FAILED_ON_RANK, ERROR_STALL, Response
 from hvdlite.common.errors import (DuplicateNameError, FailedOnRankError, HvdliteError,
                                    RankExitedError, ShutdownError, StallError, TensorMismatchError)
-from hvdlite.common.reduce_ops import ReduceOp
 from hvdlite.common.gpu import cuda
 from hvdlite.common.gpu.completion import GpuCompletions
+from hvdlite.common.reduce_ops import ReduceOp
 from hvdlite.common.runtime import timeline as _timeline
 from hvdlite.common.runtime.waiting import poll_briefly, wait_until
 
@@ -103,14 +103,13 @@ class Engine:
         # largest tensor taken (0: none; the same on every rank), and how many stood.
         # ``early_on`` may be flipped at run time (tests, benchmarks): it takes effect, on every
         # rank at once, from the round after the one in which every rank's switch agrees.
-        self._early = EarlyPlan(self._cached_response)
+        self._early = EarlyPlan(self.controller.cache.held)
         self._early_path = next((p for p in self._host_paths if p.reduces_early), None)
         self._early_max_bytes = (EARLY_MAX_BYTES if config.early_reductions
                                  and self._early_path is not None else 0)
         self.early_on = self._early_max_bytes > 0
         self._early_allowed = False   # the last round's verdict: every rank's switch is on
         self.early_reductions = 0
-        self._sole_path = None   # the path of the last round's batch, if it ran one alone
         self._stopped: str | None = None        # why the engine stopped, once it has
         self._stopped_cls: type[ShutdownError] = ShutdownError
         self._thread = threading.Thread(target=self._run, name="hvdlite-engine", daemon=True)
@@ -269,9 +268,9 @@ class Engine:
                 self._early_allowed = outcome.early_allowed
                 if outcome.early is not None:
                     self._complete_early(*outcome.early)
-                self._execute(outcome.ready)
+                sole_path = self._execute(outcome.ready)
                 self._early.after_round(outcome.sole_slot, outcome.progress,
-                                        lambda: self._early_start(outcome))
+                                        lambda: self._early_start(outcome, sole_path))
                 if outcome.joined is not None:
                     join_entry, last_rank = outcome.joined
                     self._complete(join_entry, last_rank)
@@ -307,7 +306,9 @@ class Engine:
             # after the waiters are told: a broken MPI must not keep them waiting
             self._close_paths(collective=False, abort=True)
 
-    def _execute(self, ready: list[tuple[Response, Entry | None]]) -> None:
+    def _execute(self, ready: list[tuple[Response, Entry | None]]):
+        """Run the round's agreed responses; return the path that ran them if they were one
+        runnable response (early reductions learn from it), else None."""
         tl = _timeline.ACTIVE
         if tl is not None:
             for response, entry in ready:
@@ -322,12 +323,12 @@ class Engine:
                     self._complete(entry, error=cls(response.error))
                 else:
                     runnable.append((response, entry))
-        self._sole_path = None
+        sole_path = None
         for batch in plan_batches(runnable, _fusion_key, _nbytes, self.config.fusion_threshold):
             path = select(self._device_paths if batch[0][0].device >= 0 else self._host_paths,
                           batch)
             if len(runnable) == 1:
-                self._sole_path = path
+                sole_path = path
             if path.device:
                 self._execute_on_device(path, batch)
                 continue
@@ -335,20 +336,15 @@ class Engine:
                 tl.activity([r.name for r, _ in batch], f"MPI_{batch[0][0].kind.upper()}")
             path.execute(batch)
             self._complete_batch([entry for _, entry in batch])
+        return sole_path
 
-    def _cached_response(self, slot: int):
-        """The response the negotiation's cache holds in ``slot`` (None: none)."""
-        slots = self.controller.cache.slots
-        held = slots[slot] if slot < len(slots) else None
-        return None if held is None else held[0]
-
-    def _early_start(self, outcome):
-        """How later rounds start the tensor that ran alone in this one early, or None if it
-        cannot be (see :mod:`.early`); decided from what every rank agreed on."""
+    def _early_start(self, outcome, path):
+        """How later rounds start the tensor that ran alone in this one early (on ``path``),
+        or None if it cannot be (see :mod:`.early`); decided from what every rank agreed on."""
         if outcome.early is not None or len(outcome.ready) != 1:
             return None
         response, entry = outcome.ready[0]
-        if (self._sole_path is not self._early_path or entry is None
+        if (path is not self._early_path or entry is None
                 or response.kind != ALLREDUCE or response.device >= 0
                 or response.reduce_op == ReduceOp.Adasum or entry.request.group
                 or not 0 < entry.nbytes <= self._early_max_bytes or self.controller.size < 2):

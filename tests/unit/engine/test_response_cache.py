@@ -162,3 +162,12 @@ def test_num_words_same_for_same_history():
     assert history() == history()
     words, n = history()
     assert n == 68 and words >= 2   # slot 67 is still in use
+
+
+def test_held_is_the_slot_s_response_or_none():
+    cache = ResponseCache(4)
+    assert cache.held(0) is None and cache.held(7) is None   # never used
+    slot = put(cache, req("a"))
+    assert cache.held(slot) is cache.response(slot)
+    cache.erase(slot)
+    assert cache.held(slot) is None
