@@ -43,8 +43,9 @@ from hvdlite.common.engine.handle import Entry
 from hvdlite.common.engine.join import last_to_join, reducible_slots, route_unjoinable, stand_in
 from hvdlite.common.engine.messages import JOIN, SIGNATURE, Response, runs_while_joined
 from hvdlite.common.engine.response_cache import ResponseCache
-from hvdlite.common.engine.stall import NEVER, check_wait, first_due, next_due
+from hvdlite.common.engine.stall import NEVER, first_due, next_due
 from hvdlite.common.engine.transport import Transport
+from hvdlite.common.runtime.peer_wait import check_wait
 from hvdlite.common.runtime.waiting import wait_until
 
 IDLE_TICK_SECONDS = 0.1   # an idle rank still joins a round this often
@@ -160,8 +161,9 @@ class Controller:
         wait_until(ready, self.max_sleep, on_slow=lambda waited: self.local_stall(waited, what))
 
     def local_stall(self, waited: float, what: str) -> None:
-        """A wait on peers that does not end (see :func:`stall.check_wait`)."""
-        check_wait(waited, what, self.label, self.global_ranks, list(self.pending), self.config)
+        """A wait on peers that does not end (see :func:`peer_wait.check_wait`)."""
+        check_wait(waited, what, self.label, self.global_ranks, self.config,
+                   f"pending here: {sorted(self.pending)[:20]}.")
 
     def _finish_sends(self) -> None:
         if not self.transport.sends_done():

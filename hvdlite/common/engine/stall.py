@@ -4,8 +4,8 @@ Two views of one problem.  The coordinator sees every rank's pending tensors (ea
 their ages when a report is due) and reports those submitted on some ranks but not on others,
 naming what the missing ranks wait on instead; past ``HVDLITE_STALL_SHUTDOWN_TIME_SECONDS`` it
 fails them on every rank (:class:`StallInspector`).  A rank whose round itself does not complete
-(a peer's background thread is not running at all) checks its node-local peers' processes and
-warns, then gives up, on its own (:func:`check_wait`).
+(a peer's background thread is not running at all) checks its peers and warns, then gives up,
+on its own (:func:`hvdlite.common.runtime.peer_wait.check_wait`).
 
 A stall report is due a stall-check period after a tensor was submitted, or at the shutdown time
 if that comes first: a shutdown time shorter than the check time is honoured as set.
@@ -17,8 +17,6 @@ import time
 
 from hvdlite.common.config import Config
 from hvdlite.common.engine.messages import ERROR_STALL, Response
-from hvdlite.common.errors import RankExitedError, StallError
-from hvdlite.common.runtime import liveness
 
 log = logging.getLogger("hvdlite")
 
@@ -46,42 +44,6 @@ def next_due(now: float, submitted_at: float, config: Config) -> float:
     if config.stall_shutdown_seconds > 0 and now < deadline:
         due = min(due, deadline)
     return due
-
-
-def check_wait(waited: float, what: str, label: int, global_ranks: list[int],
-               pending_names: list[str], config: Config) -> None:
-    """Called about every second of a wait on peers that does not end (a round, or a batch's
-    data exchange: some rank's background thread is not running at all).  A vanished node-local
-    peer (killed, or crashed without a word; see :mod:`liveness`) raises RankExitedError at
-    once; otherwise this warns every stall-check period and raises StallError once the wait
-    passes the stall-shutdown time."""
-    departed = liveness.departed_among(r for r in global_ranks if r != label)
-    if departed:   # reported by the watchdog, from any host
-        raise RankExitedError(
-            f"{'; '.join(departed)}, while rank {label} waited {waited:.0f} s for it in "
-            f"{what}; no further collective operations are possible in this job. Look at that "
-            f"rank's output and its host's system log for the cause.")
-    gone = liveness.vanished(global_ranks)   # this rank is never among its peers
-    if gone:
-        raise RankExitedError(
-            f"rank(s) {gone} on this node exited without shutting down hvdlite (killed, "
-            f"for example by the out-of-memory killer, os._exit, or a crash in native code) "
-            f"while rank {label} waited {waited:.0f} s for them in {what}; no further "
-            f"collective operations are possible in this job. Look at rank(s) {gone}'s "
-            f"output and the system log for the cause.")
-    if not config.stall_check_enabled:
-        return
-    names = sorted(pending_names)[:20]
-    if config.stall_shutdown_seconds > 0 and waited >= config.stall_shutdown_seconds:
-        raise StallError(
-            f"rank {label} gave up after {waited:.0f} s waiting for the other ranks to "
-            f"join {what} (HVDLITE_STALL_SHUTDOWN_TIME_SECONDS="
-            f"{config.stall_shutdown_seconds:g}); pending here: {names}.")
-    if waited >= config.stall_check_seconds and \
-            int(waited) % max(1, int(config.stall_check_seconds)) == 0:
-        log.warning("rank %d has waited %.0f s for the other ranks to join %s; pending here: "
-                    "%s. Some rank is not responding (stopped, or stuck outside Python).",
-                    label, waited, what, names)
 
 
 class StallInspector:

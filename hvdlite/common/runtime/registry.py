@@ -7,9 +7,8 @@ import pickle
 
 import numpy as np
 
-from hvdlite.common.errors import RankExitedError, StallError
-from hvdlite.common.runtime import liveness
 from hvdlite.common.runtime import state as _state
+from hvdlite.common.runtime.peer_wait import check_wait, raise_if_gone
 from hvdlite.common.runtime.process_sets import ProcessSet, check_ranks, resolve_ranks
 from hvdlite.common.runtime.state import ProcessState
 from hvdlite.common.runtime.waiting import wait_until
@@ -24,7 +23,7 @@ def _allgather(state: ProcessState, obj, what: str) -> list:
     netmod can block for ever inside a call posted towards an exited peer) and give up at the
     stall shutdown time."""
     world = state.world
-    _raise_if_departed(what, 0.0, state)
+    raise_if_gone(range(state.size), state.rank, what)
     data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
     sizes = np.empty(world.Get_size(), dtype=np.int64)
     _wait(world.Iallgather(np.array([data.size], dtype=np.int64), sizes), state, what)
@@ -36,34 +35,12 @@ def _allgather(state: ProcessState, obj, what: str) -> list:
 
 
 def _wait(request, state: ProcessState, what: str) -> None:
+    """Wait for ``request``, watched (see :func:`peer_wait.check_wait`): every rank of the
+    world takes part in these exchanges."""
     config = state.config
-    warned = []
-
-    def slow(waited: float) -> None:
-        _raise_if_departed(what, waited, state)
-        if config.stall_shutdown_seconds > 0 and waited >= config.stall_shutdown_seconds:
-            raise StallError(f"{what} on rank {state.rank} gave up after {waited:.0f} s "
-                             f"waiting for the other ranks (HVDLITE_STALL_SHUTDOWN_TIME_SECONDS="
-                             f"{config.stall_shutdown_seconds:g}); every rank must call it.")
-        if config.stall_check_enabled and waited >= config.stall_check_seconds and not warned:
-            warned.append(True)
-            log.warning("rank %d has waited %.0f s for the other ranks in %s; every rank must "
-                        "call it.", state.rank, waited, what)
-
-    wait_until(request.Test, config.wait_sleep_cap, on_slow=slow)
-
-
-def _raise_if_departed(what: str, waited: float, state: ProcessState) -> None:
-    gone = liveness.departed_ranks() or liveness.vanished(
-        r for r in range(state.size) if r != state.rank)
-    if gone:
-        described = ("; ".join(liveness.departed_among(gone))
-                     or f"rank(s) {gone} exited without shutting down hvdlite")
-        after = f" (after {waited:.0f} s of waiting)" if waited else ""
-        raise RankExitedError(f"{what} cannot complete on rank {state.rank}{after}: "
-                              f"{described}; no further collective operations are possible in "
-                              f"this job. Look at that rank's output and its host's system log "
-                              f"for the cause.")
+    wait_until(request.Test, config.wait_sleep_cap,
+               on_slow=lambda waited: check_wait(waited, what, state.rank, range(state.size),
+                                                 config, "every rank must call it."))
 
 
 def register(state: ProcessState, process_set: ProcessSet) -> ProcessSet:
@@ -74,7 +51,7 @@ def register(state: ProcessState, process_set: ProcessSet) -> ProcessSet:
     comm = process_set.mpi_comm
     mine = None if comm is not None and comm == MPI.COMM_NULL else resolve_ranks(
         process_set, state.world)
-    every = _allgather(state, mine, "registering a process set")
+    every = _allgather(state, mine, "the exchange that registers a process set")
     if comm is None:   # a list of ranks: every rank must pass the same one
         if len({tuple(r) for r in every}) > 1:
             listing = "; ".join(f"rank {i}: {r}" for i, r in enumerate(every))
@@ -142,14 +119,14 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     different sets (e.g. each its own part of a ``comm.Split``): every set named by some rank is
     removed.  Operations still pending in a removed set fail.  Returns True if this rank's set
     was registered and is now removed."""
-    state = _state.get("hvd.remove_process_set()")
-    _state.refuse_in_forked_child("hvd.remove_process_set()")
+    state = _state.get("the exchange of hvd.remove_process_set()")
+    _state.refuse_in_forked_child("the exchange of hvd.remove_process_set()")
     if not state.config.dynamic_process_sets:
         raise ValueError("remove_process_set() needs dynamic process sets (set "
                          "HVDLITE_DYNAMIC_PROCESS_SETS=1 or call "
                          "hvd.init(process_sets='dynamic')).")
     set_id = process_set.process_set_id
-    every = _allgather(state, set_id, "hvd.remove_process_set()")
+    every = _allgather(state, set_id, "the exchange of hvd.remove_process_set()")
     if 0 in every:
         raise ValueError(f"the global process set cannot be removed (ranks "
                          f"{[r for r, i in enumerate(every) if i == 0]} tried to).")
