@@ -16,7 +16,7 @@ from hvdlite.common.core import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDU
                                  GroupHandle, Handle, ProcessSet, ReduceOp, global_process_set,
                                  resolve_op)
 
-from .tensor_bridge import NUMPY_DTYPES, as_core_array, check_tensor, empty_core_backed
+from .tensor_bridge import as_core_array, check_tensor, empty_core_backed, plain_cpu
 
 
 def _submit(kind: str, tensor: torch.Tensor, output: torch.Tensor | None, what: str,
@@ -49,10 +49,8 @@ def _fast_allreduce(tensor, in_place: bool, name, reduce_op: ReduceOp, prescale_
     general path's layers; ``None`` if anything is unusual (the caller takes the general path,
     which also raises the errors).  Out of place, the core allocates the result and the tensor
     returned wraps it without a copy."""
-    if (type(tensor) is not torch.Tensor
-            or (process_set is not global_process_set and process_set is not None)
-            or tensor.requires_grad or not tensor.is_cpu or tensor.dtype not in NUMPY_DTYPES
-            or tensor.is_sparse or not tensor.is_contiguous()):
+    if (process_set is not global_process_set and process_set is not None
+            or not plain_cpu(tensor)):
         return None
     array = tensor.numpy()
     handle = core.fast_host_allreduce(array, array if in_place else None, name, reduce_op,
@@ -207,8 +205,7 @@ def _group_views(tensors, what: str, in_place: bool = False):
     contiguous CPU tensor, viewed as it is."""
     arrays = []
     for t in tensors:   # the usual case: plain, contiguous CPU tensors, viewed as they are
-        if (type(t) is not torch.Tensor or t.requires_grad or not t.is_cpu
-                or t.dtype not in NUMPY_DTYPES or t.is_sparse or not t.is_contiguous()):
+        if not plain_cpu(t):
             break
         arrays.append(t.numpy())
     else:

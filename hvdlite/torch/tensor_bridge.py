@@ -26,6 +26,15 @@ _UNSUPPORTED_HINT = ("cast it to a supported dtype (bool, uint8, int8, int16, in
                      "float16, bfloat16, float32, float64)")
 
 
+def plain_cpu(tensor) -> bool:
+    """Whether ``tensor`` is a plain, contiguous CPU tensor outside autograd whose numpy view
+    (``tensor.numpy()``) is its core array as it is: the adapters' fast paths take those
+    without the general checks (one call per tensor of every step)."""
+    return (type(tensor) is torch.Tensor and not tensor.requires_grad and tensor.is_cpu
+            and tensor.dtype in NUMPY_DTYPES and not tensor.is_sparse
+            and tensor.is_contiguous())
+
+
 # check_tensor and as_core_array run for every gradient of every step.  They use attributes
 # rather than calls where torch has both: many torch calls (detach, numpy, view) release
 # the interpreter lock, and while hvdlite's background thread polls, each such release can cost
