@@ -81,12 +81,11 @@ def summary(runs: list[dict]) -> list[str]:
                      + f" {med['flat'] / med['hierarchical']:>8.2f}x"
                      f" {med['hierarchical'] / med['raw']:>8.2f}x"
                      f" {med['flat'] / med['raw']:>8.2f}x")
-        if "flat_no_early" in cases(runs[0])[label]:
-            values = [cases(run)[label]["flat_no_early"]["median_ms"] for run in runs]
-            plain = statistics.median(values)
-            lines.append(f"{'(no early)':>14} {'':>26} {plain:>9.3f} ({min(values):.3f}-"
-                         f"{max(values):.3f}) flat without early reductions: "
-                         f"{plain / med['raw']:.2f}x raw")
+        for variant, row, meaning in cases(runs[0])[label].get("extras", ()):
+            values = [cases(run)[label][variant]["median_ms"] for run in runs]
+            value = statistics.median(values)
+            lines.append(f"{row:>14} {'':>26} {value:>9.3f} ({min(values):.3f}-"
+                         f"{max(values):.3f}) {meaning}: {value / med['raw']:.2f}x raw")
     return lines
 
 

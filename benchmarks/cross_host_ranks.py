@@ -14,7 +14,11 @@ barriers around every block, each rank's median per iteration, maximised over th
   in-place ``hvd.allreduce_`` with the hierarchical path off (``flat``: one MPI allreduce over
   every rank) and on (``hierarchical``);
 * ``lone``: one ``--lone-kib`` allreduce (out of place, ``hvd.allreduce``): raw, flat,
-  hierarchical, and flat without early reductions (``engine/early.py``);
+  hierarchical, and flat without early reductions (``engine/early.py``); and two floors of any
+  negotiated design, timed alongside: the negotiation's bitwise AND (of hvdlite's size) and the
+  data allreduce started together and polled in the caller's thread, and the same run by a bare
+  background thread that takes the request from a queue and sets a flag the caller polls (the
+  two thread hand-offs, with none of hvdlite's bookkeeping);
 * ``round``: ``--small-count`` tensors of ``--small-kib`` submitted with
   ``hvd.allreduce_async_`` and all waited for, against one raw ``Allreduce`` of their total
   bytes: raw, flat, hierarchical;
@@ -30,7 +34,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import queue
 import sys
+import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -41,6 +48,12 @@ from hvdlite.common.backends.hier_plan import SMALL_BYTES  # noqa: E402
 from hvdlite.common.runtime import state  # noqa: E402
 
 VARIANTS = ("raw", "flat", "hierarchical")
+# The lone case's further variants: (key, row label, what it is).
+LONE_EXTRAS = (("flat_no_early", "(no early)", "flat without early reductions"),
+               ("floor_and_data", "(floor caller)",
+                "reference: the AND and the data allreduce together, caller's thread"),
+               ("floor_handed_off", "(floor thread)",
+                "reference: the same by a bare background thread (two hand-offs)"))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -126,16 +139,69 @@ def bench_lone(args, comm) -> dict:
 
     def hvd_step():
         got["out"] = hvd.allreduce(send, op=hvd.Sum, name="cross.lone")
+    floors = _Floors(send, recv, comm)
     ok = check(lambda: comm.Allreduce(send, recv, op=MPI.SUM),
                lambda: np.array_equal(recv, want), None, comm)
+    for step in (floors.and_with_data, floors.handed_off):
+        recv.fill(0)
+        ok &= check(step, lambda: np.array_equal(recv, want) and floors.all_set(), None, comm)
     for on in (False, True):
         ok &= check(hvd_step, lambda: np.array_equal(got["out"], want), on, comm)
     cases = {"raw": Case(lambda: comm.Allreduce(send, recv, op=MPI.SUM), comm.Barrier),
              "flat": Case(hvd_step, barrier_with(False, comm)),
              "hierarchical": Case(hvd_step, barrier_with(True, comm)),
-             "flat_no_early": Case(hvd_step, barrier_with(False, comm, early=False))}
-    ab.measure(list(cases.values()), ab.iterations_for(send.nbytes, args), args, comm)
-    return {"bytes": send.nbytes, "correct": ok, **timings(cases, comm)}
+             "flat_no_early": Case(hvd_step, barrier_with(False, comm, early=False)),
+             "floor_and_data": Case(floors.and_with_data, comm.Barrier),
+             "floor_handed_off": Case(floors.handed_off, comm.Barrier)}
+    try:
+        ab.measure(list(cases.values()), ab.iterations_for(send.nbytes, args), args, comm)
+    finally:
+        floors.close()
+    return {"bytes": send.nbytes, "correct": ok, "extras": LONE_EXTRAS,
+            **timings(cases, comm)}
+
+
+class _Floors:
+    """The two floors of the lone case (see the module's docstring): what a negotiated lone
+    allreduce costs at the wire, in the caller's thread and behind two thread hand-offs."""
+
+    def __init__(self, send: np.ndarray, recv: np.ndarray, comm) -> None:
+        self.send, self.recv, self.comm = send, recv, comm
+        self.negotiation = comm.Dup()
+        words = 2 * state.engine().controller.cache.num_words + 2   # the AND's size
+        self.bits = np.full(words, -1, dtype=np.int64)
+        self.agreed = np.zeros_like(self.bits)
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="floor", daemon=True)
+        self._thread.start()
+
+    def and_with_data(self) -> None:
+        negotiation = self.negotiation.Iallreduce(self.bits, self.agreed, op=MPI.BAND)
+        data = self.comm.Iallreduce(self.send, self.recv, op=MPI.SUM)
+        while not (negotiation.Test() & data.Test()):   # (both tested every time)
+            os.sched_yield()
+
+    def handed_off(self) -> None:
+        done = [False]
+        self._requests.put(done)
+        while not done[0]:
+            os.sched_yield()
+
+    def all_set(self) -> bool:
+        return bool((self.agreed == -1).all())
+
+    def _serve(self) -> None:
+        while True:
+            done = self._requests.get()
+            if done is None:
+                return
+            self.and_with_data()
+            done[0] = True
+
+    def close(self) -> None:
+        self._requests.put(None)
+        self._thread.join()
+        self.negotiation.Free()
 
 
 def bench_round(args, comm) -> dict:
@@ -217,9 +283,10 @@ def main(argv=None) -> int:
         ab.say(line(ab.format_size(nbytes), large[-1]))
     lone = bench_lone(args, comm)
     ab.say(line(f"lone {args.lone_kib} KiB", lone))
-    plain = lone["flat_no_early"]["median_ms"]
-    ab.say(f"{'(no early)':>16} {'':>9} {plain:>9.3f} {'':>9} {'':>10} {'':>9} "
-           f"{plain / lone['raw']['median_ms']:>8.2f}x   flat without early reductions")
+    for variant, label, meaning in LONE_EXTRAS:
+        value = lone[variant]["median_ms"]
+        ab.say(f"{label:>16} {'':>9} {value:>9.3f} {'':>9} {'':>10} {'':>9} "
+               f"{value / lone['raw']['median_ms']:>8.2f}x   {meaning}")
     rounds = None
     if args.small_count > 0:
         rounds = bench_round(args, comm)

@@ -133,3 +133,22 @@ def test_training_scaling_prints_every_configuration():
     for line in ("scaling efficiency at 2 ranks", "lockstep ceiling", "share of the lockstep",
                  "against a blocking mpi4py Allreduce loop", "against DDP over gloo"):
         assert line in output, output
+
+
+def test_cross_host_ranks_lone_case_with_its_floors(tmp_path):
+    """benchmarks/cross_host_ranks.py (the ranks' side of cross_host_benchmark.py) on one host:
+    the lone case and its two floor references (the negotiation's AND beside the data, in the
+    caller's thread and behind two thread hand-offs) run, and each result is checked."""
+    out = tmp_path / "result.json"
+    job = run_job(2, [sys.executable, str(REPO / "benchmarks" / "cross_host_ranks.py"),
+                      "--sizes", "", "--small-count", "0", "--gather-sizes", "",
+                      "--iterations", "20", "--min-iterations", "5", "--time-budget", "0.5",
+                      "--blocks", "2", "--json", str(out)], timeout=180)
+    assert not job.timed_out, job.output
+    assert job.returncode == 0, job.output
+    lone = json.loads(out.read_text())["lone"]
+    assert lone["correct"], job.output
+    for variant in ("raw", "flat", "hierarchical", "flat_no_early", "floor_and_data",
+                    "floor_handed_off"):
+        assert lone[variant]["iterations"] >= 5, (variant, lone[variant])
+    assert "(floor thread)" in job.stdout and "(floor caller)" in job.stdout, job.stdout
