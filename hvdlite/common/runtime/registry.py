@@ -119,8 +119,8 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     different sets (e.g. each its own part of a ``comm.Split``): every set named by some rank is
     removed.  Operations still pending in a removed set fail.  Returns True if this rank's set
     was registered and is now removed."""
-    state = _state.get("the exchange of hvd.remove_process_set()")
-    _state.refuse_in_forked_child("the exchange of hvd.remove_process_set()")
+    state = _state.get("hvd.remove_process_set()")
+    _state.refuse_in_forked_child("hvd.remove_process_set()")
     if not state.config.dynamic_process_sets:
         raise ValueError("remove_process_set() needs dynamic process sets (set "
                          "HVDLITE_DYNAMIC_PROCESS_SETS=1 or call "

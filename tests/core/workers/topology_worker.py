@@ -14,6 +14,16 @@ def before_init():
         assert "hvd.init()" in str(exc)
     else:
         raise AssertionError("rank() before init() did not raise")
+    # The collectives outside the engine name the call that came too early.
+    for call, named in ((lambda: hvd.add_process_set([0]), "hvd.add_process_set()"),
+                        (lambda: hvd.remove_process_set(hvd.ProcessSet([0])),
+                         "hvd.remove_process_set()")):
+        try:
+            call()
+        except hvd.NotInitializedError as exc:
+            assert str(exc).endswith(f"call hvd.init() before {named}."), str(exc)
+        else:
+            raise AssertionError(f"{named} before init() did not raise")
 
 
 r.case("before_init_raises", before_init)
