@@ -27,20 +27,21 @@ def raise_if_gone(peers: Iterable[int], label: int, what: str, waited: float = 0
     to be gone: reported by the watchdog from any host, or a node-local process that no longer
     runs.  ``what``: the operation waiting for them, for the message."""
     peers = [r for r in peers if r != label]
+    departed = liveness.departed_among(peers)
+    gone = [] if departed else liveness.vanished(peers)
+    if not departed and not gone:   # the usual answer: no message to build
+        return
     waiting = (f"while rank {label} waited {waited:.0f} s for it in {what}" if waited
                else f"so rank {label} cannot complete {what}")
-    departed = liveness.departed_among(peers)
     if departed:
         raise RankExitedError(
             f"{'; '.join(departed)}, {waiting}; {_NOT_POSSIBLE}. Look at that rank's output "
             f"and its host's system log for the cause.")
-    gone = liveness.vanished(peers)
-    if gone:
-        raise RankExitedError(
-            f"rank(s) {gone} on this node exited without shutting down hvdlite (killed, "
-            f"for example by the out-of-memory killer, os._exit, or a crash in native code), "
-            f"{waiting}; {_NOT_POSSIBLE}. Look at rank(s) {gone}'s output and the system log "
-            f"for the cause.")
+    raise RankExitedError(
+        f"rank(s) {gone} on this node exited without shutting down hvdlite (killed, for "
+        f"example by the out-of-memory killer, os._exit, or a crash in native code), "
+        f"{waiting}; {_NOT_POSSIBLE}. Look at rank(s) {gone}'s output and the system log for "
+        f"the cause.")
 
 
 def check_wait(waited: float, what: str, label: int, peers: Iterable[int], config: Config,
