@@ -184,6 +184,7 @@ class Controller:
         pending, cached_slot, cached = self.pending, self.cache.slot_of, self.cache.slots
         signature = SIGNATURE
         grouped = False
+        due_after = first_due(0.0, cfg)   # a stall report is due this long after submission
         # Runs for every tensor of every step: the cache lookup is inlined (ResponseCache.lookup
         # has the same logic).
         for entry in new_entries:
@@ -199,12 +200,12 @@ class Controller:
                     entry.slot = slot
                 else:
                     invalid_here.add(slot)
-            entry.next_stall_report = first_due(entry.submitted_at, cfg)
+            entry.next_stall_report = entry.submitted_at + due_after
             if entry.group is not None:
                 grouped = True
         if new_entries and cfg.stall_check_enabled:
             self._stall_scan_at = min(self._stall_scan_at,
-                                      first_due(min(e.submitted_at for e in new_entries), cfg))
+                                      min(e.submitted_at for e in new_entries) + due_after)
         if grouped:   # a group is announced through the cache only if all its members hit
             seen: set[int] = set()   # each group once: its members are all new entries
             for entry in new_entries:
@@ -220,14 +221,10 @@ class Controller:
         want_stall = self.stall_due(now)
 
         nw = self.cache.num_words
-        ready_slots = []
-        unsent = self._join_unsent
-        for entry in pending.values():   # one pass: cached slots to announce, and unsent ones
-            slot = entry.slot
-            if slot is not None:
-                ready_slots.append(slot)
-            elif not entry.sent:
-                unsent = True
+        slots = [entry.slot for entry in pending.values()]
+        ready_slots = [slot for slot in slots if slot is not None]
+        unsent = self._join_unsent or (len(ready_slots) < len(slots) and any(
+            entry.slot is None and not entry.sent for entry in pending.values()))
         if self.join_entry is not None:   # stand in for every cached reduction
             ready_slots = set(ready_slots).union(reducible_slots(self.cache))
         ready_here = _pack(ready_slots, nw)
@@ -290,7 +287,14 @@ class Controller:
         # everywhere, still valid, and no rank stood in for it (nobody joined).
         early_stands = (early_entry is not None and early[0] in agreed
                         and early[0] not in invalid_set and not any_flags & F_JOINED)
-        for slot in agreed:   # (when everyone has joined, the stand-in bits mean nothing)
+        checked = agreed
+        if not (invalid_set or early_stands or any_flags & F_JOINED):
+            # The usual round: every agreed slot is a tensor pending here.
+            for response in [cached[slot][0] for slot in agreed]:
+                entry = pop(response.name, None)
+                ready.append((response, entry if entry is not None else stand_in(response)))
+            checked = ()
+        for slot in checked:   # (when everyone has joined, the stand-in bits mean nothing)
             if slot not in invalid_set:
                 response = cached[slot][0]
                 entry = pop(response.name, None)
