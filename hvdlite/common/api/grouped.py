@@ -1,24 +1,32 @@
 """Grouped operations: several tensors negotiated and executed as one unit.
 
-A group's members reach the engine together, are announced through the response cache only when
-all of them hit it, and are released by the coordinator together, so they always run in the same
-round (and small allreduces of one dtype share one fused buffer).  If one member fails
-validation, every member fails with an error naming it.
+A grouped allreduce is one operation under the group's name: one request whose layout lists
+the members (validated member by member across ranks), one response-cache slot, one handle; the
+data paths execute its members as they execute single tensors (small ones of one dtype share one
+fused buffer).  A named host group's entries are kept from one submission to the next
+(:class:`~hvdlite.common.api.submission.GroupTemplate`), so a training loop's step builds and
+checks nothing per member again.  Grouped allgathers and reducescatters reach the engine as
+their members, announced through the response cache only when all of them hit it and released
+by the coordinator together.  Either way the group runs in one round, and if one member fails
+validation the whole group fails with an error naming it.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+import operator
 from typing import Iterator, Sequence
 
 import numpy as np
 
 from hvdlite.common.api.announce import (_NOTHING_TO_ANNOUNCE, _announce, _auto_name,
                                          announcing_with)
-from hvdlite.common.api.submission import _contiguous, fast_host_allreduce_group, make_entry
-from hvdlite.common.engine.handle import GroupHandle
-from hvdlite.common.engine.messages import ALLGATHER, ALLREDUCE, REDUCESCATTER
+from hvdlite.common.api.submission import (GroupTemplate, _contiguous, fast_host_allreduce_group,
+                                          make_entry)
+from hvdlite.common.engine.handle import Entry, GroupHandle
+from hvdlite.common.engine.messages import ALLGATHER, ALLREDUCE, REDUCESCATTER, Request
 from hvdlite.common.reduce_ops import ReduceOp, resolve_op
-from hvdlite.common.runtime import registry
+from hvdlite.common.runtime import lifecycle, registry
 from hvdlite.common.runtime.process_sets import ProcessSet
 
 
@@ -37,28 +45,88 @@ def submit_group(kind: str, arrays: Sequence[np.ndarray], *, name: str | None = 
     # Every member's name is taken before any is checked: if one fails in an unnamed group, all
     # are announced as failed, so the other ranks' group fails too and later names stay paired.
     group, names = _group_names(kind, name, set_id, n)
+    packed = kind == ALLREDUCE   # negotiated as one request (see _packed_request)
+    template = None
     try:
         entries = None
-        if (kind == ALLREDUCE and members is None and allocates is None
+        if (packed and members is None and allocates is None
                 and (dtypes is None or not any(dtypes))
                 and kwargs.keys() <= _FAST_GROUP_ARGUMENTS):
-            entries = fast_host_allreduce_group(
-                engine, arrays, outputs, names, group, not auto_named,
-                kwargs.get("reduce_op", ReduceOp.Sum), kwargs.get("prescale_factor", 1.0),
-                kwargs.get("postscale_factor", 1.0))
+            reduce_op = kwargs.get("reduce_op", ReduceOp.Sum)
+            prescale = kwargs.get("prescale_factor", 1.0)
+            postscale = kwargs.get("postscale_factor", 1.0)
+            if not auto_named:
+                template = _templates.pop(group, None)
+                if template is not None:
+                    entries = template.refill(arrays, outputs, reduce_op, prescale, postscale)
+            if entries is None:
+                template = None
+                entries = fast_host_allreduce_group(arrays, outputs, names, reduce_op,
+                                                    prescale, postscale)
+                if (entries is not None and not auto_named
+                        and (outputs is None or all(map(operator.is_, outputs, arrays)))):
+                    template = GroupTemplate(group, entries, outputs is not None, reduce_op,
+                                             prescale, postscale)
         if entries is None:
             entries = [make_entry(engine, members, kind, array, name=names[i],
                                   output=None if outputs is None else outputs[i],
                                   allocate=None if allocates is None else allocates[i],
                                   dtype=None if dtypes is None else dtypes[i], set_id=set_id,
-                                  group=group, group_size=n, auto_named=auto_named,
-                                  **kwargs)
+                                  group="" if packed else group, group_size=0 if packed else n,
+                                  auto_named=auto_named, **kwargs)
                        for i, array in enumerate(arrays)]
     except Exception as exc:
         if auto_named:
-            _announce(engine, members, names, exc, group=group)
+            if packed:
+                _announce(engine, members, [group], exc)
+            else:
+                _announce(engine, members, names, exc, group=group)
         raise
-    return GroupHandle(group, engine.submit_group(entries))
+    if not packed:
+        return GroupHandle(group, engine.submit_group(entries))
+    request = template.request if template is not None else None
+    if request is None:
+        request = _packed_request(group, entries, not auto_named)
+        if template is not None:
+            template.request = request
+    entry = Entry(request, None, None, None, engine.new_handle(group))
+    entry.members = entries
+    handle = GroupHandle(group, [engine.submit_packed(entry)], whole=True)
+    if template is not None:   # reusable once the results are taken (the group is complete)
+        handle.then(functools.partial(_give_back, template))
+    return handle
+
+
+# Named host groups' templates, by group name, while not in flight (see GroupTemplate).
+_templates: dict[str, GroupTemplate] = {}
+_MAX_TEMPLATES = 1024
+
+
+def _give_back(template: GroupTemplate, results: list) -> list:
+    template.release()   # the results are the caller's now: hold none of their memory
+    if len(_templates) < _MAX_TEMPLATES:
+        _templates[template.group] = template
+    return results
+
+
+lifecycle.on_shutdown(_templates.clear)
+
+
+_layout_fields = operator.itemgetter(0, 2, 3, 6)   # a request's name, dtype, shape, device
+assert tuple(Request._fields[i] for i in (0, 2, 3, 6)) == ("name", "dtype", "shape", "device")
+
+
+def _packed_request(group: str, entries: list[Entry], cacheable: bool) -> Request:
+    """The one request a grouped allreduce is negotiated as: named after the group, with a
+    layout that lists every member (name, dtype, shape, device), validated across ranks member
+    by member; one response cache slot, one handle.  The members' own entries travel with it
+    and are what the data paths execute, as for a group negotiated tensor by tensor (see
+    ``Engine.submit_packed``)."""
+    first = entries[0].request
+    return Request(group, ALLREDUCE, "", (), first.reduce_op, -1, -1, first.prescale,
+                   first.postscale,
+                   layout=tuple(map(_layout_fields, [e.request for e in entries])),
+                   cacheable=cacheable)
 
 
 # The arguments an allreduce group may carry and still take the fast path.
@@ -110,7 +178,10 @@ def announce_group_failure(kind: str, name: str | None, process_set: ProcessSet 
     except Exception:   # noqa: BLE001 - nothing can be submitted here, so nothing is owed
         return
     group, names = _group_names(kind, None, set_id, count)
-    _announce(engine, members, names, exc, group=group)
+    if kind == ALLREDUCE:   # negotiated as one request under the group's name
+        _announce(engine, members, [group], exc)
+    else:
+        _announce(engine, members, names, exc, group=group)
 
 
 @announcing_group(ALLREDUCE)

@@ -37,10 +37,13 @@ def _default_allocate(shape: tuple, dtype: np.dtype) -> np.ndarray:
     return result_empty(shape, dtype)
 
 
-# Host allreduces whose (numpy dtype, reduce op) passed make_entry's checks once, mapped to what
-# their request carries: (canonical dtype name, op as int).  The fast path below needs no dtype
-# lookup or op check for a pair seen before; it runs for every gradient of every step.
-_checked_host_allreduce: dict[tuple, tuple[str, int]] = {}
+# Host allreduces whose reduce op and numpy dtype passed make_entry's checks once: op -> dtype ->
+# what their request carries (canonical dtype name, op as int).  The fast paths below need no
+# dtype lookup or op check for a pair seen before; they run for every gradient of every step.
+# Keyed by op first: a group looks its op up once (hashing a ReduceOp runs Python code), then
+# each member's dtype.
+_checked_host_allreduce: dict[ReduceOp, dict[np.dtype, tuple[str, int]]] = {}
+_NONE_CHECKED: dict = {}
 _new_request = tuple.__new__   # builds a Request without NamedTuple.__new__'s Python frame
 
 
@@ -53,7 +56,7 @@ def fast_host_allreduce(array, output, name, reduce_op, prescale_factor, postsca
     call it too, with a zero-copy numpy view of their tensor."""
     if process_set is not None or type(array) is not np.ndarray:
         return None
-    checked = _checked_host_allreduce.get((array.dtype, reduce_op))
+    checked = _checked_host_allreduce.get(reduce_op, _NONE_CHECKED).get(array.dtype)
     if (checked is None or type(name) is not str or type(prescale_factor) is not float
             or type(postscale_factor) is not float
             or (output is not None and output is not array)):   # outputs get checked there
@@ -66,25 +69,27 @@ def fast_host_allreduce(array, output, name, reduce_op, prescale_factor, postsca
     if output is None:
         output = result_empty(shape, array.dtype)
     request = _new_request(Request, (name, ALLREDUCE, checked[0], shape, checked[1], -1, -1,
-                                     prescale_factor, postscale_factor, (), "", 0, True, ""))
+                                     prescale_factor, postscale_factor, (), "", 0, (), True, ""))
     return engine.submit(Entry(request, array, output, _default_allocate,
                                engine.new_handle(name)))
 
 
-def fast_host_allreduce_group(engine, arrays, outputs, names: list[str], group: str,
-                              cacheable: bool, reduce_op, prescale_factor,
+def fast_host_allreduce_group(arrays, outputs, names: list[str], reduce_op, prescale_factor,
                               postscale_factor) -> list[Entry] | None:
-    """The entries of a grouped allreduce on the global set (``engine``) whose members are
+    """The members' entries of a grouped allreduce on the global set whose members are
     contiguous host arrays of dtypes validated (with ``reduce_op``) before: what
-    :func:`fast_host_allreduce` does for one tensor, for a whole group; ``None`` if any member
-    is unusual (the caller takes the general path, which also raises the errors).
-    ``outputs``: None (new results), or one per member: the member itself (in place) or a
-    contiguous, writable array of its dtype and shape."""
+    :func:`fast_host_allreduce` does for one tensor, for a whole group (without handles: the
+    group's sink becomes theirs); ``None`` if any member is unusual (the caller takes the
+    general path, which also raises the errors).  ``outputs``: None (new results), or one per
+    member: the member itself (in place) or a contiguous, writable array of its dtype and
+    shape."""
     if type(prescale_factor) is not float or type(postscale_factor) is not float:
         return None
-    checked_pairs = _checked_host_allreduce
+    checked_dtypes = _checked_host_allreduce.get(reduce_op)
+    if checked_dtypes is None:
+        return None
     for array in arrays:
-        if type(array) is not np.ndarray or (array.dtype, reduce_op) not in checked_pairs \
+        if type(array) is not np.ndarray or array.dtype not in checked_dtypes \
                 or not array.flags.c_contiguous:
             return None
     if outputs is not None:
@@ -96,17 +101,72 @@ def fast_host_allreduce_group(engine, arrays, outputs, names: list[str], group: 
                 return None
             if not output.flags.writeable:
                 return None
-    new_handle, size = engine.new_handle, len(arrays)
     entries = []
     for i, (array, name) in enumerate(zip(arrays, names)):
         dtype, shape = array.dtype, array.shape
-        checked = checked_pairs[(dtype, reduce_op)]
+        checked = checked_dtypes[dtype]
         request = _new_request(Request, (name, ALLREDUCE, checked[0], shape, checked[1], -1, -1,
-                                         prescale_factor, postscale_factor, (), group, size,
-                                         cacheable, ""))
+                                         prescale_factor, postscale_factor, (), "", 0, (),
+                                         False, ""))
         output = result_empty(shape, dtype) if outputs is None else outputs[i]
-        entries.append(Entry(request, array, output, _default_allocate, new_handle(name)))
+        entries.append(Entry(request, array, output, _default_allocate, None))
     return entries
+
+
+class GroupTemplate:
+    """A named grouped allreduce's member entries and negotiated request, kept from one
+    submission to the next (a training loop submits the same group every step): when the
+    members are host arrays of the same dtypes and shapes again, :meth:`refill` only hands the
+    entries the new arrays instead of building and checking every member afresh.  Host members
+    only: nothing holds their memory after completion, so the entries are free to reuse once
+    the group has completed (the caller keeps a template out of its table while its group is
+    in flight, so no two submissions share one)."""
+
+    __slots__ = ("group", "entries", "request", "dtypes", "shapes", "in_place", "reduce_op",
+                 "prescale", "postscale")
+
+    def __init__(self, group: str, entries: list[Entry], in_place: bool, reduce_op,
+                 prescale: float, postscale: float) -> None:
+        self.group = group
+        self.entries = entries
+        self.request: Request | None = None   # the group's request, set by whoever builds it
+        self.dtypes = [entry.array.dtype for entry in entries]
+        self.shapes = [entry.array.shape for entry in entries]
+        self.in_place = in_place
+        self.reduce_op, self.prescale, self.postscale = reduce_op, prescale, postscale
+
+    def release(self) -> None:
+        """Forget the last submission's arrays and handle (kept until the next refill, they
+        would hold a whole group's inputs and results alive between steps)."""
+        for entry in self.entries:
+            entry.array = entry.output = entry.handle = None
+
+    def refill(self, arrays, outputs, reduce_op, prescale_factor,
+               postscale_factor) -> list[Entry] | None:
+        """The entries again, now for ``arrays`` (``outputs``: None for new results, or the
+        arrays themselves for in place); None unless every member matches the template and
+        passes :func:`fast_host_allreduce_group`'s checks (the caller then builds afresh)."""
+        entries = self.entries
+        if (reduce_op is not self.reduce_op or prescale_factor != self.prescale
+                or postscale_factor != self.postscale or len(arrays) != len(entries)
+                or (outputs is not None) != self.in_place):
+            return None
+        if self.in_place:
+            for entry, array, output, dtype, shape in zip(entries, arrays, outputs,
+                                                          self.dtypes, self.shapes):
+                if (output is not array or type(array) is not np.ndarray or array.dtype != dtype
+                        or array.shape != shape or not array.flags.c_contiguous
+                        or not array.flags.writeable):
+                    return None
+                entry.array = entry.output = array
+        else:
+            for entry, array, dtype, shape in zip(entries, arrays, self.dtypes, self.shapes):
+                if (type(array) is not np.ndarray or array.dtype != dtype
+                        or array.shape != shape or not array.flags.c_contiguous):
+                    return None
+                entry.array = array
+                entry.output = result_empty(shape, dtype)
+        return entries
 
 
 class PreparedAllreduce:
@@ -225,7 +285,8 @@ def make_entry(engine, members: list[int] | None, kind: str, array: np.ndarray |
         check_reduce_op(info, reduce_op, name)
         if (kind == ALLREDUCE and not on_gpu and members is None and dtype is None
                 and array_dtype == info.np_dtype and reduce_op != ReduceOp.Adasum):
-            _checked_host_allreduce[(array_dtype, reduce_op)] = (info.name, int(reduce_op))
+            _checked_host_allreduce.setdefault(reduce_op, {})[array_dtype] = (info.name,
+                                                                              int(reduce_op))
         if reduce_op == ReduceOp.Adasum:
             from hvdlite.common.backends.adasum import check_adasum_size
             if kind == REDUCESCATTER:
@@ -257,7 +318,8 @@ def make_entry(engine, members: list[int] | None, kind: str, array: np.ndarray |
                       root_rank if kind == BROADCAST else -1, device,
                       prescale_factor if type(prescale_factor) is float else float(prescale_factor),
                       postscale_factor if type(postscale_factor) is float
-                      else float(postscale_factor), splits or (), group, group_size, cacheable)
+                      else float(postscale_factor), splits or (), group, group_size,
+                      cacheable=cacheable)
     if on_gpu:
         if allocate is None:
             allocate = _device_allocator(array.dtype, device)

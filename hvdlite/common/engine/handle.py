@@ -106,14 +106,18 @@ class Handle:
 
 
 class GroupHandle:
-    """Handle of a grouped operation: ``wait()`` returns the members' results as a list."""
+    """Handle of a grouped operation: ``wait()`` returns the members' results as a list.
 
-    __slots__ = ("name", "handles", "_post")
+    ``handles``: one per member; or, for a group that completes as one (a grouped allreduce,
+    see :class:`GroupSink`), a single handle whose result is that list (``whole=True``)."""
 
-    def __init__(self, name: str, handles: list[Handle]) -> None:
+    __slots__ = ("name", "handles", "_post", "_whole")
+
+    def __init__(self, name: str, handles: list[Handle], whole: bool = False) -> None:
         self.name = name
         self.handles = handles
         self._post: list[Callable[[Any], Any]] = []
+        self._whole = whole
 
     def then(self, fn: Callable[[Any], Any]) -> "GroupHandle":
         self._post.append(fn)
@@ -123,9 +127,13 @@ class GroupHandle:
         return all(h.poll() for h in self.handles)
 
     def wait(self, timeout: float | None = None) -> Any:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        results = [h.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-                   for h in self.handles]
+        if self._whole:
+            results = self.handles[0].wait(timeout)
+        else:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            results = [h.wait(None if deadline is None
+                              else max(0.0, deadline - time.monotonic()))
+                       for h in self.handles]
         post, self._post = self._post, []
         for fn in post:
             results = fn(results)
@@ -137,11 +145,57 @@ class GroupHandle:
         return f"<hvdlite.GroupHandle {self.name!r} {'done' if self.poll() else 'pending'}>"
 
 
+class GroupSink:
+    """The ``handle`` of every member of a grouped allreduce negotiated as one request (see
+    ``Request.layout``): the engine completes the members batch by batch, and once every one
+    has reported, ``finish(error, device_ready)`` completes the group: ``error`` is the first
+    member's error, if any; ``device_ready``, the members' GPU readiness callbacks (asynchronous
+    completion) to run before the results are used."""
+
+    __slots__ = ("name", "_left", "_error", "_lock", "_finish", "_readies")
+
+    def __init__(self, name: str, count: int,
+                 finish: Callable[[BaseException | None, list], None]) -> None:
+        self.name = name
+        self._left = count
+        self._error: BaseException | None = None
+        self._lock = _thread.allocate_lock()   # members may complete on different threads
+        self._finish = finish
+        self._readies: list[Callable[[], None]] = []
+
+    @property
+    def _device_ready(self) -> None:
+        return None
+
+    @_device_ready.setter
+    def _device_ready(self, ready: Callable[[], None] | None) -> None:
+        if ready is not None:   # one per batch of members: all of them run before use
+            self._readies.append(ready)
+
+    def _complete(self, result: Any = None, error: BaseException | None = None) -> None:
+        self.completed(1, error)
+
+    def completed(self, count: int, error: BaseException | None = None) -> None:
+        """``count`` members have completed (with ``error``, if not None)."""
+        with self._lock:
+            if self._left <= 0:   # the group has finished already
+                return
+            self._left -= count
+            if error is not None and self._error is None:
+                self._error = error
+            last = self._left <= 0
+        if last:
+            self._finish(self._error, self._readies)
+
+    def __repr__(self) -> str:
+        return f"<hvdlite.GroupSink {self.name!r} {self._left} pending>"
+
+
 class Entry:
     """One submitted operation, as the engine sees it."""
 
     __slots__ = ("request", "array", "output", "allocate", "handle", "submitted_at",
-                 "slot", "sent", "next_stall_report", "nbytes", "group", "stand_in")
+                 "slot", "sent", "next_stall_report", "nbytes", "group", "stand_in", "members")
 
     def __init__(self, request: Request, array: np.ndarray | None, output: np.ndarray | None,
                  allocate: Callable[[tuple, np.dtype], np.ndarray] | None, handle: Handle) -> None:
@@ -157,6 +211,9 @@ class Entry:
         self.nbytes = 0 if array is None else array.nbytes
         self.group: list[Entry] | None = None   # members of its grouped op (itself included)
         self.stand_in = False   # a joined rank's neutral contribution: never prescaled
+        # A grouped allreduce negotiated as one request: its members' entries (what the data
+        # paths execute; each one's handle is the group's GroupSink)
+        self.members: list[Entry] | None = None
 
     @property
     def name(self) -> str:

@@ -10,7 +10,15 @@ from hvdlite.common.reduce_ops import ReduceOp
 
 
 def stand_in(response: Response) -> Entry:
-    """What a joined rank contributes to a reduction it never submitted: the identity."""
+    """What a joined rank contributes to a reduction it never submitted: the identity (for
+    each member of a grouped allreduce negotiated as one request)."""
+    if response.members:
+        request = Request(response.name, response.kind, response.dtype, response.shape,
+                          response.reduce_op, cacheable=response.cacheable)
+        entry = Entry(request, None, None, None, Handle(response.name, lambda: True))
+        entry.stand_in = True
+        entry.members = [stand_in(member) for member in response.members]
+        return entry
     info = dtype_info(response.dtype)
     array = reduction_identity(info, ReduceOp(response.reduce_op), response.shape)
     request = Request(response.name, response.kind, response.dtype, response.shape,

@@ -48,6 +48,9 @@ class Request(NamedTuple):
     splits: tuple = ()        # alltoall: rows this rank sends to each rank
     group: str = ""           # grouped ops: the group's name (members negotiate as one unit)
     group_size: int = 0
+    # A grouped allreduce negotiated as one request (named after the group): its members'
+    # (name, dtype, shape), in order.  Empty for every other request.
+    layout: tuple = ()
     cacheable: bool = True    # auto-named tensors never repeat, so caching them is waste
     failure: str = ""         # FAILED: the error this rank raised (type and message)
 
@@ -56,9 +59,9 @@ class Request(NamedTuple):
         return self[SIGNATURE]
 
 
-# The fields from ``kind`` to ``group_size``: a request's signature.  A slice, so that the
+# The fields from ``kind`` to ``layout``: a request's signature.  A slice, so that the
 # controller's per-tensor cache test can take it without a method call.
-SIGNATURE = slice(Request._fields.index("kind"), Request._fields.index("group_size") + 1)
+SIGNATURE = slice(Request._fields.index("kind"), Request._fields.index("layout") + 1)
 
 
 class Response(NamedTuple):
@@ -76,6 +79,9 @@ class Response(NamedTuple):
     error_kind: str | None = None
     cacheable: bool = True
     splits: tuple = ()          # alltoall: every rank's splits, in rank order
+    # A grouped allreduce negotiated as one request: one response per member, in order (what
+    # the data paths execute; see Request.layout).  Empty for every other response.
+    members: tuple = ()
 
 
 def _describe_values(name: str, kind: str, field: str, by_rank: Mapping[int, object]) -> str:
@@ -133,6 +139,8 @@ def build_response(requests: Mapping[int, Request], joined: Iterable[int] = ()) 
         fields += [("number of dimensions", lambda r: len(r.shape)),
                    ("shape after the first dimension", lambda r: tuple(r.shape[1:]))]
     error = _first_mismatch(name, kind, requests, fields)
+    if error is None and kind == ALLREDUCE:
+        error = _layout_mismatch(name, requests)
     if error is not None:
         if "reduce op" in error:
             from hvdlite.common.reduce_ops import ReduceOp
@@ -149,9 +157,37 @@ def build_response(requests: Mapping[int, Request], joined: Iterable[int] = ()) 
         first_dims = tuple(requests[r].shape[0] if requests[r].shape else 1
                            for r in sorted(requests))
     splits = tuple(requests[r].splits for r in sorted(requests)) if kind == ALLTOALL else ()
+    cacheable = all(r.cacheable for r in requests.values())
+    members = tuple(Response(member, kind, dtype, shape, first.reduce_op, first.root, device,
+                             first.prescale, first.postscale, cacheable=cacheable)
+                    for member, dtype, shape, device in first.layout)
     return Response(name, kind, first.dtype, first.shape, first.reduce_op, first.root,
                     first.device, first.prescale, first.postscale, first_dims,
-                    cacheable=all(r.cacheable for r in requests.values()), splits=splits)
+                    cacheable=cacheable, splits=splits, members=members)
+
+
+def _layout_mismatch(name: str, requests: Mapping[int, Request]) -> str | None:
+    """Where the members of a grouped allreduce (one request per rank, see Request.layout)
+    differ between ranks, naming the first member that does; None if they agree."""
+    layouts = {rank: req.layout for rank, req in requests.items()}
+    if len(set(layouts.values())) == 1:
+        return None
+    what = f"grouped allreduce {name!r}"
+    counts = {rank: len(layout) for rank, layout in layouts.items()}
+    if len(set(counts.values())) > 1:
+        return _describe_values(name, what, "number of tensors", counts)
+    for i in range(len(layouts[min(layouts)])):
+        fields = [("name", lambda layout: layout[i][0]), ("dtype", lambda layout: layout[i][1]),
+                  ("shape", lambda layout: layout[i][2]),
+                  ("device", lambda layout: "cpu" if layout[i][3] < 0 else "gpu")]
+        for field, get in fields:
+            by_rank = {rank: get(layout) for rank, layout in layouts.items()}
+            if len(set(by_rank.values())) > 1:
+                member = layouts[min(layouts)][i][0]
+                return (f"{what} failed because of its member {member!r} (tensor {i} of "
+                        f"{counts[min(counts)]}): "
+                        + _describe_values(member, "grouped allreduce", field, by_rank))
+    return None
 
 
 def _failed_on_ranks(name: str, requests: Mapping[int, Request], failed: list[int]) -> str:

@@ -21,7 +21,7 @@ from hvdlite.common.engine.controller import IDLE_TICK_SECONDS, Controller
 from hvdlite.common.engine.data_paths import PathContext, select
 from hvdlite.common.engine.early import EARLY_MAX_BYTES, EarlyPlan
 from hvdlite.common.engine.fusion import plan_batches
-from hvdlite.common.engine.handle import Entry, Handle
+from hvdlite.common.engine.handle import Entry, GroupSink, Handle
 from hvdlite.common.engine.in_flight import InFlight
 from hvdlite.common.engine.transport import MPITransport
 from hvdlite.common.engine.messages import ALLREDUCE, ERROR_FAILED_ON_RANK, ERROR_STALL, Response
@@ -64,6 +64,11 @@ def _fusion_key(item: tuple[Response, Entry]):
 
 def _nbytes(item: tuple[Response, Entry]) -> int:
     return item[1].nbytes
+
+
+def _run_all(calls: list[Callable[[], None]]) -> None:
+    for call in calls:
+        call()
 
 
 class Engine:
@@ -136,6 +141,17 @@ class Engine:
             self._in_flight[name] = entry
         self._queue.put(entry)
         return entry.handle
+
+    def submit_packed(self, entry: Entry) -> Handle:
+        """Submit a grouped allreduce negotiated as one request (``entry``, whose ``members``
+        are the members' entries): one entry, one cache slot and one handle for the whole
+        group, whose result is the list of the members' results."""
+        members = entry.members
+        sink = GroupSink(entry.name, len(members),
+                         functools.partial(self._finish_packed, entry))
+        for member in members:
+            member.handle = sink
+        return self.submit(entry)
 
     def submit_group(self, entries: list[Entry]) -> list[Handle]:
         """Submit a grouped operation: its members reach the controller in one piece."""
@@ -314,6 +330,10 @@ class Engine:
             for response, entry in ready:
                 kind = entry.request.kind if entry is not None else response.kind
                 tl.negotiate_end(response.name, kind, response.error)
+                if response.members:   # a group negotiated as one: its members' rows go on
+                    tl.op_end([response.name])
+                    for member in response.members:
+                        tl.negotiate_end(member.name, kind)
         runnable = ready
         if any(response.error is not None for response, _ in ready):
             runnable = []
@@ -323,6 +343,12 @@ class Engine:
                     self._complete(entry, error=cls(response.error))
                 else:
                     runnable.append((response, entry))
+        if any(response.members for response, _ in runnable):
+            # grouped allreduces negotiated as one: the paths execute their members, exactly
+            # as they would execute the members of a group negotiated tensor by tensor
+            runnable = [pair for response, entry in runnable
+                        for pair in (zip(response.members, entry.members) if response.members
+                                     else ((response, entry),))]
         sole_path = None
         for batch in plan_batches(runnable, _fusion_key, _nbytes, self.config.fusion_threshold):
             path = select(self._device_paths if batch[0][0].device >= 0 else self._host_paths,
@@ -344,7 +370,7 @@ class Engine:
         if outcome.early is not None or len(outcome.ready) != 1:
             return None
         response, entry = outcome.ready[0]
-        if (path is not self._early_path or entry is None
+        if (path is not self._early_path or entry is None or response.members
                 or response.kind != ALLREDUCE or response.device >= 0
                 or response.reduce_op == ReduceOp.Adasum or entry.request.group
                 or not 0 < entry.nbytes <= self._early_max_bytes or self.controller.size < 2):
@@ -448,10 +474,23 @@ class Engine:
 
     def _complete_batch(self, entries: list[Entry]) -> None:
         """Complete successful entries with one lock round-trip for the whole batch."""
-        pop = self._in_flight.pop
+        sink = entries[0].handle
+        if type(sink) is GroupSink and all(entry.handle is sink for entry in entries):
+            # members of one grouped allreduce, which are not in the table (their group is)
+            tl = _timeline.ACTIVE
+            if tl is not None:
+                tl.op_end([entry.name for entry in entries])
+            sink.completed(len(entries))
+            return
+        in_flight = self._in_flight
+        pop = in_flight.pop
         with self._lock:
             for entry in entries:
-                pop(entry.request[0], None)   # [0]: the name
+                other = pop(entry.request[0], None)   # [0]: the name
+                if other is not entry and other is not None:
+                    # a grouped allreduce's member is not in the table (its group is); this
+                    # is another operation under the member's name
+                    in_flight[entry.request[0]] = other
         tl = _timeline.ACTIVE
         if tl is not None:
             tl.op_end([entry.name for entry in entries])
@@ -461,7 +500,9 @@ class Engine:
 
     def _complete(self, entry: Entry, result=None, error: BaseException | None = None) -> None:
         with self._lock:
-            self._in_flight.pop(entry.name, None)
+            other = self._in_flight.pop(entry.name, None)
+            if other is not entry and other is not None:   # (see _complete_batch)
+                self._in_flight[entry.name] = other
         tl = _timeline.ACTIVE
         if tl is not None:
             tl.op_end([entry.name])
@@ -470,12 +511,22 @@ class Engine:
         # runs (many steps later: a training loop then gets fresh, page-faulting memory for
         # every result, and the framework's gradient buffers are not reused either).
         entry.group = None
+        entry.members = None   # (a grouped allreduce's members refer back to it: see above)
         # The entry may outlive this call (the round that completed it still lists it), and an
         # error raised to the user carries the user's frames in its traceback: hand the handle
         # over instead of keeping it, so that nothing here keeps those frames alive.
         handle, entry.handle = entry.handle, None
         if handle is not None:
             handle._complete(result, error)
+
+    def _finish_packed(self, entry: Entry, error: BaseException | None,
+                       device_ready: list[Callable[[], None]]) -> None:
+        """Every member of the grouped allreduce ``entry`` has completed (see GroupSink)."""
+        members, entry.members = entry.members, None   # (members -> sink -> entry: no cycle)
+        handle = entry.handle
+        if error is None and device_ready and handle is not None:
+            handle._device_ready = functools.partial(_run_all, device_ready)
+        self._complete(entry, None if error is not None else [m.output for m in members], error)
 
     def _stop_after_shutdown(self, ranks: tuple[int, ...]) -> None:
         if self.rank in ranks:

@@ -755,6 +755,89 @@ def grouped_repeated():
         check_group(f"step {step} (one-member group)", single, exp1)
 
 
+@case("grouped_allreduce.one_request_per_group")
+def grouped_one_request():
+    """A named group is negotiated as one request: 60 members take one response-cache slot,
+    and every later step of the same group is one cached slot again, with correct results."""
+    from hvdlite.common.runtime import state
+    cache = state.engine().controller.cache
+    specs = [("float32", (16,)), ("int32", (3, 2)), ("float64", (5,))] * 20
+    before = len(cache)
+    results = []
+    for step in range(4):
+        inputs = group_inputs(f"g.one.{step}", "Sum", specs)
+        got = attempt(lambda: hvd.grouped_allreduce([m[RANK] for m in inputs], op=hvd.Sum,
+                                                    name="g.one"))
+        results.append((step, got, group_expected(inputs, "Sum", specs)))
+    grown = len(cache) - before
+    for step, got, exps in results:
+        check_group(f"step {step}", got, exps)
+    assert grown == 1, f"a 60-member group took {grown} response-cache slots, not 1"
+
+
+@case("grouped_allreduce.reused_group_new_arrays")
+def grouped_new_arrays():
+    """The same named group every step with new arrays of the same shapes (its entries are
+    reused): in place, each step's own arrays get the result and earlier ones stay as they
+    were; out of place, each step's results are new arrays and earlier ones keep their values."""
+    specs = [("float32", (7,)), ("int64", (2, 3)), ("float32", (1,))]
+    in_place, kept, outs = [], [], []
+    for step in range(4):
+        inputs = group_inputs(f"g.new.{step}", "Sum", specs)
+        mine = [m[RANK].copy() for m in inputs]
+        ret = attempt(lambda: hvd.grouped_allreduce_(mine, op=hvd.Sum, name="g.new_"))
+        got = attempt(lambda: hvd.grouped_allreduce([m[RANK] for m in inputs], op=hvd.Sum,
+                                                    name="g.new"))
+        exps = group_expected(inputs, "Sum", specs)
+        in_place.append((step, ret, mine, exps))
+        outs.append((step, got, exps))
+        kept.append([np.array(a, copy=True) for a in mine])
+    for step, ret, mine, exps in in_place:
+        if isinstance(ret, BaseException):
+            raise AssertionError(f"step {step} in place: raised {ret!r}")
+        assert all(r is a for r, a in zip(ret, mine)), f"step {step}: not its own arrays back"
+        check_group(f"step {step} in place", mine, exps)
+        for i, (a, k) in enumerate(zip(mine, kept[step])):
+            check_exact(f"step {step} member {i} untouched by later steps", a, k)
+    seen = set()
+    for step, got, exps in outs:
+        check_group(f"step {step} out of place (after later steps)", got, exps)
+        for g in got:
+            assert id(g) not in seen, f"step {step}: a result array was handed out twice"
+            seen.add(id(g))
+
+
+@case("grouped_allreduce.member_name_also_in_flight")
+def grouped_member_name_in_flight():
+    """A plain allreduce named like a group's member may be in flight with the group (the
+    group is one operation under its own name); both complete with their own results."""
+    specs = [("float32", (4,)), ("float32", (3,))]
+    inputs = group_inputs("g.mnif", "Sum", specs)
+    plain = [cc.op_input("g.mnif.plain", k, "float64", "Sum", (6,)) for k in range(SIZE)]
+    h = attempt(lambda: hvd.allreduce_async(plain[RANK], op=hvd.Sum, name="g.mnif.0"))
+    gh = attempt(lambda: hvd.grouped_allreduce_async([m[RANK] for m in inputs], op=hvd.Sum,
+                                                     name="g.mnif"))
+    got_group = finish(gh)
+    got_plain = finish(h)
+    check_group("group", got_group, group_expected(inputs, "Sum", specs))
+    check_array("plain allreduce under a member's name", got_plain,
+                allreduce_expected(plain, "float64", "Sum", SIZE))
+
+
+@case("grouped_allreduce.duplicate_group_in_flight")
+def grouped_duplicate_in_flight():
+    """The same group name twice in flight on every rank: the second submission raises
+    DuplicateNameError naming the group, and the first completes."""
+    specs = [("float32", (4,)), ("int32", (2,))]
+    inputs = group_inputs("g.dup", "Sum", specs)
+    mine = [m[RANK] for m in inputs]
+    first = attempt(lambda: hvd.grouped_allreduce_async(mine, op=hvd.Sum, name="g.dup"))
+    second = attempt(lambda: hvd.grouped_allreduce_async(mine, op=hvd.Sum, name="g.dup"))
+    got = finish(first)
+    raised(second, hvd.DuplicateNameError, "g.dup")
+    check_group("first submission", got, group_expected(inputs, "Sum", specs))
+
+
 @case("grouped.empty_list")
 def grouped_empty():
     outs = {

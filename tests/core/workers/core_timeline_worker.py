@@ -78,6 +78,8 @@ def run_env_mode() -> None:
                   for i, x in enumerate(small)]
             got = [h.wait() for h in hs]
             assert all(g[0] == sum(range(size)) + size * i for i, g in enumerate(got)), got
+            got = hvd.grouped_allreduce(small, name="tl.group", op=hvd.Sum)
+            assert all(g[0] == sum(range(size)) + size * i for i, g in enumerate(got)), got
         assert hvd.allreduce(big, name="tl.big", op=hvd.Sum)[0] == sum(range(size))
         seen_backend.append(intranode(state.engine()))   # (checked after shutdown)
         assert hvd.allgather(np.arange(rank + 1), name="tl.gather").size == \
@@ -108,6 +110,15 @@ def run_env_mode() -> None:
             assert s0[:6] == fused, s0
         assert [n for d, n in s0].count("ALLREDUCE") == 4, s0
         assert [n for d, n in s0].count("NEGOTIATE_ALLREDUCE") == 4, s0
+        # a grouped allreduce negotiates as one request under the group's name, every step
+        # (its row closes when its members' rows take over)...
+        group_row = spans(rows["tl.group.group2"])
+        assert [n for d, n in group_row].count("NEGOTIATE_ALLREDUCE") == 4, group_row
+        assert ticks(rows["tl.group.group2"]) == list(range(size)), rows["tl.group.group2"]
+        # ...and each member is processed on its own row, fused like single tensors
+        for member in ("tl.group.0", "tl.group.1"):
+            m = [n for d, n in spans(rows[member])]
+            assert m.count("ALLREDUCE") == 4 and "SHM_ALLREDUCE" in m, (member, m)
         # the first (full) negotiation shows every rank's request as a tick
         assert ticks(rows["tl.small.0"]) == list(range(size)), rows["tl.small.0"]
         # one large tensor: direct copies between the ranks' memory where the kernel allows
