@@ -169,7 +169,9 @@ class GroupSink:
 
     @_device_ready.setter
     def _device_ready(self, ready: Callable[[], None] | None) -> None:
-        if ready is not None:   # one per batch of members: all of them run before use
+        # One per batch of members, set on each of the batch's members: all of them run
+        # before the results are used, each once.
+        if ready is not None and not (self._readies and self._readies[-1] is ready):
             self._readies.append(ready)
 
     def _complete(self, result: Any = None, error: BaseException | None = None) -> None:

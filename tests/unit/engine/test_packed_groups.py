@@ -129,14 +129,18 @@ def test_sink_keeps_the_first_error_and_waits_for_every_member():
     assert calls == [(first, [])]
 
 
-def test_sink_collects_every_batchs_device_readiness():
+def test_sink_collects_every_batchs_device_readiness_once():
+    """The engine sets a batch's readiness callback on each of its members: every batch's
+    callback is kept, each once (a 200-member batch must not wait on its event 200 times)."""
     calls, finish = recorder()
-    sink = GroupSink("g", 2, finish)
+    sink = GroupSink("g", 5, finish)
     ready_a, ready_b = (lambda: None), (lambda: None)
-    sink._device_ready = ready_a
+    for _ in range(3):   # the first batch's three members
+        sink._device_ready = ready_a
     sink._device_ready = None
-    sink._device_ready = ready_b
-    sink.completed(2)
+    for _ in range(2):   # the second batch's two members
+        sink._device_ready = ready_b
+    sink.completed(5)
     assert calls == [(None, [ready_a, ready_b])]
 
 
