@@ -49,7 +49,7 @@ class Request(NamedTuple):
     group: str = ""           # grouped ops: the group's name (members negotiate as one unit)
     group_size: int = 0
     # A grouped allreduce negotiated as one request (named after the group): its members'
-    # (name, dtype, shape), in order.  Empty for every other request.
+    # (name, dtype, shape, device), in order.  Empty for every other request.
     layout: tuple = ()
     cacheable: bool = True    # auto-named tensors never repeat, so caching them is waste
     failure: str = ""         # FAILED: the error this rank raised (type and message)
