@@ -221,10 +221,14 @@ class Controller:
         want_stall = self.stall_due(now)
 
         nw = self.cache.num_words
-        slots = [entry.slot for entry in pending.values()]
-        ready_slots = [slot for slot in slots if slot is not None]
-        unsent = self._join_unsent or (len(ready_slots) < len(slots) and any(
-            entry.slot is None and not entry.sent for entry in pending.values()))
+        ready_slots = []
+        unsent = self._join_unsent
+        for entry in pending.values():   # one pass: cached slots to announce, and unsent ones
+            slot = entry.slot
+            if slot is not None:
+                ready_slots.append(slot)
+            elif not entry.sent:
+                unsent = True
         if self.join_entry is not None:   # stand in for every cached reduction
             ready_slots = set(ready_slots).union(reducible_slots(self.cache))
         ready_here = _pack(ready_slots, nw)
@@ -287,14 +291,7 @@ class Controller:
         # everywhere, still valid, and no rank stood in for it (nobody joined).
         early_stands = (early_entry is not None and early[0] in agreed
                         and early[0] not in invalid_set and not any_flags & F_JOINED)
-        checked = agreed
-        if not (invalid_set or early_stands or any_flags & F_JOINED):
-            # The usual round: every agreed slot is a tensor pending here.
-            for response in [cached[slot][0] for slot in agreed]:
-                entry = pop(response.name, None)
-                ready.append((response, entry if entry is not None else stand_in(response)))
-            checked = ()
-        for slot in checked:   # (when everyone has joined, the stand-in bits mean nothing)
+        for slot in agreed:   # (when everyone has joined, the stand-in bits mean nothing)
             if slot not in invalid_set:
                 response = cached[slot][0]
                 entry = pop(response.name, None)
