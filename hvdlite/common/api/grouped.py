@@ -65,8 +65,9 @@ def submit_group(kind: str, arrays: Sequence[np.ndarray], *, name: str | None = 
                                                     prescale, postscale)
                 if (entries is not None and not auto_named
                         and (outputs is None or all(map(operator.is_, outputs, arrays)))):
-                    template = GroupTemplate(group, entries, outputs is not None, reduce_op,
-                                             prescale, postscale)
+                    template = GroupTemplate(group, entries,
+                                             _packed_request(group, entries, True),
+                                             outputs is not None, reduce_op, prescale, postscale)
         if entries is None:
             entries = [make_entry(engine, members, kind, array, name=names[i],
                                   output=None if outputs is None else outputs[i],
@@ -84,11 +85,8 @@ def submit_group(kind: str, arrays: Sequence[np.ndarray], *, name: str | None = 
         raise
     if not packed:
         return GroupHandle(group, engine.submit_group(entries))
-    request = template.request if template is not None else None
-    if request is None:
-        request = _packed_request(group, entries, not auto_named)
-        if template is not None:
-            template.request = request
+    request = (template.request if template is not None
+               else _packed_request(group, entries, not auto_named))
     entry = Entry(request, None, None, None, engine.new_handle(group))
     entry.members = entries
     handle = GroupHandle(group, [engine.submit_packed(entry)], whole=True)

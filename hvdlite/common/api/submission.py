@@ -125,11 +125,11 @@ class GroupTemplate:
     __slots__ = ("group", "entries", "request", "dtypes", "shapes", "in_place", "reduce_op",
                  "prescale", "postscale")
 
-    def __init__(self, group: str, entries: list[Entry], in_place: bool, reduce_op,
-                 prescale: float, postscale: float) -> None:
+    def __init__(self, group: str, entries: list[Entry], request: Request, in_place: bool,
+                 reduce_op, prescale: float, postscale: float) -> None:
         self.group = group
         self.entries = entries
-        self.request: Request | None = None   # the group's request, set by whoever builds it
+        self.request = request   # the group's own request (see grouped._packed_request)
         self.dtypes = [entry.array.dtype for entry in entries]
         self.shapes = [entry.array.shape for entry in entries]
         self.in_place = in_place

@@ -182,7 +182,7 @@ def arrays_like():
 def test_template_refills_the_same_entries_with_new_arrays(in_place):
     first = arrays_like()
     entries = member_entries(first, first if in_place else None)
-    template = GroupTemplate("g", entries, in_place, ReduceOp.Sum, 1.0, 1.0)
+    template = GroupTemplate("g", entries, packed(), in_place, ReduceOp.Sum, 1.0, 1.0)
     new = arrays_like()
     outputs = new if in_place else None
     old_outputs = [e.output for e in entries]
@@ -202,7 +202,8 @@ def test_template_refills_the_same_entries_with_new_arrays(in_place):
                                     "other_output"])
 def test_template_refuses_anything_different(change):
     first = arrays_like()
-    template = GroupTemplate("g", member_entries(first, first), True, ReduceOp.Sum, 1.0, 1.0)
+    template = GroupTemplate("g", member_entries(first, first), packed(), True, ReduceOp.Sum,
+                             1.0, 1.0)
     arrays = arrays_like()
     outputs, op, pre, post = arrays, ReduceOp.Sum, 1.0, 1.0
     if change == "shape":
