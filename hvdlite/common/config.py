@@ -373,6 +373,11 @@ KNOBS: tuple[Knob, ...] = (
          "raise RankExitedError within seconds; 0: only ranks on the same host notice",
          details="See [Multi-host](multi-host.md#when-a-rank-dies). The connections are idle "
                  "but for TCP keepalive probes; rank 0 listens on `HVDLITE_WATCHDOG_PORT`."),
+    Knob("START_TIMEOUT", "start_timeout_seconds", Number(float), 60.0, OWN,
+         "seconds hvd.init() waits for the other processes when it forms the world itself "
+         "(under torchrun or another env:// launcher)", unit="seconds", horovod="yes",
+         details="See [Launching](launching.md). Horovod's variable of the same name bounds "
+                 "the start of its Spark and Ray workers."),
     Knob("WATCHDOG_PORT", "watchdog_port", Number(int), 0, RANK0,
          "TCP port rank 0 listens on for the watchdog's connections (0: any free port)",
          details="Set it where a firewall opens only chosen ports between the hosts."),
@@ -418,6 +423,7 @@ class Config:
     stall_check_seconds: float = _default("stall_check_seconds")
     stall_shutdown_seconds: float = _default("stall_shutdown_seconds")
     log_level: str = _default("log_level")
+    start_timeout_seconds: float = _default("start_timeout_seconds")
     dynamic_process_sets: bool = _default("dynamic_process_sets")
     gpu_operations: str = _default("gpu_operations")
     gpu_async_completion: bool = _default("gpu_async_completion")

@@ -43,7 +43,7 @@ from hvdlite.common.engine.messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BROA
 from hvdlite.common.engine.thread import FUSE_BELOW_BYTES
 from hvdlite.common.errors import (DuplicateNameError, FailedOnRankError, GpuUnavailableError,
                                    HorovodInternalError, HostsUpdatedInterrupt, HvdliteError,
-                                   NotInitializedError, RankChildProcessError, RankExitedError,
+                                   LaunchError, NotInitializedError, RankChildProcessError, RankExitedError,
                                    ShutdownError, StallError, TensorMismatchError,
                                    UnsupportedDtypeError, UnsupportedOperationError)
 from hvdlite.common.gpu import cuda
@@ -53,7 +53,8 @@ from hvdlite.common.reduce_ops import Adasum, Average, Max, Min, Product, Reduce
 from hvdlite.common.runtime.build import (ccl_built, cuda_built, ddl_built, gloo_built,
                                           gloo_enabled, mpi_built, mpi_enabled, nccl_built,
                                           rocm_built, sycl_built)
-from hvdlite.common.runtime import elastic_wire, warm_start
+from hvdlite.common.runtime import elastic_wire, hydra_member, launch_env, warm_start
+from hvdlite.common.runtime.hydra_world import MpiWorld, WorldError
 from hvdlite.common.runtime.child_process import LAUNCHER_RANK_VARIABLES
 from hvdlite.common.runtime.elastic_wire import (EXIT_RESET, Codec, HostUpdateResult,
                                                  register_codec)
@@ -78,7 +79,7 @@ __all__ = [
     "HvdliteError", "HorovodInternalError", "NotInitializedError", "ShutdownError",
     "RankExitedError", "TensorMismatchError", "DuplicateNameError", "UnsupportedDtypeError",
     "UnsupportedOperationError", "StallError", "GpuUnavailableError", "RankChildProcessError",
-    "FailedOnRankError", "HostsUpdatedInterrupt",
+    "FailedOnRankError", "HostsUpdatedInterrupt", "LaunchError",
     "allgather_object", "broadcast_object",
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
 ]

@@ -38,6 +38,13 @@ class RankChildProcessError(HvdliteError):
     DataLoader worker), which is not an MPI rank itself."""
 
 
+class LaunchError(HvdliteError):
+    """``hvd.init()`` could not make the processes the launcher started one world: the MPI
+    world does not match what the launcher said (e.g. torchrun or srun started N processes
+    but MPI formed worlds of 1), or forming it failed.  Raised on every process; the message
+    names the launcher, what it set and how to launch instead."""
+
+
 class TensorMismatchError(HvdliteError, ValueError):
     """Ranks submitted the same tensor name with different dtype/shape/op/root/device/scale."""
 

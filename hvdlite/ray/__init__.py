@@ -8,7 +8,8 @@
   workers form one MPI world before ``train_func`` runs, so ``hvd.init()`` works unchanged.
 
 The workers of a job become one MPI world through MPICH's manual launcher (see
-:mod:`hvdlite.ray.world`).  Ray is an optional dependency: ``pip install "hvdlite[ray]"``.
+:mod:`hvdlite.common.runtime.hydra_world`).  Ray is an optional dependency: ``pip install
+"hvdlite[ray]"``.
 """
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,7 @@ if TYPE_CHECKING:   # for type checkers and the API reference; loaded lazily bel
     from .executor import RayExecutor
     from .train import HvdliteConfig, HvdliteTrainer
     from .elastic import ElasticRayError, ElasticRayExecutor
-    from .world import WorldError
+    from hvdlite.common.core import WorldError
 
 __all__ = ["RayExecutor", "HvdliteTrainer", "HvdliteConfig", "WorldError", "ElasticRayError",
            "ElasticRayExecutor"]
@@ -40,6 +41,6 @@ def __getattr__(name: str):
         from . import elastic
         return getattr(elastic, name)
     if name == "WorldError":
-        from .world import WorldError
+        from hvdlite.common.core import WorldError
         return WorldError
     raise AttributeError(f"module 'hvdlite.ray' has no attribute {name!r}")

@@ -43,7 +43,7 @@ from hvdlite.runner.elastic.server import Event, Member, Server
 
 from . import formation
 from .actors import Group, Worker, visible_devices
-from .world import MpiWorld, WorldError
+from hvdlite.common.core import MpiWorld, WorldError
 
 log = logging.getLogger("hvdlite.ray")
 

@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from . import formation
 from .actors import Group, Worker, visible_devices
 from .elastic import ElasticAdapter
-from .world import MpiWorld
+from hvdlite.common.core import MpiWorld
 
 
 @dataclasses.dataclass

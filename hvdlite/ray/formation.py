@@ -3,7 +3,7 @@
 ``group`` is anything with Ray Train's worker-group calls, ``execute_async(fn, *args)`` (every
 worker, in world-rank order) and ``execute_single_async(rank, fn, *args)``: a Ray Train
 execution group, or :class:`hvdlite.ray.executor.RayExecutor`'s workers.  The steps are
-described in :mod:`hvdlite.ray.world`; each ``ray.get`` is bounded by ``timeout_s``.
+described in :mod:`hvdlite.common.runtime.hydra_world`; each ``ray.get`` is bounded by ``timeout_s``.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayError
 
 from . import member
-from .world import MpiWorld, WorldError
+from hvdlite.common.core import MpiWorld, WorldError
 
 log = logging.getLogger("hvdlite.ray")
 

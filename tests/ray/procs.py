@@ -113,7 +113,7 @@ def launcher_processes() -> list[tuple[int, str]]:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and alive(int(entry.name)):
             line = cmdline(int(entry.name))
-            if "HVDLITE_RAY_PMI" in line or ("hydra_pmi_proxy" in line
+            if "HVDLITE_PMI" in line or ("hydra_pmi_proxy" in line
                                              and "--launcher manual" in line):
                 found.append((int(entry.name), line))
     return found

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("ray", reason="hvdlite.ray needs Ray: pip install 'hvdlite[ray]'")
 
-from hvdlite.ray.world import (PMI_VARIABLES, MpiWorld, WorldError, host_segments,
+from hvdlite.common.runtime.hydra_world import (PMI_VARIABLES, MpiWorld, WorldError, host_segments,
                                parse_pmi_line)
 from tests.ray.procs import children, wait_gone
 
@@ -25,11 +25,11 @@ def test_host_segments_refuse_a_node_split_in_two():
 
 
 def test_parse_pmi_line():
-    line = "HVDLITE_RAY_PMI " + " ".join(f"{v}=1" for v in PMI_VARIABLES)
+    line = "HVDLITE_PMI " + " ".join(f"{v}=1" for v in PMI_VARIABLES)
     assert parse_pmi_line(line) == {v: "1" for v in PMI_VARIABLES}
     assert parse_pmi_line("something else") is None
     with pytest.raises(WorldError, match="unexpected placeholder line"):
-        parse_pmi_line("HVDLITE_RAY_PMI PMI_ID=x")
+        parse_pmi_line("HVDLITE_PMI PMI_ID=x")
 
 
 def _start_world(nodes):

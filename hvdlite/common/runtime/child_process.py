@@ -21,8 +21,9 @@ from typing import Mapping
 
 from hvdlite.common.errors import RankChildProcessError
 
-# Where MPI launchers put the rank of each process they start (Hydra/PMI, Open MPI, PMIx).
-LAUNCHER_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+# Where MPI launchers put the rank of each process they start (Hydra/PMI, Open MPI, PMIx, and
+# Hydra's manual launch that hvdlite's Ray and torchrun formations use).
+LAUNCHER_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_ID")
 
 # Set by init() in a rank's environment: "<pid>:<rank>".  Children inherit it.
 RANK_PROCESS_VARIABLE = "HVDLITE_RANK_PROCESS"

@@ -6,17 +6,18 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import os
 import socket
 import sys
 import time
 from typing import Callable
 
 from hvdlite.common.config import Config
-from hvdlite.common.errors import HvdliteError
+from hvdlite.common.errors import HvdliteError, LaunchError
 from hvdlite.common.gpu.cuda import reset_process_device
 from hvdlite.common.memory import result_pool
-from hvdlite.common.runtime import (child_process, elastic_channel, liveness, registry,
-                                    state as _state, timeline)
+from hvdlite.common.runtime import (child_process, elastic_channel, env_world, launch_env,
+                                    liveness, registry, state as _state, timeline)
 from hvdlite.common.runtime.process_sets import ProcessSet, global_process_set
 from hvdlite.common.runtime.state import EngineFactory, ProcessState
 from hvdlite.common.runtime.topology import discover
@@ -77,16 +78,25 @@ def init(comm=None, process_sets=None, *, make_engine: EngineFactory) -> None:
     with _state.lock:
         if _state.current is not None:
             return
+        launch = launch_env.detect(os.environ) if comm is None else None
+        mpi_was_up = _mpi_initialized()
+        if launch is not None and launch.kind == launch_env.ENV and (launch.size or 0) > 1 \
+                and not mpi_was_up:
+            _form_env_world(launch)
         from mpi4py import MPI
 
         world = MPI.COMM_WORLD if comm is None else comm
+        if launch is not None:
+            world = _launch_world(launch, mpi_was_up)
         if isinstance(world, (list, tuple)):
             group = MPI.COMM_WORLD.Get_group().Incl(list(world))
             world = MPI.COMM_WORLD.Create(group)
             if world == MPI.COMM_NULL:
                 raise ValueError(f"hvd.init(comm={list(comm)}) called on rank "
                                  f"{MPI.COMM_WORLD.Get_rank()}, which is not in that list.")
-        world = world.Dup()  # hvdlite's own communicators never collide with the user's
+        ordered, world = world, world.Dup()  # hvdlite's own never collide with the user's
+        if launch is not None and ordered != MPI.COMM_WORLD:
+            ordered.Free()   # the RANK-ordered copy of an env:// launch's world
         rank = world.Get_rank()
         topology = discover(world)
         # Every rank reads its settings before any rank relies on them: a bad value raises on
@@ -138,6 +148,39 @@ def init(comm=None, process_sets=None, *, make_engine: EngineFactory) -> None:
         for ps in static:
             registry.register(state, ps)
         child_process.mark_rank_process(rank)
+
+
+def _mpi_initialized() -> bool:
+    """Whether MPI is initialised in this process already (without initialising it)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi is not None and mpi.Is_initialized()
+
+
+def _form_env_world(launch: launch_env.Launch) -> None:
+    """Form the world of a torchrun / env:// launch (see :mod:`env_world`); every process
+    raises LaunchError when that fails."""
+    try:
+        timeout = Config.from_env().start_timeout_seconds
+    except ValueError as exc:
+        raise ValueError(f"hvd.init(): {exc}") from None
+    try:
+        env_world.form(launch, os.environ, timeout)
+    except env_world.FormationError as exc:
+        raise LaunchError(str(exc)) from None
+
+
+def _launch_world(launch: launch_env.Launch, mpi_was_up: bool):
+    """``MPI_COMM_WORLD`` checked against what the launcher said (LaunchError on every process
+    when they differ: never a world of 1 when the launcher started N); under an env://
+    launch, ordered by ``RANK`` (Hydra numbers ranks host by host)."""
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    problem = launch_env.mismatch_error(launch, world.Get_size(), world.Get_rank(), mpi_was_up)
+    if problem:
+        raise LaunchError(problem)
+    if launch.kind == launch_env.ENV and launch.size == world.Get_size() > 1:
+        return world.Split(0, launch.rank)   # collective; the same order when hosts are in order
+    return world
 
 
 def _connect_to_elastic_driver(world, watchdog) -> None:

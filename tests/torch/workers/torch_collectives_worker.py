@@ -207,13 +207,17 @@ def _setup(mode: str) -> None:
     import numpy as np
     import torch
     torch.set_num_threads(1)
+    import os
     import hvdlite.torch as hvd
-    from mpi4py import MPI
     from tests.core.workers import core_adasum_kernel_worker as ada   # numpy Adasum reference
 
-    SET_RANKS = pset_ranks(MPI.COMM_WORLD.Get_size()) if mode == "psets" else []
+    # The size before init() from the launcher's variables (mpiexec's or torchrun's): under
+    # torchrun, hvd.init() forms the MPI world, so MPI must not be initialised before it.
+    launched = int(os.environ.get("PMI_SIZE") or os.environ.get("WORLD_SIZE") or 1)
+    SET_RANKS = pset_ranks(launched) if mode == "psets" else []
     SETS = [hvd.ProcessSet(ranks) for ranks in SET_RANKS]
     hvd.init(process_sets=SETS if mode == "psets" else None)
+    from mpi4py import MPI
     COMM = MPI.COMM_WORLD
     RANK, SIZE = hvd.rank(), hvd.size()
     r = C.synced_reporter(RANK, COMM)

@@ -1,4 +1,5 @@
-"""One MPI world formed from processes that Ray started: the driver's side.
+"""One MPI world formed from processes that another system started (Ray workers, the processes
+of torchrun or a Kubeflow PyTorchJob): the side that runs ``mpiexec``.
 
 MPICH's launcher (Hydra) can start a job whose per-host proxies someone else runs:
 ``mpiexec -launcher manual -pmi-port -hosts A:2,B:1 -n 3 <program>`` prints one proxy command
@@ -9,12 +10,13 @@ initialises MPI with that environment *is* that rank.
 
 So the program is a placeholder (:data:`PLACEHOLDER_SCRIPT`): it prints its PMI environment
 (which the proxy forwards to ``mpiexec``'s standard output, read here) and waits until the job
-releases it (or its proxy is gone).  The Ray worker of world rank ``r`` runs the proxy of its
-host if it is the host's first worker (:func:`hvdlite.ray.member.start_proxy`), then receives
-rank ``r``'s environment and joins the world (:func:`hvdlite.ray.member.join_world`).
+releases it (or its proxy is gone).  The process of world rank ``r`` runs the proxy of its
+host if it is the host's first one (:func:`hvdlite.common.runtime.hydra_member.start_proxy`),
+then receives rank ``r``'s environment and joins the world
+(:func:`hvdlite.common.runtime.hydra_member.join_world`).
 
 Every wait here is bounded and raises :class:`WorldError` saying what did not happen.  At the
-end, the workers release their hosts' placeholders (:func:`hvdlite.ray.member.stop_proxy`), so
+end, the members release their hosts' placeholders (``hydra_member.stop_proxy``), so
 every rank, proxy and ``mpiexec`` exit by themselves; ``close()`` then kills whatever did not.
 """
 from __future__ import annotations
@@ -29,9 +31,11 @@ import threading
 import time
 from typing import Optional, Sequence
 
+from hvdlite.common.runtime.hydra_member import die_with_parent
+
 # The variables Hydra gives each rank with -pmi-port; a rank's MPI_Init needs exactly these.
 PMI_VARIABLES = ("PMI_PORT", "PMI_ID", "PMI_HOSTNAME", "MPI_LOCALNRANKS", "MPI_LOCALRANKID")
-MARKER = "HVDLITE_RAY_PMI"
+MARKER = "HVDLITE_PMI"
 # The placeholder: a shell (present on every node, whatever Python the node has) that prints
 # its rank's PMI environment on one line, then waits until the job's release file ($0) exists
 # on its host (the clean end: every rank exits 0, so do the proxies and mpiexec) or its proxy
@@ -44,7 +48,7 @@ RELEASED_EXIT_WAIT_S = 1.0   # mpiexec's own exit once its ranks have ended
 
 
 class WorldError(RuntimeError):
-    """Forming or ending the MPI world of a Ray job failed (the message says which step)."""
+    """Forming or ending a manually launched MPI world failed (the message says which step)."""
 
 
 def mpiexec_path() -> str:
@@ -52,8 +56,8 @@ def mpiexec_path() -> str:
     here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     found = here if os.access(here, os.X_OK) else shutil.which("mpiexec")
     if not found:
-        raise WorldError("no mpiexec found: hvdlite.ray needs MPICH's mpiexec (Hydra) on the "
-                         "driver; pip install mpich (or hvdlite, which depends on it).")
+        raise WorldError("no mpiexec found: forming this world needs MPICH's mpiexec (Hydra) "
+                         "next to Python; pip install mpich (or hvdlite, which depends on it).")
     return found
 
 
@@ -87,13 +91,13 @@ def parse_pmi_line(line: str) -> Optional[dict[str, str]]:
 class MpiWorld:
     """``mpiexec -launcher manual`` for ranks on ``nodes`` (the node of each world rank, in rank
     order; any labels that are equal for the ranks of one node).  ``control_host``: the name or
-    address under which the proxies reach this (the driver's) host."""
+    address under which the proxies reach this host (the one that runs ``mpiexec``)."""
 
     def __init__(self, nodes: Sequence[str], control_host: str, timeout_s: float) -> None:
         self.size = len(nodes)
         # The file whose creation on a host releases that host's placeholders (see
-        # hvdlite.ray.member.stop_proxy); unique to this world.
-        self.release_path = f"/tmp/hvdlite-ray-{secrets.token_hex(8)}.release"
+        # hydra_member.stop_proxy); unique to this world.
+        self.release_path = f"/tmp/hvdlite-world-{secrets.token_hex(8)}.release"
         self.segments = host_segments(nodes)
         self.timeout_s = timeout_s
         hosts = ",".join(f"{node}:{count}" for node, count in self.segments)
@@ -109,12 +113,15 @@ class MpiWorld:
         self._reader: Optional[threading.Thread] = None
 
     # -- starting ---------------------------------------------------------------------------
-    def start(self) -> list[list[str]]:
-        """Start ``mpiexec``; return the proxy command of each host segment, in order."""
+    def start(self, tied: bool = False) -> list[list[str]]:
+        """Start ``mpiexec``; return the proxy command of each host segment, in order.
+        ``tied``: ``mpiexec`` is killed when this process ends, however it ends (when this
+        process is itself a rank, whose death must not leave the launcher behind)."""
         self._proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                      start_new_session=True)
-        self._reader = threading.Thread(target=self._read, name="hvdlite-ray-mpiexec",
+                                      start_new_session=True,
+                                      preexec_fn=die_with_parent if tied else None)
+        self._reader = threading.Thread(target=self._read, name="hvdlite-mpiexec",
                                         daemon=True)
         self._reader.start()
         self._wait(lambda: self._launch_done, "print its proxy commands")
