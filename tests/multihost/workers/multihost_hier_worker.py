@@ -88,8 +88,6 @@ def elements(kind: str, dtype: str) -> list[int]:
 
 
 if __name__ == "__main__":
-    from mpi4py import MPI
-
     import hvdlite as hvd
     from hvdlite.common.backends.hier_plan import SMALL_BYTES
     from hvdlite.common.runtime import registry
@@ -99,6 +97,7 @@ if __name__ == "__main__":
     HOSTS = [list(h) for h in EXPECT["hosts"]]
     SUBSET = hvd.ProcessSet(EXPECT["subset"])
     hvd.init(process_sets=[SUBSET])
+    from mpi4py import MPI   # after init: under torchrun, init() forms the MPI world
     RANK, SIZE = hvd.rank(), hvd.size()
     world = MPI.COMM_WORLD
     OP = {name: getattr(hvd, name) for name in cc.OPS}

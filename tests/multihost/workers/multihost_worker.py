@@ -18,7 +18,6 @@ import os
 import socket
 
 import numpy as np
-from mpi4py import MPI
 
 import hvdlite as hvd
 from tests.workers.nodes import intranode  # noqa: E402
@@ -31,6 +30,7 @@ EXPECT = json.loads(os.environ["HVDLITE_TEST_EXPECT"])
 SETS = {name: hvd.ProcessSet(ranks) for name, (ranks, _) in EXPECT["sets"].items()
         if name != "global"}
 hvd.init(process_sets=list(SETS.values()))
+from mpi4py import MPI  # noqa: E402  (after init: under torchrun, init() forms the MPI world)
 SETS["global"] = hvd.global_process_set
 RANK, SIZE = hvd.rank(), hvd.size()
 r = Reporter(RANK)

@@ -1,0 +1,148 @@
+"""hvdlite under the launchers that follow torchrun's env:// convention, on one machine (issue
+48): torchrun itself, the PyTorchJob layout (one process per pod, started with the Training
+Operator's variables), and every misuse a clear LaunchError on every process, never a world
+of 1.  Across simulated hosts: tests/multihost/test_torchrun.py."""
+import re
+import shlex
+import time
+
+import pytest
+
+from tests.launcher import env_launch
+from tests.mpi_harness import STALL_SAFETY_NET_ENV, REPO, check_job, run_command
+from tests.torch.workers import torch_collectives_worker as W
+
+pytest.importorskip("torch")
+WORKER = "launcher/workers/env_world_worker.py"
+CASES = {"identity", "topology", "collectives", "process_set"}
+
+
+def _all_passed(job, np_, cases=CASES):
+    check_job(job, np_)
+    for rank, report in enumerate(job.results):
+        assert set(report) == set(cases), f"rank {rank} reported {sorted(report)}"
+        failed = {k: v for k, v in report.items() if v is not None}
+        assert not failed, f"rank {rank}: {failed}\n{job.output}"
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_torchrun_standalone_forms_one_world(np_):
+    _all_passed(env_launch.torchrun(np_, [WORKER]), np_)
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_torch_collectives_pass_exactly_under_torchrun(np_):
+    """The whole main case list of tests/torch/test_collectives.py, launched by torchrun."""
+    job = env_launch.torchrun(np_, ["torch/workers/torch_collectives_worker.py", "main"],
+                              timeout=300, env=STALL_SAFETY_NET_ENV)
+    _all_passed(job, np_, W.main_cases(np_))
+
+
+def test_torchrun_with_a_c10d_rendezvous_and_two_agents():
+    """``--nnodes 2 --rdzv-backend c10d --rdzv-endpoint``: two torchrun agents (as on two
+    nodes; here both on this machine, so the 4 ranks share one host)."""
+    port = env_launch.free_port()
+    more = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"127.0.0.1:{port}", "--rdzv-id", "hvdlite-c10d"]
+    one = shlex.join(env_launch.torchrun_argv(2, [WORKER], *more))
+    script = f"{one} & {one} & wait"
+    job = run_command(["/bin/sh", "-c", script], 4, timeout=180)
+    _all_passed(job, 4)
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_pytorchjob_layout_one_process_per_pod(np_):
+    """No torchrun: each process gets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, as the Training
+    Operator sets them; rank 0 serves the rendezvous for the formation."""
+    _all_passed(env_launch.env_processes(np_, [WORKER]), np_)
+
+
+def test_digits_example_trains_under_torchrun():
+    job = run_command(env_launch.torchrun_argv(
+        2, [str(REPO / "examples/pytorch_digits.py"), "--epochs", "20", "--min-accuracy",
+            "0.95"]), 2, timeout=300)
+    assert job.returncode == 0, job.output
+    accuracy = float(re.findall(r"test accuracy:? ([0-9.]+)", job.stdout)[-1])
+    assert accuracy >= 0.95
+
+
+# --- misuse: a clear error on every process, never a world of 1 ---------------------------
+def _fails_everywhere(job, np_, *words):
+    assert not job.timed_out, job.output
+    assert job.returncode not in (0, None), job.output
+    errors = re.findall(r"LaunchError: (.*)", job.stdout + job.stderr)
+    assert len(errors) >= np_, f"expected a LaunchError from each of {np_} processes\n{job.output}"
+    for word in words:
+        assert all(word in e for e in errors), f"{word!r} missing from {errors}"
+    return errors
+
+
+INIT_AFTER_MPI = ("from mpi4py import MPI; import hvdlite as hvd; hvd.init(); "
+                  "print('trained alone', hvd.size())")
+
+
+def test_mpi_initialised_before_init_under_torchrun_is_an_error_on_every_process():
+    job = run_command(env_launch.torchrun_argv(2, ["-c", INIT_AFTER_MPI]), 2, timeout=120)
+    errors = _fails_everywhere(job, 2, "torchrun", "world of 1", "already initialised")
+    assert "trained alone" not in job.stdout
+    assert any("rank 1 of 2" in e for e in errors) and any("rank 0 of 2" in e for e in errors)
+
+
+def test_a_process_that_never_arrives_is_named():
+    """WORLD_SIZE=3 but only ranks 0 and 1 start: both fail within the start timeout, rank 0
+    naming rank 2 and the rendezvous."""
+    started = time.monotonic()
+    job = env_launch.env_processes(3, ["-c", "import hvdlite as hvd; hvd.init()"], ranks=[0, 1],
+                                   env={"HVDLITE_START_TIMEOUT": "4"}, timeout=60)
+    errors = _fails_everywhere(job, 2, "within 4 s")
+    assert time.monotonic() - started < 40
+    assert any("ranks [2] never arrived" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("variables, words", [
+    ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"}, ["Open MPI's mpirun",
+                                                                   "same MPI"]),
+    ({"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "0", "SLURM_STEP_ID": "0"},
+     ["SLURM's srun", "srun --mpi=pmi2"]),
+])
+def test_a_launcher_that_said_more_processes_than_mpi_formed(variables, words):
+    """A process whose launcher's variables say N but whose MPI world is 1 (another MPI's
+    mpirun, srun without a PMI plugin MPICH speaks)."""
+    job = env_launch.env_processes(1, ["-c", "import hvdlite as hvd; hvd.init()"], env={
+        "RANK": "", "WORLD_SIZE": "", **variables}, timeout=60)
+    _fails_everywhere(job, 1, "world of 1", *words)
+
+
+def test_missing_master_port_is_named():
+    job = env_launch.env_processes(2, ["-c", "import hvdlite as hvd; hvd.init()"],
+                                   env={"MASTER_PORT": ""}, timeout=60)
+    _fails_everywhere(job, 2, "MASTER_PORT")
+
+
+def test_a_rank_killed_on_another_node_ends_the_others_with_rank_exited_error():
+    """Two torchrun agents (two "nodes"); a rank of the second one is SIGKILLed: the first
+    node's ranks (whose agent does not know) raise RankExitedError within 10 s."""
+    port = env_launch.free_port()
+    more = ["--nnodes", "2", "--node-rank", "{node}", "--master-addr", "127.0.0.1",
+            "--master-port", str(port)]
+    body = ("import os, signal, time, sys\n"
+            "import numpy as np\n"
+            "import hvdlite as hvd\n"
+            "hvd.init()\n"
+            "if hvd.rank() == 3:\n"
+            "    time.sleep(1); os.kill(os.getpid(), signal.SIGKILL)\n"
+            "t = time.monotonic()\n"
+            "try:\n"
+            "    for i in range(600):\n"
+            "        hvd.allreduce(np.ones(4), name=f't{i}'); time.sleep(0.05)\n"
+            "except hvd.HvdliteError as e:\n"
+            "    print(f'rank {hvd.rank()} {type(e).__name__} after {time.monotonic() - t:.1f}')\n"
+            "    sys.exit(3)\n")
+    cmds = [shlex.join(env_launch.torchrun_argv(2, ["-c", body],
+                                                *[m.format(node=node) for m in more]))
+            for node in (0, 1)]
+    job = run_command(["/bin/sh", "-c", f"{cmds[0]} & {cmds[1]} & wait"], 4, timeout=120)
+    assert not job.timed_out, job.output
+    found = re.findall(r"rank ([01]) RankExitedError after ([0-9.]+)", job.stdout)
+    assert {r for r, _ in found} == {"0", "1"}, job.output
+    assert all(float(t) < 10 for _, t in found), found
