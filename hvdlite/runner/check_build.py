@@ -8,6 +8,7 @@ and the MPI library version is read from mpi4py without initializing MPI.
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from typing import Sequence
@@ -96,7 +97,9 @@ def _features() -> dict[str, object]:
     return {"version": __version__, "mpi": bool(core.mpi_built()),
             "nccl": int(core.nccl_built() or 0), "gloo": bool(core.gloo_built()),
             "ddl": bool(core.ddl_built()), "ccl": bool(core.ccl_built()),
-            "cuda": _cuda_line(), "cma": cma_line()}
+            "cuda": _cuda_line(), "cma": cma_line(),
+            "launch": core.launch_env.forecast(core.launch_env.detect(os.environ), os.environ,
+                                               module_available("torch"))}
 
 
 def cma_line(yama_scope_file: str | None = None) -> str:
@@ -144,6 +147,8 @@ def format_report(features: dict[str, object], frameworks: Sequence[tuple[str, b
                        ("Gloo", bool(features["gloo"]))])
     lines.append(f"MPI library: {library or 'not available (pip install mpi4py)'}")
     lines.append(f"MPI launcher: {launcher}")
+    if features.get("launch"):
+        lines.append(f"This environment: {features['launch']}")
     if features.get("cuda"):
         lines.append(f"CUDA: {features['cuda']}")
     if features.get("cma"):

@@ -121,3 +121,32 @@ def mismatch_error(launch: Launch, mpi_size: int, mpi_rank: int,
             f"would go on as {max(1, launch.size // max(mpi_size, 1))} separate jobs that "
             f"never exchange gradients, so hvdlite stops here.{before} "
             f"{how_to_launch(launch)}")
+
+
+def forecast(launch: Launch, environ: Mapping[str, str], torch_available: bool) -> str:
+    """What ``hvd.init()`` would do in this environment, in one sentence (``hvdlite
+    --check-build`` prints it).  Pure logic."""
+    said = launch.describe()
+    if launch.kind == NONE:
+        where = (f" (inside SLURM allocation {environ['SLURM_JOB_ID']}: `hvdlite run` there "
+                 f"takes the allocation's nodes)" if environ.get("SLURM_JOB_ID") else "")
+        return (f"no launcher{where}: hvd.init() forms a world of 1; start N processes with "
+                f"hvdlite run, mpiexec, torchrun or srun --mpi=pmi2.")
+    if launch.kind == MPI:
+        return f"{said}: hvd.init() joins the MPI world it started."
+    if launch.kind == SLURM:
+        return (f"{said} without a PMI plugin that MPI speaks: MPI would form a world of 1 and "
+                f"hvd.init() stops with LaunchError. {how_to_launch(launch)}")
+    if (launch.size or 0) <= 1:
+        return f"{said}: one process, a world of 1."
+    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not environ.get(v, "").strip()]
+    if missing:
+        return f"{said}: hvd.init() would fail: {' and '.join(missing)} not set."
+    if not torch_available:
+        return (f"{said}: hvd.init() would fail: forming this world needs torch (its TCPStore "
+                f"is the rendezvous).")
+    agent = environ.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower() == "true"
+    return (f"{said}: hvd.init() forms the world of {launch.size} through the rendezvous at "
+            f"{environ['MASTER_ADDR']}:{environ['MASTER_PORT']} "
+            f"({'torchrun agent' if agent else 'served by rank 0'}'s store); every process "
+            f"must call it within HVDLITE_START_TIMEOUT.")

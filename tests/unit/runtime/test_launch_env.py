@@ -66,3 +66,28 @@ def test_store_prefix_separates_runs_and_restarts():
     again = store_prefix({"TORCHELASTIC_RUN_ID": "r", "TORCHELASTIC_RESTART_COUNT": "1"})
     other = store_prefix({"TORCHELASTIC_RUN_ID": "s", "TORCHELASTIC_RESTART_COUNT": "0"})
     assert len({first, again, other}) == 3 and store_prefix({}) == "hvdlite/world/env/0/"
+
+
+@pytest.mark.parametrize("environ, torch_ok, words", [
+    ({}, True, ["no launcher", "world of 1"]),
+    ({"SLURM_JOB_ID": "9"}, True, ["allocation 9", "hvdlite run"]),
+    ({"PMI_RANK": "0", "PMI_SIZE": "2"}, True, ["joins the MPI world"]),
+    (TORCHRUN, True, ["forms the world of 4", "a:29500", "served by rank 0"]),
+    ({**TORCHRUN, "TORCHELASTIC_USE_AGENT_STORE": "True"}, True, ["torchrun agent"]),
+    (TORCHRUN, False, ["would fail", "needs torch"]),
+    ({**TORCHRUN, "MASTER_PORT": ""}, True, ["would fail", "MASTER_PORT not set"]),
+    ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "0"}, True, ["LaunchError", "pmi2"]),
+])
+def test_forecast(environ, torch_ok, words):
+    text = L.forecast(L.detect(environ), environ, torch_ok)
+    assert all(w in text for w in words), text
+
+
+def test_check_build_says_what_this_environment_would_do():
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, **TORCHRUN}
+    out = subprocess.run([sys.executable, "-m", "hvdlite.runner", "--check-build"], env=env,
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "This environment: torchrun (RANK=1, WORLD_SIZE=4" in out
