@@ -54,9 +54,12 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))   # benchmark this checkout's hvdlite
 
 import numpy as np  # noqa: E402
-from mpi4py import MPI  # noqa: E402
 
 import hvdlite as hvd  # noqa: E402
+
+if __name__ == "__main__":
+    hvd.init()   # before mpi4py's MPI: under torchrun, hvd.init() forms the MPI world
+from mpi4py import MPI  # noqa: E402
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -554,8 +557,8 @@ def write_json(path: str, env: dict, args: argparse.Namespace, sizes: list[SizeR
 def main(argv: Sequence[str] | None = None) -> int:
     """Run every case and report on rank 0; exit status 1 if any result was wrong."""
     args = parse_args(argv)
-    comm = MPI.COMM_WORLD.Dup()       # the raw reference's own communicator
     hvd.init()
+    comm = MPI.COMM_WORLD.Dup()       # the raw reference's own communicator
     env = environment(comm)
     say("hvdlite allreduce benchmark (float32, op=Sum)", *environment_lines(env), "")
 

@@ -152,3 +152,19 @@ def test_cross_host_ranks_lone_case_with_its_floors(tmp_path):
                     "floor_handed_off"):
         assert lone[variant]["iterations"] >= 5, (variant, lone[variant])
     assert "(floor thread)" in job.stdout and "(floor caller)" in job.stdout, job.stdout
+
+
+def test_launcher_benchmark_short_run(tmp_path):
+    """torchrun against mpiexec (issue 48): both launches run the checked workload; the table
+    has a row per size and the small round.  Timings are not asserted."""
+    pytest.importorskip("torch")
+    out = tmp_path / "launchers.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "launcher_benchmark.py"),
+                           "--np", "2", "--rounds", "1", "--short", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, start_new_session=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"4 KiB", "1 MiB", "8 x 4 KiB"}
+    assert all(set(r) == {"mpiexec.hvd", "mpiexec.raw", "torchrun.hvd", "torchrun.raw"}
+               for r in rows.values())
