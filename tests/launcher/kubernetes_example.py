@@ -94,3 +94,47 @@ def on_this_machine(argv: list[str], checkpoints: Path) -> list[str]:
         else:
             out.append(word)
     return out
+
+
+# --- the PyTorchJob (Kubeflow Training Operator v1) ------------------------------------------
+# What the operator sets in each pod's containers, from its source (kubeflow/training-operator,
+# pkg/controller.v1/pytorch/envvar.go, setPodTemplateEnv): MASTER_ADDR and PET_MASTER_ADDR are
+# the master pod's name ``<job>-master-0`` (for every pod, the master included), MASTER_PORT and
+# PET_MASTER_PORT the master container's ``pytorchjob-port``, WORLD_SIZE the replicas times the
+# processes per pod, RANK and PET_NODE_RANK the pod's index (the master 0, worker i: i + 1),
+# PET_NNODES the number of pods, PYTHONUNBUFFERED=1.
+PYTORCHJOB = DIRECTORY / "digits-pytorchjob.yaml"
+
+
+def pytorchjob() -> dict:
+    import yaml
+    (job,) = [doc for doc in yaml.safe_load_all(PYTORCHJOB.read_text())
+              if doc and doc.get("kind") == "PyTorchJob"]
+    return job
+
+
+def torch_container(job: dict, role: str) -> dict:
+    return job["spec"]["pytorchReplicaSpecs"][role]["template"]["spec"]["containers"][0]
+
+
+def pytorchjob_pods(job: dict, nproc_per_pod: int = 1) -> list[tuple[str, dict, list[str]]]:
+    """(pod name, the variables the operator sets there with the container's own, the
+    container's command) for every pod, the master first."""
+    name = job["metadata"]["name"]
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    master = f"{name}-master-0"
+    port = next(p["containerPort"] for p in torch_container(job, "Master")["ports"]
+                if p["name"] == "pytorchjob-port")
+    pods = [(master, "Master", 0)] + [(f"{name}-worker-{i}", "Worker", i + 1)
+                                      for i in range(specs["Worker"]["replicas"])]
+    out = []
+    for pod, role, rank in pods:
+        main = torch_container(job, role)
+        env = {item["name"]: item["value"] for item in main.get("env", [])}
+        env.update({"MASTER_ADDR": master, "MASTER_PORT": str(port),
+                    "WORLD_SIZE": str(len(pods) * nproc_per_pod), "RANK": str(rank),
+                    "PYTHONUNBUFFERED": "1", "PET_MASTER_ADDR": master,
+                    "PET_MASTER_PORT": str(port), "PET_NNODES": str(len(pods)),
+                    "PET_NODE_RANK": str(rank)})
+        out.append((pod, env, list(main.get("command", [])) + list(main.get("args", []))))
+    return out

@@ -147,3 +147,25 @@ def test_command_on_this_machine_replaces_only_the_image_paths(job, tmp_path):
             and not word.startswith(("/opt/hvdlite/", "/checkpoints/"))]
     assert [word for word in local if word in kept] == kept
     assert len(local) == len(argv) + 2
+
+
+def test_pytorchjob_manifest_has_what_the_training_operator_requires(job):
+    """examples/kubernetes/digits-pytorchjob.yaml (issue 48): a kubeflow.org/v1 PyTorchJob with
+    one Master and Workers whose container is named ``pytorch`` (the operator sets its
+    variables there), the master's ``pytorchjob-port`` (MASTER_PORT, where rank 0 serves the
+    rendezvous), the MPIJob example's image, and the same training command in every pod."""
+    torch_job = K.pytorchjob()
+    assert torch_job["apiVersion"] == "kubeflow.org/v1"
+    specs = torch_job["spec"]["pytorchReplicaSpecs"]
+    assert set(specs) == {"Master", "Worker"} and specs["Master"]["replicas"] == 1
+    image = K.container(job, "Launcher")["image"]
+    commands = set()
+    for role in specs:
+        main = K.torch_container(torch_job, role)
+        assert main["name"] == "pytorch" and main["image"] == image, role
+        assert specs[role]["restartPolicy"] in ("Never", "OnFailure", "ExitCode"), role
+        commands.add(tuple(main["command"]))
+    assert len(commands) == 1
+    ports = K.torch_container(torch_job, "Master")["ports"]
+    assert [p["name"] for p in ports] == ["pytorchjob-port"]
+    assert "digits-pytorchjob.yaml" in DOCS_PAGE.read_text()

@@ -75,3 +75,21 @@ def operator_bed(host_bed):
     yield bed
     problems = bed.close()
     assert not problems, "tearing the operator's simulated hosts down: " + "; ".join(problems)
+
+
+@pytest.fixture(scope="session")
+def pytorchjob_bed(host_bed):
+    """Hosts named as Kubeflow's Training Operator names the pods of
+    examples/kubernetes/digits-pytorchjob.yaml (``<job>-master-0``, ``<job>-worker-<i>``).
+    Made after ``host_bed``, whose checks and skip it shares."""
+    pytest.importorskip("yaml", reason="PyYAML reads examples/kubernetes/digits-pytorchjob.yaml")
+    from tests.launcher import kubernetes_example
+    bed = HostBed([pod for pod, _, _ in
+                   kubernetes_example.pytorchjob_pods(kubernetes_example.pytorchjob())])
+    try:
+        bed.start()
+    except BedUnavailable as exc:
+        _unavailable(str(exc))
+    yield bed
+    problems = bed.close()
+    assert not problems, "tearing the PyTorchJob's simulated hosts down: " + "; ".join(problems)

@@ -7,18 +7,13 @@ mpiexec)."""
 from __future__ import annotations
 
 import json
-import shlex
-import subprocess
-import tempfile
-import time
-from pathlib import Path
 
 import pytest
 
 from tests.launcher import env_launch
-from tests.mpi_harness import REPO, JobResult, base_env, worker_argv
-from tests.multihost.hosts import JOB_ENV, HostBed
+from tests.mpi_harness import JobResult, worker_argv
 from tests.multihost.layouts import LAYOUTS, N1, N2, N3, Expected
+from tests.multihost.pods import on_hosts
 
 pytest.importorskip("torch")
 TIMEOUT = 180
@@ -28,42 +23,6 @@ ONE_PER_HOST = Expected(
     ranks=[(N1, 0, 1, 0, 3), (N2, 0, 1, 1, 3), (N3, 0, 1, 2, 3)],
     homogeneous=True,
     sets={"global": ([0, 1, 2], False), "ends": ([0, 2], False)})
-
-
-def on_hosts(bed: HostBed, commands: dict[str, list[str]], np_: int, env: dict,
-             timeout: float = TIMEOUT) -> JobResult:
-    """Run ``commands[host]`` on each host at once (as ssh would: a login shell in the repo,
-    with ``env``), wait for all, collect the ranks' reports; on timeout kill everything."""
-    out_dir = tempfile.mkdtemp(prefix="torchrun-", dir=str(bed.root / "jobs"))
-    full = base_env({"HVDLITE_TEST_OUT": out_dir, **JOB_ENV, **env})
-    keep = {k: v for k, v in full.items() if k.startswith(("HVDLITE_", "HOROVOD_", "MPIR_",
-                                                           "FI_", "OMP_", "MKL_", "PYTHON",
-                                                           "TF_", "PATH"))}
-    procs = {}
-    for host, argv in commands.items():
-        line = (f"cd {shlex.quote(str(REPO))} && exec env "
-                + " ".join(f"{k}={shlex.quote(v)}" for k, v in keep.items())
-                + " " + shlex.join(argv))
-        procs[host] = subprocess.Popen([bed.standin, host, line], stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True,
-                                       stdin=subprocess.DEVNULL, start_new_session=True)
-    deadline, timed_out, outs, errs, codes = time.monotonic() + timeout, False, [], [], []
-    for host, p in procs.items():
-        try:
-            o, e = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            bed.kill_everything(p.pid)
-            o, e = p.communicate()
-        outs.append(f"[{host}] {o}")
-        errs.append(f"[{host}] {e}")
-        codes.append(p.returncode)
-    results = [json.loads((Path(out_dir) / f"rank{q}.json").read_text()) for q in range(np_)
-               if (Path(out_dir) / f"rank{q}.json").exists()]
-    leftovers = bed.settle()
-    assert not leftovers, f"left running on the hosts: {leftovers}"
-    return JobResult(None if timed_out else next((c for c in codes if c), 0), "\n".join(outs),
-                     "\n".join(errs), timed_out, results)
 
 
 def _passed(job: JobResult, np_: int, cases=None) -> None:
