@@ -146,3 +146,24 @@ def test_a_rank_killed_on_another_node_ends_the_others_with_rank_exited_error():
     found = re.findall(r"rank ([01]) RankExitedError after ([0-9.]+)", job.stdout)
     assert {r for r, _ in found} == {"0", "1"}, job.output
     assert all(float(t) < 10 for _, t in found), found
+
+
+def test_torchrun_restarts_form_a_new_world_each_time():
+    """``--max-restarts 1``: rank 1 dies in the first attempt; torchrun starts every worker
+    again, and the second attempt forms a new world under keys of its own (the restart count)
+    and trains to the end."""
+    body = ("import os, sys\n"
+            "import numpy as np\n"
+            "import hvdlite as hvd\n"
+            "hvd.init()\n"
+            "attempt = os.environ['TORCHELASTIC_RESTART_COUNT']\n"
+            "got = hvd.allreduce(np.ones(3), op=hvd.Sum, name='x')\n"
+            "if attempt == '0' and hvd.rank() == 1:\n"
+            "    os._exit(7)\n"
+            "hvd.barrier()\n"
+            "print(f'attempt {attempt} rank {hvd.rank()} of {hvd.size()} sum {got[0]:.0f}')\n")
+    job = run_command(env_launch.torchrun_argv(2, ["-c", body], "--standalone",
+                                               "--max-restarts", "1"), 2, timeout=180)
+    assert job.returncode == 0, job.output
+    done = sorted(re.findall(r"attempt 1 rank (\d) of 2 sum 2", job.stdout))
+    assert done == ["0", "1"], job.output
