@@ -26,7 +26,7 @@ def describe() -> dict:
     return {"node": ray.util.get_node_ip_address(), "node_id":
             ray.get_runtime_context().get_node_id(), "hostname": socket.gethostname(),
             "pid": os.getpid(),
-            "in_a_world": "mpi4py.MPI" in sys.modules or hydra_member.running_proxy()}
+            "in_a_world": "mpi4py.MPI" in sys.modules or hydra_member.proxy_pid() is not None}
 
 
 def join_world(env: dict, rank: int, size: int) -> dict:

@@ -94,7 +94,7 @@ def test_shutdown_leaves_no_process():
     assert ex.run(lambda: __import__("hvdlite").init() or 1) == [1, 1]
     from hvdlite.ray import member
     workers = ex.run(lambda: __import__("os").getpid())
-    proxies = [p for p in ray.get([w.call.remote(lambda: member._proxy and member._proxy.pid)
+    proxies = [p for p in ray.get([w.call.remote(lambda: member.hydra_member.proxy_pid())
                                    for w in ex.workers], timeout=30) if p]
     assert len(proxies) == 1   # one host, one proxy
     placeholders = children(proxies[0])

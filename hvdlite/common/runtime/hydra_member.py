@@ -28,9 +28,10 @@ def die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-def running_proxy() -> bool:
-    """Whether this process runs a host's proxy (it then belongs to a world already)."""
-    return _proxy is not None
+def proxy_pid() -> Optional[int]:
+    """The pid of the host's proxy this process runs (it then belongs to a world already),
+    or None."""
+    return None if _proxy is None else _proxy.pid
 
 
 def start_proxy(command: Sequence[str], release_path: str, tied: bool = False) -> int:

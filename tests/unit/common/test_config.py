@@ -235,6 +235,7 @@ ROUND_TRIPS = {
     "STALL_SHUTDOWN_TIME_SECONDS": ("stall_shutdown_seconds", "30", 30.0),
     "STALL_CHECK_DISABLE": ("stall_check_enabled", "1", False),
     "LOG_LEVEL": ("log_level", "Info", "INFO"),
+    "START_TIMEOUT": ("start_timeout_seconds", "5", 5.0),
     "DYNAMIC_PROCESS_SETS": ("dynamic_process_sets", "yes", True),
     "GPU_OPERATIONS": ("gpu_operations", "MPI", "mpi"),
     "ENABLE_ASYNC_COMPLETION": ("gpu_async_completion", "0", False),
@@ -315,9 +316,11 @@ def test_a_knob_has_one_value_flag_or_on_off_flags():
 
 
 def test_whose_value_counts_is_as_init_uses_it():
-    """init(): rank 0's values everywhere, but each rank's own memory and log level; the
-    timeline is rank 0's alone (only rank 0 opens it)."""
-    assert {k.name for k in KNOBS if k.agree == OWN} == {"LOG_LEVEL", "RESULT_POOL_MB"}
+    """init(): rank 0's values everywhere, but each rank's own memory and log level (and the
+    start timeout, read before the world exists); the timeline is rank 0's alone (only rank 0
+    opens it)."""
+    assert {k.name for k in KNOBS if k.agree == OWN} == {"LOG_LEVEL", "RESULT_POOL_MB",
+                                                          "START_TIMEOUT"}
     assert {k.name for k in KNOBS if k.agree == RECORDER} == {"TIMELINE",
                                                               "TIMELINE_MARK_CYCLES"}
     rank0 = Config.from_env({"HVDLITE_FUSION_THRESHOLD": "1", "HVDLITE_LOG_LEVEL": "debug",
