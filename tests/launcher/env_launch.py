@@ -66,6 +66,7 @@ def env_processes(size: int, argv: Sequence[str], timeout: float = 120,
     leader = None
     for rank in (range(size) if ranks is None else ranks):
         e = base_env({"HVDLITE_TEST_OUT": out_dir, **pod_env(rank, size, port), **(env or {})})
+        e = {k: v for k, v in e.items() if v != ""}   # env={"VAR": ""} unsets VAR
         program = worker_argv(list(argv))
         if program[0] != sys.executable:
             program = [sys.executable, *program]   # ["-c", code]

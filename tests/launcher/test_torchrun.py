@@ -167,3 +167,23 @@ def test_torchrun_restarts_form_a_new_world_each_time():
     assert job.returncode == 0, job.output
     done = sorted(re.findall(r"attempt 1 rank (\d) of 2 sum 2", job.stdout))
     assert done == ["0", "1"], job.output
+
+
+def test_worlds_formed_one_after_another_on_one_store():
+    """torchrun's agent keeps one store across the rounds of an elastic job, and a membership
+    change restarts the workers with the same TORCHELASTIC_RESTART_COUNT: a world formed after
+    another on the same store (this test serves it, as the agent does) must not take the
+    earlier world's keys, at the same size or another."""
+    import datetime
+    from torch.distributed import TCPStore
+    port = env_launch.free_port()
+    store = TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=30),
+                     wait_for_workers=False)
+    agent = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "same",
+             "TORCHELASTIC_RESTART_COUNT": "0", "MASTER_PORT": str(port)}
+    try:
+        for np_ in (2, 2, 3):
+            _all_passed(env_launch.env_processes(np_, [WORKER], env=agent), np_)
+        assert int(store.add("hvdlite/world/same/0/generation", 0)) == 3
+    finally:
+        del store

@@ -28,7 +28,7 @@ import atexit
 import datetime
 import json
 import logging
-import os
+import secrets
 import socket
 import time
 from typing import Optional
@@ -40,7 +40,6 @@ from hvdlite.common.runtime.launch_env import Launch
 log = logging.getLogger("hvdlite")
 
 POLL_SECONDS = 0.05
-_ERROR_KEY = "error"
 _world: Optional[MpiWorld] = None   # rank 0's mpiexec, kept for the process's life
 
 
@@ -53,7 +52,7 @@ def store_prefix(environ) -> str:
     (and of other runs on the same store) apart."""
     run = environ.get("TORCHELASTIC_RUN_ID", "").strip() or "env"
     attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "").strip() or "0"
-    return f"hvdlite/world/{run}/{attempt}/"
+    return f"hvdlite/world/{run}/{attempt}"
 
 
 def rank_order(hosts: list[str]) -> tuple[list[tuple[str, int]], list[int]]:
@@ -108,6 +107,7 @@ class _Rendezvous:
         self.port, self.timeout_s, self.rank = int(port), timeout_s, launch.rank
         agent = environ.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower() == "true"
         # Without an agent's store, rank 0 serves one, for the formation only.
+        self.agent = agent
         self.serving = not agent and launch.rank == 0
         try:
             store = TCPStore(self.addr, self.port, None, self.serving,
@@ -122,75 +122,128 @@ class _Rendezvous:
     def post(self, key: str, value) -> None:
         self.store.set(key, json.dumps(value))
 
-    def fail(self, message: str) -> None:
+    def take(self, key: str):
+        """Read ``key`` and delete it (an arrival is consumed by the formation it joins)."""
+        value = json.loads(self.store.get(key))
+        self.store.delete_key(key)
+        return value
+
+    def fail(self, generation: Optional[int], message: str) -> None:
+        """Post this process's error for the others of ``generation`` (None: before there is
+        one; only rank 0 is in a formation then, and it says so in the plan)."""
+        if generation is None:
+            return
         try:
-            self.post(_ERROR_KEY, f"rank {self.rank}: {message}")
+            self.post(f"g{generation}/error", f"rank {self.rank}: {message}")
         except Exception:  # noqa: BLE001 - the store may be what failed
             pass
 
-    def wait(self, keys: list[str], what: str, missing=None):
-        """The values of ``keys`` once all are posted; FormationError on a posted error or
-        when ``timeout_s`` passes (naming ``missing(keys not yet posted)`` if given)."""
+    def wait(self, ready, what: str, generation: Optional[int] = None, detail=None):
+        """``ready()``'s first value that is not None; FormationError when another process of
+        ``generation`` posted an error, or when ``timeout_s`` passes (with ``detail()``)."""
         deadline = time.monotonic() + self.timeout_s
+        error_key = f"g{generation}/error"
         while True:
-            if self.store.check([_ERROR_KEY]):
+            if generation is not None and self.store.check([error_key]):
+                raise FormationError(f"forming the world failed on another process: "
+                                     f"{json.loads(self.store.get(error_key))}")
+            try:
+                value = ready()
+            except Exception as exc:  # noqa: BLE001 - torch's store raises several kinds
                 raise FormationError(
-                    f"forming the world failed on another process: "
-                    f"{json.loads(self.store.get(_ERROR_KEY))}")
-            if self.store.check(keys):
-                return [json.loads(self.store.get(k)) for k in keys]
+                    f"lost the rendezvous at {self.addr}:{self.port} ({exc}); "
+                    + ("rank 0 serves it when no torchrun agent does: did rank 0 fail?"
+                       if not self.agent else "is torchrun's agent still running?")) from None
+            if value is not None:
+                return value
             if time.monotonic() > deadline:
-                absent = [k for k in keys if not self.store.check([k])]
-                detail = missing(absent) if missing else f"missing {absent}"
-                raise FormationError(f"{what} within {self.timeout_s:g} s ({detail}).")
+                raise FormationError(f"{what} within {self.timeout_s:g} s"
+                                     + (f" ({detail()})" if detail else "") + ".")
             time.sleep(POLL_SECONDS)
+
+    def posted(self, *keys: str):
+        """The values of ``keys`` if all are posted, else None."""
+        if not self.store.check(list(keys)):
+            return None
+        return [json.loads(self.store.get(k)) for k in keys]
 
 
 def form(launch: Launch, environ, timeout_s: float) -> list[int]:
     """Make this process rank ``launch.rank`` of a ``launch.size``-rank MPI world together
     with the launch's other processes (collective over all of them; returns each rank's rank in
     ``MPI_COMM_WORLD``, which differs from ``RANK`` only when a host's ranks are not
-    consecutive).  Raises :class:`FormationError` on every process when any step fails."""
+    consecutive).  Raises :class:`FormationError` on every process when any step fails.
+
+    One store may serve several formations (torchrun's agent keeps its store across the
+    rounds of an elastic job, with the same restart count), so each formation identifies
+    itself: every process arrives with a nonce, rank 0 consumes the arrivals, numbers the
+    formation with the store's counter and posts a plan listing the nonces it took; a process
+    acts only on a plan that lists its own nonce, and every later key carries the number."""
     global _world
     rank, size = launch.rank, launch.size
     assert rank is not None and size is not None
     rdv = _Rendezvous(launch, environ, timeout_s)
     where = f"the rendezvous at {rdv.addr}:{rdv.port}"
+    nonce, generation = secrets.token_hex(8), None
     try:
-        host = socket.gethostname()
-        rdv.post(f"host/{rank}", {"host": host, "pid": os.getpid()})
+        rdv.post(f"arrived/{rank}", {"host": socket.gethostname(), "nonce": nonce})
         if rank == 0:
-            found = rdv.wait([f"host/{r}" for r in range(size)],
-                             f"not every process of the {size} that WORLD_SIZE names reached "
-                             f"{where}",
-                             lambda keys: f"ranks {[int(k.split('/')[1]) for k in keys]} never "
-                                          f"arrived: are they running, with WORLD_SIZE={size}?")
+            keys = [f"arrived/{r}" for r in range(size)]
+            def absent() -> str:
+                missing = [r for r in range(size) if not rdv.store.check([keys[r]])]
+                return f"ranks {missing} never arrived: are they running, with WORLD_SIZE={size}?"
+            try:
+                rdv.wait(lambda: rdv.posted(*keys) and True,
+                         f"not every process of the {size} that WORLD_SIZE names reached "
+                         f"{where}", detail=absent)
+            except FormationError as exc:   # tell those that did arrive
+                came = [rdv.take(k)["nonce"] if rdv.store.check([k]) else None for k in keys]
+                rdv.post("plan", {"generation": None, "nonces": came, "error": f"rank 0: {exc}"})
+                raise
+            found = [rdv.take(k) for k in keys]
+            generation = int(rdv.store.add("generation", 1))
             hosts = [f["host"] for f in found]
             segments, mpi_rank = rank_order(hosts)
             nodes = [h for h, n in segments for _ in range(n)]
-            _world = MpiWorld(nodes, control_address(rdv.addr), timeout_s)
-            proxies = _world.start(tied=True)
+            plan = {"generation": generation, "nonces": [f["nonce"] for f in found],
+                    "mpi_rank": mpi_rank}
+            try:
+                _world = MpiWorld(nodes, control_address(rdv.addr), timeout_s)
+                proxies = _world.start(tied=True)
+            except Exception as exc:  # noqa: BLE001 - every process must hear of it
+                rdv.post("plan", {**plan, "error": f"rank 0: {exc}"})
+                raise
             firsts = {h: min(r for r in range(size) if hosts[r] == h) for h, _ in segments}
-            rdv.post("plan", {"mpi_rank": mpi_rank, "release": _world.release_path,
+            rdv.post("plan", {**plan, "release": _world.release_path,
                               "proxy": {str(firsts[h]): cmd for (h, _), cmd in
                                         zip(segments, proxies)}})
-        plan, = rdv.wait(["plan"], f"rank 0 did not start mpiexec through {where}")
+
+        def my_plan():
+            got = rdv.posted("plan")
+            return got[0] if got and got[0]["nonces"][rank:rank + 1] == [nonce] else None
+        plan = rdv.wait(my_plan, f"rank 0 did not start the world's mpiexec through {where}")
+        generation = plan["generation"]
+        if "error" in plan:
+            raise FormationError(f"forming the world failed on another process: "
+                                 f"{plan['error']}")
         command = plan["proxy"].get(str(rank))
         if command is not None:
             hydra_member.start_proxy(command, plan["release"], tied=True)
         if rank == 0:
             envs = _world.environments()
             for r in range(size):
-                rdv.post(f"env/{r}", envs[plan["mpi_rank"][r]])
-        env, = rdv.wait([f"env/{rank}"], "this rank's MPI environment did not arrive")
+                rdv.post(f"g{generation}/env/{r}", envs[plan["mpi_rank"][r]])
+        env, = rdv.wait(lambda: rdv.posted(f"g{generation}/env/{rank}"),
+                        "this rank's MPI environment did not arrive", generation)
     except Exception as exc:  # noqa: BLE001 - the store's and mpiexec's errors alike
-        rdv.fail(str(exc))
+        rdv.fail(generation, str(exc))
         _end()
         raise FormationError(f"hvd.init() under {launch.describe()}: {exc}") from None
     atexit.register(_end)
     hydra_member.join_world(env, plan["mpi_rank"][rank], size,
                             f"process {rank} of {launch.launcher}")
-    log.debug("formed rank %d of %d from %s", rank, size, launch.describe())
+    log.debug("formed rank %d of %d from %s (formation %d)", rank, size, launch.describe(),
+              generation)
     return plan["mpi_rank"]
 
 

@@ -65,7 +65,7 @@ def test_store_prefix_separates_runs_and_restarts():
     first = store_prefix({"TORCHELASTIC_RUN_ID": "r", "TORCHELASTIC_RESTART_COUNT": "0"})
     again = store_prefix({"TORCHELASTIC_RUN_ID": "r", "TORCHELASTIC_RESTART_COUNT": "1"})
     other = store_prefix({"TORCHELASTIC_RUN_ID": "s", "TORCHELASTIC_RESTART_COUNT": "0"})
-    assert len({first, again, other}) == 3 and store_prefix({}) == "hvdlite/world/env/0/"
+    assert len({first, again, other}) == 3 and store_prefix({}) == "hvdlite/world/env/0"
 
 
 @pytest.mark.parametrize("environ, torch_ok, words", [
