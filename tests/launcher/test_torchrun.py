@@ -57,10 +57,10 @@ def test_pytorchjob_layout_one_process_per_pod(np_):
     _all_passed(env_launch.env_processes(np_, [WORKER]), np_)
 
 
-def test_digits_example_trains_under_torchrun():
+def test_digits_example_trains_under_torchrun(tmp_path):
     job = run_command(env_launch.torchrun_argv(
         2, [str(REPO / "examples/pytorch_digits.py"), "--epochs", "20", "--min-accuracy",
-            "0.95"]), 2, timeout=300)
+            "0.95", "--checkpoint", str(tmp_path / "digits.pt")]), 2, timeout=300)
     assert job.returncode == 0, job.output
     accuracy = float(re.findall(r"test accuracy:? ([0-9.]+)", job.stdout)[-1])
     assert accuracy >= 0.95
