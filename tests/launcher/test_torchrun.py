@@ -187,3 +187,18 @@ def test_worlds_formed_one_after_another_on_one_store():
         assert int(store.add("hvdlite/world/same/0/generation", 0)) == 3
     finally:
         del store
+
+
+def test_hvd_elastic_resumes_from_the_last_commit_after_a_torchrun_restart():
+    """Commits live in torchrun's agent store (it outlives the workers): after rank 1 dies,
+    the restarted world resumes from the newest commit (epoch 5, or 4 if rank 0's paced
+    shipping had not sent 5 yet), with the committed total, and runs the reset callbacks."""
+    job = run_command(env_launch.torchrun_argv(
+        2, ["launcher/workers/torchrun_elastic_worker.py"], "--standalone", "--max-restarts",
+        "1"), 2, timeout=180)
+    assert job.returncode == 0, job.output
+    lines = re.findall(r"attempt 1 rank (\d) resumed at (\d) epoch 8 total (\d+) resets (\d)",
+                       job.stdout)
+    assert sorted(r for r, *_ in lines) == ["0", "1"], job.output
+    for _, resumed, total, resets in lines:
+        assert int(resumed) in (4, 5) and int(total) == 16 and resets == "1", lines

@@ -306,6 +306,13 @@ def current() -> Channel | None:
     return _channel
 
 
+def install(channel) -> None:
+    """Make ``channel`` this process's channel: one with :class:`Channel`'s requests that is no
+    driver's connection (torchrun's store, :mod:`~hvdlite.common.runtime.store_commits`)."""
+    global _channel
+    _channel = channel
+
+
 def driven() -> bool:
     """Whether an elastic driver started this process."""
     return _channel is not None or bool(os.environ.get(wire.DRIVER_VARIABLE))

@@ -36,11 +36,14 @@ from typing import Optional
 from hvdlite.common.runtime import hydra_member
 from hvdlite.common.runtime.hydra_world import MpiWorld
 from hvdlite.common.runtime.launch_env import Launch
+from hvdlite.common.runtime.store_commits import StoreChannel, world_number
 
 log = logging.getLogger("hvdlite")
 
 POLL_SECONDS = 0.05
 _world: Optional[MpiWorld] = None   # rank 0's mpiexec, kept for the process's life
+# Under torchrun's agent store: where hvd.elastic keeps its commits (see store_commits).
+commit_channel: Optional[StoreChannel] = None
 
 
 class FormationError(RuntimeError):
@@ -117,6 +120,7 @@ class _Rendezvous:
             raise FormationError(
                 f"rank {launch.rank} could not {role} MASTER_ADDR:MASTER_PORT = "
                 f"{self.addr}:{self.port} within {timeout_s:g} s: {exc}") from None
+        self.raw = store
         self.store = PrefixStore(store_prefix(environ), store)
 
     def post(self, key: str, value) -> None:
@@ -179,7 +183,7 @@ def form(launch: Launch, environ, timeout_s: float) -> list[int]:
     itself: every process arrives with a nonce, rank 0 consumes the arrivals, numbers the
     formation with the store's counter and posts a plan listing the nonces it took; a process
     acts only on a plan that lists its own nonce, and every later key carries the number."""
-    global _world
+    global _world, commit_channel
     rank, size = launch.rank, launch.size
     assert rank is not None and size is not None
     rdv = _Rendezvous(launch, environ, timeout_s)
@@ -240,6 +244,12 @@ def form(launch: Launch, environ, timeout_s: float) -> list[int]:
         _end()
         raise FormationError(f"hvd.init() under {launch.describe()}: {exc}") from None
     atexit.register(_end)
+    if rdv.agent:   # the agent's store outlives the workers: hvd.elastic's commits live there
+        run = environ.get("TORCHELASTIC_RUN_ID", "").strip() or "env"
+        restarts = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip() or 0)
+        from torch.distributed import PrefixStore
+        commit_channel = StoreChannel(PrefixStore(f"hvdlite/elastic/{run}", rdv.raw),
+                                      "commits", world_number(restarts, generation - 1), rank)
     hydra_member.join_world(env, plan["mpi_rank"][rank], size,
                             f"process {rank} of {launch.launcher}")
     log.debug("formed rank %d of %d from %s (formation %d)", rank, size, launch.describe(),

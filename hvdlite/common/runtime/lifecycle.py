@@ -133,6 +133,8 @@ def init(comm=None, process_sets=None, *, make_engine: EngineFactory) -> None:
                 raise HvdliteError(str(exc)) from None
         if elastic_channel.driven():   # started by hvdlite run's elastic driver: report in
             _connect_to_elastic_driver(world, watchdog)
+        elif env_world.commit_channel is not None:   # under torchrun: commits in its store
+            elastic_channel.install(env_world.commit_channel)
         if own != config and rank != 0:
             log.info("using rank 0's settings %s (this rank's environment says %s)", config, own)
         engine = make_engine(world.Dup(), config, None)
