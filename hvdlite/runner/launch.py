@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Mapping, Sequence, TextIO, TypeVar
 
-from . import check_build, elastic, horovodrun_flags, host_check, mpi_flavor
+from . import check_build, elastic, horovodrun_flags, host_check, mpi_flavor, slurm
 from hvdlite.common.core import KNOBS, Flag, Knob
 from ..version import __version__
 from .job_process import run_job, start_job
@@ -279,6 +279,11 @@ def plan_job(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[JobS
         raise UsageError("no command given; usage: hvdlite run -np N [options] command ...")
     hosts, from_file = resolve_hosts(args)
     known = environment_hosts(environ) if hosts is None else None
+    if hosts is None and known is None:   # inside sbatch/salloc: the launcher reads it too
+        try:
+            known = slurm.allocation_hosts(environ)
+        except slurm.SlurmError as exc:
+            raise LaunchError(str(exc)) from None
     np = process_count(args, hosts or (known[0] if known else None))
     command = list(args.command)
     if args.output_filename:   # every rank runs its command under the per-rank output tee
