@@ -41,8 +41,8 @@ import numpy as np
 
 from hvdlite.common.api import ops
 from hvdlite.common.errors import HorovodInternalError, HostsUpdatedInterrupt, RankExitedError
-from hvdlite.common.runtime import (elastic_channel, lifecycle, liveness, state as _state,
-                                    warm_start)
+from hvdlite.common.runtime import (elastic_channel, lifecycle, liveness, output_relay,
+                                    state as _state, warm_start)
 from hvdlite.common.runtime.elastic_wire import (EXIT_RESET, HostUpdateResult, dumps, pack,
                                                  unpack)
 
@@ -406,12 +406,26 @@ def _describe(exc: BaseException) -> str:
     return text[-2000:]
 
 
+def _after_departure(exc: BaseException) -> HorovodInternalError | None:
+    """A ``HorovodInternalError`` for ``exc`` when it was raised after a peer of this world
+    departed (the world is over: a DataLoader worker's, a stream's or the script's own error
+    there is a consequence, not a cause), else None."""
+    departed = liveness.departed_ranks()
+    if not departed or not isinstance(exc, Exception):
+        return None
+    failure = HorovodInternalError(f"{type(exc).__name__}: {exc} (raised after rank(s) "
+                                   f"{sorted(departed)} of this world had departed)")
+    failure.__cause__ = exc
+    return failure
+
+
 def _exit(status: int) -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:   # noqa: BLE001 - exiting regardless
             pass
+    output_relay.drain()   # what the script wrote reaches the driver before the process ends
     os._exit(status)
 
 
@@ -437,6 +451,8 @@ def run_fn(func: Callable, translate: Callable[[BaseException], BaseException | 
         except BaseException as exc:
             internal = exc if isinstance(exc, HorovodInternalError) else (
                 translate(exc) if translate is not None else None)
+            if not isinstance(internal, HorovodInternalError):
+                internal = _after_departure(exc)
             if isinstance(internal, HorovodInternalError):
                 session.failed(internal)
             session.errored(exc)

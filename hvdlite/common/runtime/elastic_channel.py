@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from hvdlite.common.runtime import elastic_wire as wire, warm_start
+from hvdlite.common.runtime import elastic_wire as wire, output_relay, warm_start
 
 log = logging.getLogger("hvdlite")
 
@@ -294,6 +294,7 @@ def _exit_now() -> None:
             stream.flush()
         except Exception:   # noqa: BLE001 - exiting regardless
             pass
+    output_relay.drain()
     os._exit(wire.EXIT_RESET)
 
 

@@ -17,7 +17,8 @@ from hvdlite.common.errors import HvdliteError, LaunchError
 from hvdlite.common.gpu.cuda import reset_process_device
 from hvdlite.common.memory import result_pool
 from hvdlite.common.runtime import (child_process, elastic_channel, env_world, launch_env,
-                                    liveness, registry, state as _state, timeline)
+                                    liveness, output_relay, registry, state as _state,
+                                    timeline)
 from hvdlite.common.runtime.process_sets import ProcessSet, global_process_set
 from hvdlite.common.runtime.state import EngineFactory, ProcessState
 from hvdlite.common.runtime.topology import discover
@@ -133,6 +134,7 @@ def init(comm=None, process_sets=None, *, make_engine: EngineFactory) -> None:
                 raise HvdliteError(str(exc)) from None
         if elastic_channel.driven():   # started by hvdlite run's elastic driver: report in
             _connect_to_elastic_driver(world, watchdog)
+            output_relay.install(_to_driver)   # output that outlives this world's launcher
         elif env_world.commit_channel is not None:   # under torchrun: commits in its store
             elastic_channel.install(env_world.commit_channel)
         if own != config and rank != 0:
@@ -183,6 +185,14 @@ def _launch_world(launch: launch_env.Launch, mpi_was_up: bool):
     if launch.kind == launch_env.ENV and launch.size == world.Get_size() > 1:
         return world.Split(0, launch.rank)   # collective; the same order when hosts are in order
     return world
+
+
+def _to_driver(fd: int, data: bytes) -> None:
+    """Where an elastic worker's output goes once its world's launcher is gone: the driver
+    prints it (nowhere, if that is gone too)."""
+    channel = elastic_channel.current()
+    if channel is not None and not channel.closed:
+        channel.tell(("output", fd, data))
 
 
 def _connect_to_elastic_driver(world, watchdog) -> None:

@@ -3,7 +3,8 @@
 Each worker connects at ``hvd.init()`` (see ``hvdlite.common.runtime.elastic_channel``) and
 gets a thread here that reads its messages: hello (who and where), commits (stored as the raw
 frames they came in: the driver never unpickles a state), fetches of the newest commit, offers
-of a failing rank's commit ("have"), and the rank's outcome when its world ends.  Membership
+of a failing rank's commit ("have"), the rank's outcome when its world ends, and what a rank
+writes once its world's launcher (which carried its output) is gone ("output").  Membership
 news (hello, outcome, a connection that ended) goes to the driver's loop as :class:`Event`\\ s;
 commits are handled here, under :class:`CommitStore`'s lock.
 """
@@ -14,6 +15,7 @@ import logging
 import queue
 import secrets
 import socket
+import sys
 import threading
 import time
 from typing import Any
@@ -23,6 +25,19 @@ from hvdlite.common.core import elastic_wire as wire
 log = logging.getLogger("hvdlite")
 
 HAVE_WAIT_SECONDS = 60.0   # a failing rank waits this long for another one's upload
+
+
+_output_lock = threading.Lock()
+
+
+def _write_output(fd: int, data: bytes) -> None:
+    """Print what a worker wrote to its stdout (``fd`` 1) or stderr (2) once its world's
+    launcher, which carried its output until then, was gone (see output_relay)."""
+    stream = sys.stdout if fd == 1 else sys.stderr
+    with _output_lock:
+        stream.flush()
+        stream.buffer.write(data)
+        stream.buffer.flush()
 
 
 @dataclasses.dataclass
@@ -204,6 +219,9 @@ class Server:
                 elif kind == "have":
                     _, key, commit_id = message
                     member.send((self.store.have(key, commit_id, conn), key))
+                elif kind == "output":   # a survivor's output after its launcher went
+                    _, fd, data = message
+                    _write_output(fd, data)
                 elif kind == "outcome":
                     member.outcome = tuple(message[1:])
                     self.events.put(Event("outcome", member, time.monotonic()))
