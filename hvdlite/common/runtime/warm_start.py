@@ -50,6 +50,7 @@ KEY_VARIABLE = "HVDLITE_ELASTIC_KEY"               # nothing of hvdlite; a test 
 # Set in every worker a warm process forked (it reports nothing: its modules are preloaded).
 CHILD_VARIABLE = "HVDLITE_ELASTIC_WARM_CHILD"
 REQUEST_SECONDS = 5.0     # a request that does not arrive whole in this time is dropped
+PROBE_SECONDS = 10.0      # a forked probe that has not exited by then means: start cold
 _HEADER = struct.Struct("!Q")
 _MAX_FDS = 16
 _NEVER_PRELOAD = ("hvdlite", "mpi4py.MPI", "__main__", "__mp_main__")
@@ -286,6 +287,7 @@ class _WarmProcess:
         self.pending: list[str] = []   # modules still to import, in order (one per turn)
         self.told = False              # a worker has said what to preload
         self.cold_reason: str | None = None
+        self.probed = -1               # len(sys.modules) when a fork was last found safe
         self.listener: socket.socket | None = None
         self.driver = None
 
@@ -388,6 +390,9 @@ class _WarmProcess:
         if self.cold_reason is None and threading.active_count() > 1:
             self.cold_reason = (f"the preloaded modules started {threading.active_count() - 1} "
                                 f"Python thread(s), so forking workers would not be safe")
+        if self.cold_reason is None and self.probed != len(sys.modules):
+            self.cold_reason = self._fork_probe()
+            self.probed = len(sys.modules)
         if self.cold_reason is not None:
             _send(conn, ("cold", self.cold_reason))
             conn.close()
@@ -410,6 +415,46 @@ class _WarmProcess:
         except OSError:
             pass
         self.children[pid] = conn
+        return None
+
+    def _fork_probe(self) -> str | None:
+        """Why forking workers is not safe with what is preloaded now, or None: a child forked
+        here ends the way a worker's process ends (Python's exit functions, then the C and C++
+        ones: static destructors). A library that keeps native threads or locks which a fork
+        does not copy whole (a ``std::thread`` object without its thread: "terminate called
+        without an active exception") kills such a child with a signal, where a cold start
+        would not."""
+        import signal
+        pid = os.fork()
+        if pid == 0:
+            try:
+                import atexit
+                import ctypes
+                atexit._run_exitfuncs()
+                ctypes.CDLL(None).exit(0)   # the C library's exit: its handlers, destructors
+            finally:
+                os._exit(0)
+        deadline = time.monotonic() + PROBE_SECONDS
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return (f"a process forked from the warm process did not finish exiting within "
+                        f"{PROBE_SECONDS:g} s (a preloaded library waits there for state a "
+                        f"fork does not copy)")
+            time.sleep(0.005)
+        if os.WIFSIGNALED(status):
+            sig = os.WTERMSIG(status)
+            return (f"a process forked from the warm process died of "
+                    f"{signal.Signals(sig).name} when it exited (a preloaded library keeps "
+                    f"native state a fork does not copy whole, e.g. a thread object without "
+                    f"its thread)")
+        if os.waitstatus_to_exitcode(status) != 0:
+            return (f"a process forked from the warm process exited with status "
+                    f"{os.waitstatus_to_exitcode(status)} when it should have exited cleanly")
         return None
 
     def _reap(self) -> None:

@@ -19,6 +19,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import hvdlite.torch as hvd
 
+if os.environ.get("CHATTY_IMPORT"):   # a library the warm process preloads too
+    __import__(os.environ["CHATTY_IMPORT"])
 hvd.init()
 logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                     format=f"log rank {hvd.rank()}: %(message)s")
@@ -83,5 +85,5 @@ def train(state):
 
 train(state)
 stop.set()
-print(f"finished world {WORLD} rank {hvd.rank()} of {hvd.size()} epoch {state.epoch}",
-      flush=True)
+print(f"finished world {WORLD} rank {hvd.rank()} of {hvd.size()} epoch {state.epoch} "
+      f"warm {os.environ.get('HVDLITE_ELASTIC_WARM_CHILD') == '1'}", flush=True)
