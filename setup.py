@@ -38,7 +38,7 @@ setup(
         "examples": ["scikit-learn>=1.2"],
         # hvdlite.ray: RayExecutor and the Ray Train backend (HvdliteTrainer).
         "ray": ["ray[train]>=2.40"],
-        "test": ["pytest>=7", "pytest-timeout>=2", "scikit-learn>=1.2"],
+        "test": ["pytest>=7", "pytest-timeout>=2", "scikit-learn>=1.2", "tqdm>=4"],
         # The documentation site (mkdocs.yml, docs/); tests/test_docs.py builds it in strict mode.
         "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings>=1.0",
                  "mkdocstrings-python>=2.0"],

@@ -9,17 +9,21 @@ PYTHON="${PYTHON:-python3}"
 # torch is pinned: an unpinned torch pulls several GB of CUDA packages.
 TORCH_SPEC="${HVDLITE_TORCH_SPEC:-torch==2.13.0}"
 TF_SPEC="${HVDLITE_TF_SPEC:-tensorflow-cpu==2.21.0}"
+TF_KERAS_SPEC="${HVDLITE_TF_KERAS_SPEC:-tf-keras==2.21.0}"
 
 if [ ! -x .venv/bin/python ]; then
   echo "[bootstrap] creating .venv with $($PYTHON --version)"
   "$PYTHON" -m venv .venv
 fi
 stamp=".venv/.hvdlite-installed"
-want="$(cat setup.py scripts/bootstrap.sh | sha256sum | cut -c1-16) $TORCH_SPEC $TF_SPEC"
+want="$(cat setup.py scripts/bootstrap.sh | sha256sum | cut -c1-16) $TORCH_SPEC $TF_SPEC $TF_KERAS_SPEC"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[bootstrap] installing hvdlite and its test/example/docs dependencies"
   .venv/bin/python -m pip install --quiet --upgrade pip
   .venv/bin/python -m pip install --quiet "$TORCH_SPEC" "$TF_SPEC" -e ".[test,examples,docs,ray]"
+  # Keras 2 for the tf-keras tests (TF_USE_LEGACY_KERAS=1): matched to TensorFlow, and without
+  # its dependency on the full `tensorflow` wheel (tensorflow-cpu is already there).
+  .venv/bin/python -m pip install --quiet --no-deps "$TF_KERAS_SPEC"
   echo "$want" > "$stamp"
 fi
 # The venv's MPICH mpiexec must win over any other MPI on PATH (a foreign mpiexec fails

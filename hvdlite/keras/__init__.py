@@ -1,7 +1,8 @@
 """``import hvdlite.keras as hvd``: Horovod's ``horovod.keras`` (its API for standalone Keras).
 
-Keras 3 is the Keras that TensorFlow runs, so this is :mod:`hvdlite.tensorflow.keras` under
-Horovod's other name: the same functions, classes and callbacks (see that module).  A script
+This is :mod:`hvdlite.tensorflow.keras` under Horovod's other name: the same functions, classes
+and callbacks, for the Keras that TensorFlow runs (Keras 3, or tf-keras's Keras 2 under
+``TF_USE_LEGACY_KERAS=1``; see that module).  A script
 written for ``horovod.keras`` runs after changing only its import, as far as its own Keras
 calls still exist in Keras 3.
 """

@@ -1,4 +1,8 @@
-"""Keras 3 adapter with Horovod's API: ``import hvdlite.tensorflow.keras as hvd``.
+"""Keras adapter with Horovod's API: ``import hvdlite.tensorflow.keras as hvd``.
+
+It works with the Keras that ``tf.keras`` is: Keras 3, or Keras 2 from the ``tf-keras``
+package when ``TF_USE_LEGACY_KERAS=1`` (:mod:`.keras2`; each optimizer gets the wrapper of the
+Keras it belongs to).
 
 A Horovod Keras script runs after changing ``import horovod.tensorflow.keras as hvd`` (or
 ``horovod.keras``) to this import::
@@ -20,38 +24,23 @@ import tensorflow as tf
 from hvdlite.common.core import *  # noqa: F401,F403 - the shared API
 
 from ..compression import Compression
-from ..gradient_tape import (LocalVariables, _check_groups, _check_process_set,
-                             local_layer_variables, make_allreduce_grads_fn)
+from ..gradient_tape import (_check_groups, _check_process_set, local_layer_variables,
+                             make_allreduce_grads_fn)
 from ..mpi_ops import (allreduce as _tf_allreduce, allgather as _tf_allgather,
                        broadcast as _tf_broadcast, reducescatter as _tf_reducescatter,
                        broadcast_variables, barrier)
 from . import callbacks
 from . import elastic  # noqa: F401 - hvd.elastic.*: Horovod's elastic API
-from . import loss_scale
+from . import keras2, loss_scale
+from .keras2 import Keras2DistributedOptimizer
+from .optimizer_setup import DistributedSetup
 
 loss_scale.install()   # mixed precision: see hvdlite.tensorflow.keras.loss_scale
 
 
-class _DistributedOptimizer:
+class _DistributedOptimizer(DistributedSetup):
     """Mixin placed before the user's optimizer class in a generated subclass: ``apply``
     (which ``apply_gradients`` and ``model.fit`` go through) averages the gradients first."""
-
-    def _hvd_setup(self, name: str, allreduce_grads, backward_passes_per_step: int,
-                   average_aggregated_gradients: bool, process_set=global_process_set) -> None:
-        self._hvd_name = name
-        self._hvd_process_set = process_set
-        self._hvd_allreduce_grads = allreduce_grads
-        self._hvd_passes = int(backward_passes_per_step)
-        self._hvd_average_aggregated = bool(average_aggregated_gradients)
-        self._hvd_aggregated = None
-        self._hvd_counter = None
-        self._hvd_local = LocalVariables()
-
-    def register_local_var(self, var) -> None:
-        """Mark ``var`` as local to this rank (model parallelism): its gradient is applied
-        without any collective (divided by the number of ranks when the optimizer was made
-        with ``scale_local_gradients=True``, the default), as in Horovod."""
-        self._hvd_local.add(var)
 
     def _hvd_all_finite(self, finite):
         """True on every rank iff ``finite`` is True on every rank of the process set (a
@@ -121,8 +110,10 @@ class _DistributedOptimizer:
 
 def _distributed_class(base):
     # Same name and module as the wrapped class: a saved model records the plain optimizer and
-    # loads without hvdlite (as with Horovod).
-    return type(base.__name__, (_DistributedOptimizer, base),
+    # loads without hvdlite (as with Horovod).  Keras 2 (tf-keras) optimizers get their own
+    # mixin: they have no ``apply`` step (see keras2).
+    mixin = Keras2DistributedOptimizer if keras2.is_keras2_class(base) else _DistributedOptimizer
+    return type(base.__name__, (mixin, base),
                 {"__module__": base.__module__, "__qualname__": base.__qualname__})
 
 
@@ -148,7 +139,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     _check_process_set(process_set)
     if backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be >= 1")
-    if isinstance(optimizer, _DistributedOptimizer):
+    if isinstance(optimizer, DistributedSetup):
         raise ValueError("the optimizer is already a DistributedOptimizer")
     _check_groups(num_groups, groups)
     base = optimizer.__class__
@@ -226,14 +217,15 @@ def broadcast_global_variables(root_rank):
 def load_model(filepath, custom_optimizers=None, custom_objects=None,
                compression=Compression.none):
     """Load a saved Keras model whose optimizer (and its state) is turned into a
-    :func:`DistributedOptimizer` in place."""
-    import keras
+    :func:`DistributedOptimizer` in place (with the Keras that ``tf.keras`` is: tf-keras's
+    Keras 2 under ``TF_USE_LEGACY_KERAS=1``)."""
+    keras = keras2.keras_of_tf()
     objects = dict(custom_objects or {})
     for opt_cls in custom_optimizers or []:
         objects[opt_cls.__name__] = opt_cls
     model = keras.models.load_model(filepath, custom_objects=objects or None)
     opt = getattr(model, "optimizer", None)
-    if opt is not None and not isinstance(opt, _DistributedOptimizer):
+    if opt is not None and not isinstance(opt, DistributedSetup):
         base = opt.__class__
         opt.__class__ = _distributed_class(base)
         group = f"DistributedOptimizer.Distributed{base.__name__}"

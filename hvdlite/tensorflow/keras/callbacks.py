@@ -3,12 +3,14 @@ schedules."""
 from __future__ import annotations
 
 import numpy as np
-import keras
 
 from hvdlite.common import core
 
 from ..gradient_tape import LocalVariables
 from ..mpi_ops import broadcast_variables
+from .keras2 import keras_of_tf
+
+keras = keras_of_tf()   # tf.keras's Keras: Keras 3, or tf-keras's Keras 2 (TF_USE_LEGACY_KERAS=1)
 
 
 def _optimizer_variables(optimizer):

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import keras
-
 from ..elastic import (HorovodInternalError, HostsUpdatedInterrupt, ObjectState, State,
                        TensorFlowKerasState, TensorFlowState, run)
+from .keras2 import keras_of_tf
+
+keras = keras_of_tf()   # tf.keras's Keras: Keras 3, or tf-keras's Keras 2 (TF_USE_LEGACY_KERAS=1)
 
 
 class KerasState(TensorFlowKerasState):

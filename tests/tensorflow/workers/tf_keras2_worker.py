@@ -1,0 +1,177 @@
+"""Keras 2 through tf-keras (``TF_USE_LEGACY_KERAS=1``) on every rank of a real MPI job (issue
+54): Horovod's Keras API on tf-keras models and optimizers, each case checked against numbers
+computed here from every rank's inputs (gathered with hvdlite's allgather, checked on its own
+by the core tests)."""
+import os
+import tempfile
+
+os.environ["TF_USE_LEGACY_KERAS"] = "1"
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import hvdlite.tensorflow.keras as hvd  # noqa: E402
+from tests.workers._report import Reporter  # noqa: E402
+
+hvd.init()
+RANK, SIZE = hvd.rank(), hvd.size()
+keras = tf.keras
+r = Reporter(RANK)
+LR = 0.5
+
+
+def data(rank, n=8):
+    rng = np.random.default_rng(100 + rank)
+    return rng.normal(size=(n, 3)).astype("float32"), rng.normal(size=(n, 1)).astype("float32")
+
+
+def linear(w0):
+    model = keras.Sequential([keras.layers.Dense(1, use_bias=False, input_shape=(3,))])
+    model.layers[0].set_weights([w0])
+    return model
+
+
+def local_grad(w, x, y):
+    """d/dw of mean((x @ w - y)^2)."""
+    return 2.0 * x.T @ (x @ w - y) / len(x)
+
+
+W0 = np.arange(3, dtype="float32").reshape(3, 1) / 10
+
+
+def mean_grad(w):
+    return np.mean([local_grad(w, *data(q)) for q in range(SIZE)], axis=0)
+
+
+def check_keras_is_2():
+    assert keras.__name__.startswith("tf_keras"), keras.__name__
+    assert hvd.callbacks.BroadcastGlobalVariablesCallback.__mro__[1].__module__.startswith(
+        "tf_keras")
+
+
+def step_with(opt_factory, how):
+    model = linear(W0)
+    opt = hvd.DistributedOptimizer(opt_factory(LR))
+    x, y = data(RANK)
+    loss = lambda: tf.reduce_mean((model(x) - y) ** 2)  # noqa: E731
+    if how == "minimize":
+        opt.minimize(loss, model.trainable_variables)
+    elif how == "_compute_gradients":
+        with tf.GradientTape() as tape:
+            value = loss()
+        pairs = opt._compute_gradients(value, model.trainable_variables, tape=tape)
+        np.testing.assert_allclose(pairs[0][0].numpy(), mean_grad(W0), rtol=1e-5)
+        opt.apply_gradients(pairs)
+    elif how == "tape":   # a custom loop: the tape's own gradients to apply_gradients
+        with tf.GradientTape() as tape:
+            value = loss()
+        grads = tape.gradient(value, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+    elif how == "tf.function":
+        @tf.function
+        def step():
+            opt.minimize(loss, model.trainable_variables)   # (legacy: returns an op)
+        step()
+    np.testing.assert_allclose(model.layers[0].get_weights()[0], W0 - LR * mean_grad(W0),
+                               rtol=1e-5, atol=1e-6)
+
+
+def backward_passes(compiled):
+    model = linear(W0)
+    opt = hvd.DistributedOptimizer(keras.optimizers.legacy.SGD(LR), backward_passes_per_step=2)
+    x, y = data(RANK)
+    loss = lambda: tf.reduce_mean((model(x) - y) ** 2)  # noqa: E731
+    def step():
+        opt.minimize(loss, model.trainable_variables)
+    if compiled:
+        step = tf.function(step)
+    step()
+    np.testing.assert_allclose(model.layers[0].get_weights()[0], W0)   # nothing applied yet
+    step()   # two passes of the same gradient, summed, then averaged over the ranks
+    np.testing.assert_allclose(model.layers[0].get_weights()[0], W0 - LR * 2 * mean_grad(W0),
+                               rtol=1e-5, atol=1e-6)
+
+
+def sparse_as_dense():
+    emb = keras.layers.Embedding(10, 2)
+    emb.build((None,))
+    emb.set_weights([np.ones((10, 2), dtype="float32")])
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), sparse_as_dense=True)
+    ids = tf.constant([RANK % 10])
+    with tf.GradientTape() as tape:
+        value = tf.reduce_sum(emb(ids))
+    pairs = list(zip(tape.gradient(value, emb.trainable_variables), emb.trainable_variables))
+    opt.apply_gradients(pairs)
+    want = np.ones((10, 2), dtype="float32")
+    for q in range(SIZE):
+        want[q % 10] -= 1.0 / SIZE
+    np.testing.assert_allclose(emb.get_weights()[0], want, rtol=1e-6)
+
+
+def fit_with_callbacks():
+    keras.utils.set_random_seed(RANK)   # different initial weights on every rank
+    model = keras.Sequential([keras.layers.Dense(4, activation="relu", input_shape=(3,)),
+                              keras.layers.Dense(1)])
+    opt = hvd.DistributedOptimizer(keras.optimizers.legacy.SGD(0.05, momentum=0.9))
+    model.compile(optimizer=opt, loss="mse")
+    x, y = data(RANK, 32)
+    history = model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[
+        hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+        hvd.callbacks.MetricAverageCallback(),
+        hvd.callbacks.LearningRateWarmupCallback(initial_lr=0.05, warmup_epochs=2,
+                                                 steps_per_epoch=4)])
+    weights = np.concatenate([w.ravel() for w in model.get_weights()])
+    gathered = hvd.allgather(weights[None, :])
+    for q in range(SIZE):
+        np.testing.assert_array_equal(gathered[q], weights)   # identical on every rank
+    losses = hvd.allgather(np.array([history.history["loss"]]))
+    np.testing.assert_array_equal(losses, np.repeat(losses[:1], SIZE, axis=0))   # averaged
+    assert abs(history.history["lr"][-1] - 0.05) < 1e-7, history.history["lr"]
+
+
+def load_model_keeps_the_optimizer():
+    model = linear(W0)
+    model.compile(optimizer=keras.optimizers.legacy.SGD(LR, momentum=0.5), loss="mse")
+    x, y = data(0)
+    model.fit(x, y, epochs=1, verbose=0)
+    path = os.path.join(tempfile.mkdtemp(), f"m{RANK}.h5")
+    model.save(path)
+    loaded = hvd.load_model(path)
+    assert isinstance(loaded.optimizer, hvd.DistributedSetup), type(loaded.optimizer).__mro__
+    assert type(loaded.optimizer).__name__ == "SGD"
+    before = loaded.layers[0].get_weights()[0]
+    xr, yr = data(RANK)
+    loaded.fit(xr, yr, batch_size=8, epochs=1, verbose=0)   # the same step on every rank
+    after = hvd.allgather(loaded.layers[0].get_weights()[0].T)
+    assert not np.allclose(after[0], before.T[0])
+    for q in range(SIZE):
+        np.testing.assert_allclose(after[q], after[0], rtol=1e-6)
+
+
+def keras_state_commit_restore():
+    model = linear(W0)
+    opt = hvd.DistributedOptimizer(keras.optimizers.legacy.SGD(LR))
+    model.compile(optimizer=opt, loss="mse")
+    state = hvd.elastic.KerasState(model, epoch=2)
+    state.commit()
+    model.layers[0].set_weights([W0 + 1])
+    state.epoch = 7
+    state.restore()
+    np.testing.assert_array_equal(model.layers[0].get_weights()[0], W0)
+    assert state.epoch == 2
+
+
+r.case("keras_is_2", check_keras_is_2)
+for name, factory in (("current", keras.optimizers.SGD), ("legacy", keras.optimizers.legacy.SGD)):
+    for how in ("minimize", "tape", "tf.function"):
+        r.case(f"step.{name}.{how}", step_with, factory, how)
+r.case("step.legacy._compute_gradients", step_with, keras.optimizers.legacy.SGD,
+       "_compute_gradients")
+r.case("backward_passes.eager", backward_passes, False)
+r.case("backward_passes.tf.function", backward_passes, True)
+r.case("sparse_as_dense", sparse_as_dense)
+r.case("fit_with_callbacks", fit_with_callbacks)
+r.case("load_model", load_model_keeps_the_optimizer)
+r.case("keras_state", keras_state_commit_restore)
+r.write()
+hvd.shutdown()
