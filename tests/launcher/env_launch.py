@@ -74,18 +74,26 @@ def env_processes(size: int, argv: Sequence[str], timeout: float = 120,
                              stderr=subprocess.PIPE, text=True, env=e,
                              process_group=0 if leader is None else leader)
         leader = leader or p.pid
-        procs.append((rank, p))
+        procs.append((f"rank {rank}", p))
+    return collect(procs, out_dir, size, timeout, lambda p: os.killpg(leader, signal.SIGKILL))
+
+
+def collect(procs, out_dir: str, size: int, timeout: float, kill) -> JobResult:
+    """Wait for every ``(label, Popen)`` of ``procs`` (all within ``timeout``; then
+    ``kill(proc)`` for the first still running, which must end them all), and read the ranks'
+    reports from ``out_dir``.  stdout and stderr are every process's, prefixed ``[label]``; the
+    return code is the first non-zero one."""
     deadline, timed_out = time.monotonic() + timeout, False
     outs, errs, codes = [], [], []
-    for rank, p in procs:
+    for label, p in procs:
         try:
             o, e = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             timed_out = True
-            os.killpg(leader, signal.SIGKILL)
+            kill(p)
             o, e = p.communicate()
-        outs.append(f"[rank {rank}] {o}")
-        errs.append(f"[rank {rank}] {e}")
+        outs.append(f"[{label}] {o}")
+        errs.append(f"[{label}] {e}")
         codes.append(p.returncode)
     results = [json.loads((Path(out_dir) / f"rank{q}.json").read_text()) for q in range(size)
                if (Path(out_dir) / f"rank{q}.json").exists()]

@@ -66,15 +66,8 @@ def operator_bed(host_bed):
     pytest.importorskip("yaml", reason="PyYAML reads examples/kubernetes/digits-mpijob.yaml")
     from tests.launcher import kubernetes_example
     job = kubernetes_example.mpijob()
-    bed = HostBed(kubernetes_example.worker_names(job),
-                  ssh_port=kubernetes_example.ssh_port(job))
-    try:
-        bed.start()
-    except BedUnavailable as exc:
-        _unavailable(str(exc))
-    yield bed
-    problems = bed.close()
-    assert not problems, "tearing the operator's simulated hosts down: " + "; ".join(problems)
+    yield from _named_bed(kubernetes_example.worker_names(job), "the operator's",
+                          ssh_port=kubernetes_example.ssh_port(job))
 
 
 @pytest.fixture(scope="session")
@@ -84,12 +77,19 @@ def pytorchjob_bed(host_bed):
     Made after ``host_bed``, whose checks and skip it shares."""
     pytest.importorskip("yaml", reason="PyYAML reads examples/kubernetes/digits-pytorchjob.yaml")
     from tests.launcher import kubernetes_example
-    bed = HostBed([pod for pod, _, _ in
-                   kubernetes_example.pytorchjob_pods(kubernetes_example.pytorchjob())])
+    yield from _named_bed([pod for pod, _, _ in
+                           kubernetes_example.pytorchjob_pods(kubernetes_example.pytorchjob())],
+                          "the PyTorchJob's")
+
+
+def _named_bed(names, whose: str, ssh_port: int = 22):
+    """A bed of hosts with these names for a session fixture: started, yielded, torn down
+    (checked)."""
+    bed = HostBed(names, ssh_port=ssh_port)
     try:
         bed.start()
     except BedUnavailable as exc:
         _unavailable(str(exc))
     yield bed
     problems = bed.close()
-    assert not problems, "tearing the PyTorchJob's simulated hosts down: " + "; ".join(problems)
+    assert not problems, f"tearing {whose} simulated hosts down: " + "; ".join(problems)

@@ -3,13 +3,11 @@ Kubernetes operator starts one container per pod or as torchrun runs one agent p
 launcher reaches the hosts): used by the torchrun and PyTorchJob tests."""
 from __future__ import annotations
 
-import json
 import shlex
 import subprocess
 import tempfile
-import time
-from pathlib import Path
 
+from tests.launcher.env_launch import collect
 from tests.mpi_harness import REPO, JobResult, base_env
 from tests.multihost.hosts import JOB_ENV, HostBed
 
@@ -33,20 +31,7 @@ def on_hosts(bed: HostBed, commands: dict[str, list[str]], np_: int, env: dict,
         procs[host] = subprocess.Popen([bed.standin, host, line], stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True,
                                        stdin=subprocess.DEVNULL, start_new_session=True)
-    deadline, timed_out, outs, errs, codes = time.monotonic() + timeout, False, [], [], []
-    for host, p in procs.items():
-        try:
-            o, e = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            bed.kill_everything(p.pid)
-            o, e = p.communicate()
-        outs.append(f"[{host}] {o}")
-        errs.append(f"[{host}] {e}")
-        codes.append(p.returncode)
-    results = [json.loads((Path(out_dir) / f"rank{q}.json").read_text()) for q in range(np_)
-               if (Path(out_dir) / f"rank{q}.json").exists()]
+    job = collect(list(procs.items()), out_dir, np_, timeout, lambda p: bed.kill_everything(p.pid))
     leftovers = bed.settle()
     assert not leftovers, f"left running on the hosts: {leftovers}"
-    return JobResult(None if timed_out else next((c for c in codes if c), 0), "\n".join(outs),
-                     "\n".join(errs), timed_out, results)
+    return job
