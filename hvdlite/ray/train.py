@@ -22,11 +22,10 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 from ray.train.backend import Backend, BackendConfig
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-from hvdlite.common.core import HostUpdateResult
+from hvdlite.common.core import HostUpdateResult, MpiWorld
 from hvdlite.runner.elastic.server import Server
 
 from . import elastic, formation
-from .world import MpiWorld
 
 log = logging.getLogger("hvdlite.ray")
 REPORT_GRACE_S = 10.0   # at a world's end, how long its hvd.elastic workers may take to report
