@@ -10,9 +10,12 @@ pytest.importorskip("tf_keras", reason="tf-keras is not installed (scripts/boots
 WORKER = "tensorflow/workers/tf_keras2_worker.py"
 CASES = (["keras_is_2"] + [f"step.{n}.{h}" for n in ("current", "legacy")
                            for h in ("minimize", "tape", "tf.function")]
-         + ["step.legacy._compute_gradients", "backward_passes.eager",
-            "backward_passes.tf.function", "sparse_as_dense", "fit_with_callbacks",
-            "load_model", "keras_state"])
+         + ["step.legacy._compute_gradients"]
+         + [f"backward_passes.{n}.{m}" for n in ("current", "legacy")
+            for m in ("eager", "tf.function")]
+         + ["graph_mode", "lr_schedule_momentum_correction", "local_variables",
+            "elastic_callbacks", "sparse_as_dense", "fit_with_callbacks", "load_model",
+            "keras_state"])
 ENV = {**STALL_SAFETY_NET_ENV, "TF_USE_LEGACY_KERAS": "1"}
 
 

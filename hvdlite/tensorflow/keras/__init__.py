@@ -209,9 +209,22 @@ def reducescatter(value, name=None, op=Average):
 
 
 def broadcast_global_variables(root_rank):
-    raise RuntimeError("broadcast_global_variables is a TF1 API; use "
-                       "hvd.callbacks.BroadcastGlobalVariablesCallback(root_rank) or "
-                       "hvd.broadcast_variables(model.variables, root_rank).")
+    """Broadcast every global variable from ``root_rank`` and run the broadcast in the Keras
+    session (Horovod's ``horovod/_keras``): a graph-mode (TF1) API, for Keras 2 code built in a
+    graph.  Eagerly it raises RuntimeError, as Horovod's does; use
+    ``hvd.callbacks.BroadcastGlobalVariablesCallback(root_rank)`` or
+    ``hvd.broadcast_variables(model.variables, root_rank)`` there."""
+    if tf.executing_eagerly():
+        raise RuntimeError("hvd.broadcast_global_variables() does not support eager execution; "
+                           "use hvd.callbacks.BroadcastGlobalVariablesCallback(root_rank) or "
+                           "hvd.broadcast_variables(model.variables, root_rank) instead.")
+    backend = tf.compat.v1.keras.backend
+    if not hasattr(backend, "get_session"):
+        raise RuntimeError("hvd.broadcast_global_variables() runs the broadcast in Keras 2's "
+                           "session, which Keras 3 has not: use "
+                           "hvd.broadcast_variables(model.variables, root_rank) instead.")
+    op = broadcast_variables(tf.compat.v1.global_variables(), root_rank)
+    return backend.get_session().run(op)
 
 
 def load_model(filepath, custom_optimizers=None, custom_objects=None,

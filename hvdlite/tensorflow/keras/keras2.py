@@ -123,4 +123,10 @@ class Keras2DistributedOptimizer(DistributedSetup):
             mixin_super.apply_gradients(pairs, *args, **kwargs)
             return tf.constant(True)
 
-        return tf.cond(self._hvd_apply_now, apply, lambda: tf.constant(False))
+        def skip():
+            # Horovod counts the skipped passes as iterations too (LocalGradientAggregation-
+            # Helper), so that schedules driven by ``iterations`` see every batch.
+            with tf.control_dependencies([self.iterations.assign_add(1)]):
+                return tf.constant(False)
+
+        return tf.cond(self._hvd_apply_now, apply, skip)

@@ -76,9 +76,9 @@ def step_with(opt_factory, how):
                                rtol=1e-5, atol=1e-6)
 
 
-def backward_passes(compiled):
+def backward_passes(opt_factory, compiled):
     model = linear(W0)
-    opt = hvd.DistributedOptimizer(keras.optimizers.legacy.SGD(LR), backward_passes_per_step=2)
+    opt = hvd.DistributedOptimizer(opt_factory(LR), backward_passes_per_step=2)
     x, y = data(RANK)
     loss = lambda: tf.reduce_mean((model(x) - y) ** 2)  # noqa: E731
     def step():
@@ -90,6 +90,92 @@ def backward_passes(compiled):
     step()   # two passes of the same gradient, summed, then averaged over the ranks
     np.testing.assert_allclose(model.layers[0].get_weights()[0], W0 - LR * 2 * mean_grad(W0),
                                rtol=1e-5, atol=1e-6)
+    assert int(opt.iterations.numpy()) == 2, int(opt.iterations.numpy())   # as Horovod counts
+
+
+def graph_mode():
+    """Keras 2 built in a TF1 graph: get_gradients averages (Horovod's graph-mode hook) and
+    broadcast_global_variables runs in Keras's session; eagerly the latter raises."""
+    try:
+        hvd.broadcast_global_variables(0)
+        raise AssertionError("broadcast_global_variables ran eagerly")
+    except RuntimeError as e:
+        assert "eager" in str(e), e
+    x, y = data(RANK)
+    with tf.Graph().as_default():
+        w = tf.compat.v1.get_variable("w", initializer=tf.constant(W0 + RANK))
+        loss = tf.reduce_mean((tf.matmul(x, w) - y) ** 2)
+        opt = hvd.DistributedOptimizer(keras.optimizers.legacy.SGD(LR))
+        grads = opt.get_gradients(loss, [w])
+        sess = tf.compat.v1.keras.backend.get_session()
+        sess.run(tf.compat.v1.global_variables_initializer())
+        hvd.broadcast_global_variables(0)
+        np.testing.assert_array_equal(sess.run(w), W0)   # rank 0's
+        np.testing.assert_allclose(sess.run(grads)[0], mean_grad(W0), rtol=1e-5)
+
+
+def lr_schedule_momentum_correction():
+    """LearningRateScheduleCallback on a legacy SGD (momentum in a variable): the momentum is
+    scaled by new_lr / old_lr for the batch where the rate changes, then restored."""
+    model = linear(W0)
+    opt = hvd.DistributedOptimizer(keras.optimizers.legacy.SGD(0.1, momentum=0.9))
+    model.compile(optimizer=opt, loss="mse")
+    seen = []
+
+    class Probe(keras.callbacks.Callback):
+        def on_batch_begin(self, batch, logs=None):
+            seen.append(round(float(self.model.optimizer.momentum.numpy()), 6))
+
+    x, y = data(RANK, 16)
+    history = model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[
+        hvd.callbacks.LearningRateScheduleCallback(initial_lr=0.1,
+                                                   multiplier=lambda epoch: 0.5 ** epoch),
+        Probe()])
+    assert seen == [0.9, 0.9, 0.45, 0.9, 0.45, 0.9], seen
+    np.testing.assert_allclose(history.history["lr"], [0.1, 0.05, 0.025], rtol=1e-6)
+    assert abs(float(opt.momentum.numpy()) - 0.9) < 1e-7
+
+
+def local_variables():
+    """PartialDistributedOptimizer: the local layer's gradient is this rank's own, divided by
+    the number of ranks (scale_local_gradients, as in Horovod); the other one is averaged."""
+    shared = keras.layers.Dense(1, use_bias=False)
+    local = keras.layers.Dense(1, use_bias=False)
+    shared.build((None, 3))
+    local.build((None, 3))
+    shared.set_weights([W0])
+    local.set_weights([np.zeros_like(W0)])
+    opt = hvd.PartialDistributedOptimizer(keras.optimizers.legacy.SGD(LR), local_layers=[local])
+    x, y = data(RANK)
+    variables = shared.trainable_variables + local.trainable_variables
+    opt.minimize(lambda: tf.reduce_mean((shared(x) + local(x) - y) ** 2), variables)
+    np.testing.assert_allclose(shared.get_weights()[0], W0 - LR * mean_grad(W0), rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(local.get_weights()[0], -LR * local_grad(W0, x, y) / SIZE,
+                               rtol=1e-5, atol=1e-6)
+
+
+def elastic_callbacks():
+    """KerasState with Horovod's elastic callbacks in model.fit: commits every 2 batches and at
+    every epoch's end; epoch and batch kept in the state."""
+    model = linear(W0)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.legacy.SGD(LR)),
+                  loss="mse")
+    state = hvd.elastic.KerasState(model, epoch=0, batch=0)
+    commits = []
+    commit = state.commit
+    state.commit = lambda: (commits.append(state.batch), commit())
+    x, y = data(RANK, 32)
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[
+        hvd.elastic.UpdateBatchStateCallback(state),
+        hvd.elastic.UpdateEpochStateCallback(state),
+        hvd.elastic.CommitStateCallback(state, batches_per_commit=2)])
+    assert (state.epoch, state.batch) == (2, 0), (state.epoch, state.batch)
+    assert len(commits) == 6, commits   # 8 batches / 2 + 2 epoch ends
+    trained = model.layers[0].get_weights()[0]
+    model.layers[0].set_weights([W0])
+    state.restore()
+    np.testing.assert_array_equal(model.layers[0].get_weights()[0], trained)
 
 
 def sparse_as_dense():
@@ -167,8 +253,13 @@ for name, factory in (("current", keras.optimizers.SGD), ("legacy", keras.optimi
         r.case(f"step.{name}.{how}", step_with, factory, how)
 r.case("step.legacy._compute_gradients", step_with, keras.optimizers.legacy.SGD,
        "_compute_gradients")
-r.case("backward_passes.eager", backward_passes, False)
-r.case("backward_passes.tf.function", backward_passes, True)
+for name, factory in (("current", keras.optimizers.SGD), ("legacy", keras.optimizers.legacy.SGD)):
+    r.case(f"backward_passes.{name}.eager", backward_passes, factory, False)
+    r.case(f"backward_passes.{name}.tf.function", backward_passes, factory, True)
+r.case("graph_mode", graph_mode)
+r.case("lr_schedule_momentum_correction", lr_schedule_momentum_correction)
+r.case("local_variables", local_variables)
+r.case("elastic_callbacks", elastic_callbacks)
 r.case("sparse_as_dense", sparse_as_dense)
 r.case("fit_with_callbacks", fit_with_callbacks)
 r.case("load_model", load_model_keeps_the_optimizer)
