@@ -15,7 +15,7 @@ CASES = {
                + ["step.legacy._compute_gradients"]
                + [f"backward_passes.{n}.{m}" for n in ("current", "legacy")
                   for m in ("eager", "tf.function")]
-               + ["graph_mode", "sparse_as_dense"] + BOTH),
+               + ["graph_mode", "sparse_as_dense", "horovod_keras_mnist_script"] + BOTH),
     "keras3": (["keras_is_3", "step.current.tape", "backward_passes.current.eager",
                 "backward_passes.current.tf.function"] + BOTH),
 }

@@ -192,6 +192,46 @@ def elastic_callbacks():
     np.testing.assert_array_equal(model.layers[0].get_weights()[0], trained)
 
 
+def horovod_keras_mnist_script():
+    """Horovod's examples/tensorflow2/tensorflow2_keras_mnist.py as written (small random
+    images instead of MNIST): tf.optimizers.Adam, average_aggregated_gradients,
+    experimental_run_tf_function=False, the warmup callback finding the steps itself,
+    ModelCheckpoint to .h5 on rank 0."""
+    rng = np.random.default_rng(RANK)
+    images = rng.random((64, 8, 8)).astype("float32")
+    labels = rng.integers(0, 10, 64)
+    dataset = tf.data.Dataset.from_tensor_slices(
+        (tf.cast(images[..., tf.newaxis], tf.float32), tf.cast(labels, tf.int64)))
+    dataset = dataset.repeat().shuffle(64).batch(16)
+    model = tf.keras.Sequential([
+        tf.keras.layers.Conv2D(4, [3, 3], activation='relu'),
+        tf.keras.layers.MaxPooling2D(pool_size=(2, 2)),
+        tf.keras.layers.Dropout(0.25),
+        tf.keras.layers.Flatten(),
+        tf.keras.layers.Dense(10, activation='softmax')])
+    scaled_lr = 0.001 * SIZE
+    opt = hvd.DistributedOptimizer(tf.optimizers.Adam(scaled_lr), backward_passes_per_step=1,
+                                   average_aggregated_gradients=True)
+    model.compile(loss=tf.losses.SparseCategoricalCrossentropy(), optimizer=opt,
+                  metrics=['accuracy'], experimental_run_tf_function=False)
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                 hvd.callbacks.MetricAverageCallback(),
+                 hvd.callbacks.LearningRateWarmupCallback(initial_lr=scaled_lr,
+                                                          warmup_epochs=2, verbose=1)]
+    folder = tempfile.mkdtemp()
+    if RANK == 0:
+        callbacks.append(tf.keras.callbacks.ModelCheckpoint(folder + '/checkpoint-{epoch}.h5'))
+    history = model.fit(dataset, steps_per_epoch=6 // SIZE, callbacks=callbacks, epochs=3,
+                        verbose=0)
+    weights = np.concatenate([w.ravel() for w in model.get_weights()])
+    gathered = hvd.allgather(weights[None, :])
+    for q in range(SIZE):
+        np.testing.assert_array_equal(gathered[q], weights)
+    np.testing.assert_allclose(history.history["lr"][-1], scaled_lr, rtol=1e-6)
+    if RANK == 0:
+        assert sorted(os.listdir(folder)) == [f"checkpoint-{e}.h5" for e in (1, 2, 3)]
+
+
 def sparse_as_dense():
     emb = keras.layers.Embedding(10, 2)
     emb.build((None,))
@@ -275,6 +315,7 @@ if KERAS2:
         r.case(f"backward_passes.{name}.tf.function", backward_passes, factory, True)
     r.case("graph_mode", graph_mode)
     r.case("sparse_as_dense", sparse_as_dense)
+    r.case("horovod_keras_mnist_script", horovod_keras_mnist_script)
 else:
     r.case("keras_is_3", check_keras_is, "keras")
     r.case("step.current.tape", step_with, keras.optimizers.SGD, "tape")
