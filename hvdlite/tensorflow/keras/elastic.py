@@ -2,10 +2,10 @@
 the callbacks that commit the state and keep its epoch and batch, plus ``run`` and the
 TensorFlow states.  See :mod:`hvdlite.tensorflow.elastic` and docs/elastic.md.
 
-Keras 3 decides the number of steps of an epoch when ``fit`` starts and ignores later changes
-to ``params['steps']``, so ``UpdateBatchStateCallback`` cannot shorten the first epoch after a
-reset as it does in Horovod with TF 2's Keras; feed that epoch only the batches it still needs
-(examples/keras_elastic_digits.py shows one way).
+Keras 3, and Keras 2 as tf-keras 2.21 ships it, decide the number of steps of an epoch when
+``fit`` starts and ignore later changes to ``params['steps']``, so ``UpdateBatchStateCallback``
+(which changes them, as Horovod's does) cannot shorten the first epoch after a reset; feed that
+epoch only the batches it still needs (examples/keras_elastic_digits.py shows one way).
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ class CommitStateCallback(keras.callbacks.Callback):
 class UpdateBatchStateCallback(keras.callbacks.Callback):
     """Keep ``state.batch`` at the number of the batch just finished (0 after an epoch), and
     ask Keras for an epoch shortened by ``state.batch`` after a reset (Horovod's behaviour;
-    Keras 3 ignores the request, see the module docstring)."""
+    Keras 3 and tf-keras ignore the request, see the module docstring)."""
 
     def __init__(self, state: State) -> None:
         super().__init__()
