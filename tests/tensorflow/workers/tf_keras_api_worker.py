@@ -51,6 +51,9 @@ def check_keras_is(package):
     for cls in (hvd.callbacks.BroadcastGlobalVariablesCallback, hvd.elastic.CommitStateCallback):
         assert cls.__mro__[1].__module__.startswith(package), cls.__mro__
     assert hvd.keras2.is_keras2_class(type(SGD(1.0))) == KERAS2
+    import hvdlite.keras as hvd_keras   # horovod.keras's name: the same objects
+    assert hvd_keras.callbacks.MetricAverageCallback is hvd.callbacks.MetricAverageCallback
+    assert hvd_keras.elastic.KerasState is hvd.elastic.KerasState
 
 
 def train_step(opt, loss, variables):
