@@ -50,11 +50,17 @@ class FormationError(RuntimeError):
     """The processes of an env:// launch could not form one world (the message says why)."""
 
 
+def torchrun_attempt(environ) -> tuple[str, int]:
+    """torchrun's run id and restart count (``("env", 0)`` without torchrun)."""
+    run = environ.get("TORCHELASTIC_RUN_ID", "").strip() or "env"
+    attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "").strip()
+    return run, int(attempt) if attempt.isdigit() else 0
+
+
 def store_prefix(environ) -> str:
     """Keys of one world: torchrun's run id and restart count keep the worlds of its restarts
     (and of other runs on the same store) apart."""
-    run = environ.get("TORCHELASTIC_RUN_ID", "").strip() or "env"
-    attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "").strip() or "0"
+    run, attempt = torchrun_attempt(environ)
     return f"hvdlite/world/{run}/{attempt}"
 
 
@@ -172,11 +178,12 @@ class _Rendezvous:
         return [json.loads(self.store.get(k)) for k in keys]
 
 
-def form(launch: Launch, environ, timeout_s: float) -> list[int]:
+def form(launch: Launch, environ, timeout_s: float) -> None:
     """Make this process rank ``launch.rank`` of a ``launch.size``-rank MPI world together
-    with the launch's other processes (collective over all of them; returns each rank's rank in
-    ``MPI_COMM_WORLD``, which differs from ``RANK`` only when a host's ranks are not
-    consecutive).  Raises :class:`FormationError` on every process when any step fails.
+    with the launch's other processes (collective over all of them).  Its rank in
+    ``MPI_COMM_WORLD`` differs from ``RANK`` when a host's ranks are not consecutive; ``init()``
+    orders the world by ``RANK``.  Raises :class:`FormationError` on every process when any
+    step fails.
 
     One store may serve several formations (torchrun's agent keeps its store across the
     rounds of an elastic job, with the same restart count), so each formation identifies
@@ -245,8 +252,7 @@ def form(launch: Launch, environ, timeout_s: float) -> list[int]:
         raise FormationError(f"hvd.init() under {launch.describe()}: {exc}") from None
     atexit.register(_end)
     if rdv.agent:   # the agent's store outlives the workers: hvd.elastic's commits live there
-        run = environ.get("TORCHELASTIC_RUN_ID", "").strip() or "env"
-        restarts = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip() or 0)
+        run, restarts = torchrun_attempt(environ)
         from torch.distributed import PrefixStore
         commit_channel = StoreChannel(PrefixStore(f"hvdlite/elastic/{run}", rdv.raw),
                                       "commits", world_number(restarts, generation - 1), rank)
@@ -254,7 +260,6 @@ def form(launch: Launch, environ, timeout_s: float) -> list[int]:
                             f"process {rank} of {launch.launcher}")
     log.debug("formed rank %d of %d from %s (formation %d)", rank, size, launch.describe(),
               generation)
-    return plan["mpi_rank"]
 
 
 def _end() -> None:

@@ -44,10 +44,6 @@ class Launch:
         seen = ", ".join(f"{k}={v}" for k, v in self.seen)
         return f"{self.launcher} ({seen})" if seen else self.launcher
 
-    @property
-    def local_rank(self) -> Optional[int]:
-        return _integer(dict(self.seen).get("LOCAL_RANK"))
-
 
 def _integer(text: Optional[str]) -> Optional[int]:
     text = (text or "").strip()

@@ -101,10 +101,6 @@ def install(fallback: Fallback) -> None:
         os.register_at_fork(after_in_child=_forget_in_child)
 
 
-def installed() -> bool:
-    return bool(_streams)
-
-
 def drain() -> None:
     """Copy out everything written so far and give descriptors 1 and 2 back (the process is
     about to end).  Safe to call more than once."""

@@ -44,26 +44,26 @@ class Keras2DistributedOptimizer(DistributedSetup):
         if self._hvd_passes <= 1:
             return self._hvd_allreduce_grads(grads, variables, self._hvd_local)
         self._hvd_make_accumulators(variables)
-        for acc, g in zip(self._hvd_acc, grads):
+        for acc, g in zip(self._hvd_aggregated, grads):
             if g is not None:
                 acc.assign_add(tf.convert_to_tensor(g))
-        count = self._hvd_count.assign_add(1)
+        count = self._hvd_counter.assign_add(1)
         passes = self._hvd_passes
         present = [i for i, g in enumerate(grads) if g is not None]
 
         def reduce():
-            aggregated = [tf.convert_to_tensor(self._hvd_acc[i]) for i in present]
+            aggregated = [tf.convert_to_tensor(self._hvd_aggregated[i]) for i in present]
             if self._hvd_average_aggregated:
                 aggregated = [a / tf.cast(passes, a.dtype) for a in aggregated]
             reduced = self._hvd_allreduce_grads(aggregated, [variables[i] for i in present],
                                                 self._hvd_local)
             with tf.control_dependencies([tf.convert_to_tensor(r) for r in reduced]):
                 for i in present:
-                    self._hvd_acc[i].assign(tf.zeros_like(self._hvd_acc[i]))
+                    self._hvd_aggregated[i].assign(tf.zeros_like(self._hvd_aggregated[i]))
                 return [tf.identity(tf.convert_to_tensor(r)) for r in reduced]
 
         def skip():
-            return [tf.zeros_like(self._hvd_acc[i]) for i in present]
+            return [tf.zeros_like(self._hvd_aggregated[i]) for i in present]
 
         self._hvd_apply_now = tf.equal(tf.math.floormod(count, passes), 0)
         reduced = tf.cond(self._hvd_apply_now, reduce, skip)
@@ -73,12 +73,12 @@ class Keras2DistributedOptimizer(DistributedSetup):
         return out
 
     def _hvd_make_accumulators(self, variables) -> None:
-        if getattr(self, "_hvd_acc", None) is not None:
+        if self._hvd_aggregated is not None:
             return
         with tf.init_scope():   # once, outside any tf.function being traced
-            self._hvd_acc = [tf.Variable(tf.zeros_like(v), trainable=False,
+            self._hvd_aggregated = [tf.Variable(tf.zeros_like(v), trainable=False,
                                          name="hvd_aggregated") for v in variables]
-            self._hvd_count = tf.Variable(0, dtype=tf.int64, trainable=False,
+            self._hvd_counter = tf.Variable(0, dtype=tf.int64, trainable=False,
                                           name="hvd_backward_passes")
 
     # --- the hooks --------------------------------------------------------------------------
