@@ -1,7 +1,7 @@
 """Elastic survivors keep their output (issue 54): a job across two hosts whose ranks write all
 the time (tests/elastic/workers/chatty_worker.py: a tqdm bar, a logging thread, print in
 `finally` a second after the failure, a DataLoader with worker processes) loses a rank to
-SIGKILL on the second host; the world's launcher tears that world down, and the survivor on
+SIGKILL on the second host, or that whole host; the world's launcher tears that world down, and the survivor on
 the first host must go on writing, reset and finish, warm and cold."""
 from __future__ import annotations
 
@@ -17,13 +17,17 @@ HVDLITE_RUN = [sys.executable, "-m", "hvdlite.runner", "run"]
 WORKER = [sys.executable, str(TESTS / "elastic/workers/chatty_worker.py")]
 
 
-@pytest.mark.parametrize("warm, raises", [("1", ""), ("0", ""), ("1", "1")])
-def test_a_survivor_that_writes_outlives_its_worlds_launcher(host_bed, warm, raises):
+@pytest.mark.parametrize("warm, raises, lose_host", [("1", "", ""), ("0", "", ""),
+                                                     ("1", "1", ""), ("1", "", "1"),
+                                                     ("0", "", "1")])
+def test_a_survivor_that_writes_outlives_its_worlds_launcher(host_bed, warm, raises, lose_host):
     """``raises``: the survivor also raises an error of its own after the failure, which
-    counts as the world's failure (a peer had departed), not as the script's."""
+    counts as the world's failure (a peer had departed), not as the script's.  ``lose_host``:
+    the second host loses every process (its proxy and warm process too), not one rank."""
     job = host_bed.run(HVDLITE_RUN + ["-np", "2", "--min-np", "1", "--max-np", "2",
                                       "-H", "hvdnode1:1,hvdnode2:1"] + WORKER, 0, timeout=240,
-                       env={"HVDLITE_ELASTIC_WARM_START": warm, "CHATTY_RAISE": raises})
+                       env={"HVDLITE_ELASTIC_WARM_START": warm, "CHATTY_RAISE": raises,
+                            "CHATTY_LOSE_HOST": lose_host})
     assert not job.timed_out, job.output
     assert "BrokenPipeError" not in job.stdout + job.stderr, job.output
     assert job.returncode == 0, job.output

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import time
 
 
@@ -21,8 +22,9 @@ def batch(rank: int, step: int):
 def train(config: dict) -> dict:
     """``config``: ``out`` (a directory), ``steps`` (the last step, exclusive), optional
     ``until_file`` (train until rank 0 sees it, up to ``steps``), ``sleep`` (per step),
-    ``kill`` ``[world, rank, step]`` (that worker SIGKILLs itself after that step's commit)
-    and ``raise`` ``[rank, step]`` (that worker raises ValueError)."""
+    ``kill`` ``[world, rank, step]`` (that worker SIGKILLs itself after that step's commit),
+    ``raise`` ``[rank, step]`` (that worker raises ValueError) and ``chatty`` (every worker
+    writes all the time, from a second thread too, and a second after a failure)."""
     import torch
     import hvdlite.torch as hvd
 
@@ -36,10 +38,32 @@ def train(config: dict) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
+    if config.get("chatty"):   # write all the time, from another thread too
+        import logging
+        import threading
+        me = hvd.rank()
+        logging.basicConfig(level=logging.INFO, format=f"log rank {me}: %(message)s")
+
+        def chatter():
+            n = 0
+            while True:
+                logging.info("still here %d", n)
+                print(f"rank {me} still here {n}", flush=True)
+                n += 1
+                time.sleep(0.02)
+        threading.Thread(target=chatter, daemon=True).start()
 
     @hvd.elastic.run
     def loop(state):
         rank = hvd.rank()
+        try:
+            return steps(state, rank)
+        finally:   # after a failure, write a second later, as its world is torn down
+            if config.get("chatty") and sys.exc_info()[0] is not None:
+                time.sleep(1.0)
+                print(f"world {world} rank {rank} leaves at step {state.step}", flush=True)
+
+    def steps(state, rank):
         while state.step < config["steps"]:
             if config.get("raise") == [rank, state.step]:
                 raise ValueError(f"a bug on rank {rank} at step {state.step}")

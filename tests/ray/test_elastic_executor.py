@@ -102,6 +102,21 @@ def test_a_lost_worker_resumes_from_the_last_commit_bitwise_as_if_never_lost(clu
     _nothing_left(clean)
 
 
+def test_workers_that_write_all_the_time_survive_a_lost_worker(cluster):
+    """Issue 54 under the elastic RayExecutor: every worker prints and logs every 20 ms (and
+    the survivor once more a second after the failure); the run resets and finishes."""
+    executor = _executor(min_workers=2, max_workers=2)
+    out = tempfile.mkdtemp()
+    try:
+        results = executor.run(elastic_funcs.train, args=[{"out": out, "steps": 10,
+                                                           "kill": [0, 1, 4], "chatty": True}])
+    finally:
+        executor.shutdown()
+    assert [r["rank"] for r in results] == [0, 1] and {r["world"] for r in results} == {1}
+    assert [s["step"] for s in read_steps(out)] == list(range(10))
+    _nothing_left(out)
+
+
 def test_an_exception_in_the_function_ends_the_job_with_it(cluster):
     executor = _executor(min_workers=2, max_workers=2)
     out = tempfile.mkdtemp()

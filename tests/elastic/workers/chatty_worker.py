@@ -3,8 +3,9 @@ stderr from the main thread, a `logging` line every 20 ms from another thread, a
 `finally`; a DataLoader with two worker processes feeds it.  In world 0, rank 1 SIGKILLs itself
 mid-epoch, and each survivor kills its own host's MPI proxy (the world's launcher does that
 when it tears the world down, which can happen before the survivor notices the failure), then
-writes a second later (and, with CHATTY_RAISE=1, raises an error of its own there); the
-survivors must go on writing, reset, and finish.  Each rank of the last world
+writes a second later (and, with CHATTY_RAISE=1, raises an error of its own there); with
+CHATTY_LOSE_HOST=1 rank 1 takes every process of its (simulated) host down with it, as a lost
+host would.  The survivors must go on writing, reset, and finish.  Each rank of the last world
 prints ``finished world W rank R of N epoch E``."""
 import logging
 import os
@@ -70,6 +71,8 @@ def train(state):
                 if i % 4 == 0:
                     state.commit()
                 if WORLD == 0 and hvd.rank() == 1 and state.epoch == 1 and i == 8:
+                    if os.environ.get("CHATTY_LOSE_HOST"):   # every process of this host:
+                        os.kill(-1, signal.SIGKILL)          # its proxy, shield, warm process
                     os.kill(os.getpid(), signal.SIGKILL)
                 time.sleep(0.05)
         finally:
