@@ -51,8 +51,9 @@ from hvdlite.common.intranode import cma
 from hvdlite.common.memory import result_empty
 from hvdlite.common.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum, resolve_op
 from hvdlite.common.runtime.build import (ccl_built, cuda_built, ddl_built, gloo_built,
-                                          gloo_enabled, mpi_built, mpi_enabled, nccl_built,
-                                          rocm_built, sycl_built)
+                                          gloo_enabled, mpi_built, mpi_enabled,
+                                          mpi_library_version, nccl_built, rocm_built,
+                                          sycl_built)
 from hvdlite.common.runtime import elastic_wire, hydra_member, launch_env, warm_start
 from hvdlite.common.runtime.hydra_world import MpiWorld, WorldError
 from hvdlite.common.runtime.child_process import LAUNCHER_RANK_VARIABLES

@@ -19,10 +19,6 @@ from . import mpi_flavor
 FRAMEWORKS = (("TensorFlow", "tensorflow", "hvdlite.tensorflow"),
               ("PyTorch", "torch", "hvdlite.torch"))
 
-_LIBRARY_VERSION_SNIPPET = ("import mpi4py; mpi4py.rc.initialize = False; "
-                            "from mpi4py import MPI; print(MPI.Get_library_version())")
-
-
 def module_available(name: str) -> bool:
     """True if ``name`` can be imported, without importing it."""
     try:
@@ -48,24 +44,10 @@ def nccl_version_string(code: int) -> str:
 
 
 def mpi_library_version() -> str | None:
-    """First line of ``MPI.Get_library_version()``, or None when mpi4py is unusable.
-
-    Read in a child process with ``mpi4py.rc.initialize = False`` unless mpi4py's MPI module is
-    already loaded here, so the check never initializes MPI in the caller.
-    """
-    if "mpi4py.MPI" in sys.modules:
-        text = sys.modules["mpi4py.MPI"].Get_library_version()
-    else:
-        try:
-            proc = subprocess.run([sys.executable, "-c", _LIBRARY_VERSION_SNIPPET],
-                                  capture_output=True, text=True, timeout=60, check=False)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        if proc.returncode != 0:
-            return None
-        text = proc.stdout
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return " ".join(lines[0].split()) if lines else None
+    """First line of the MPI library's version text, read without initializing MPI here (see
+    ``hvdlite.common.runtime.build.mpi_library_version``), or None."""
+    from hvdlite.common import core
+    return core.mpi_library_version()
 
 
 def launcher_description(launcher: str | None = None

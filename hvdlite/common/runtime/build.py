@@ -3,8 +3,13 @@ installation: what hvdlite can use here, whether or not a job is running."""
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 
 from hvdlite.common.runtime.state import is_initialized
+
+_LIBRARY_VERSION_SNIPPET = ("import mpi4py; mpi4py.rc.initialize = False; "
+                            "from mpi4py import MPI; print(MPI.Get_library_version())")
 
 
 def mpi_built() -> bool:
@@ -53,3 +58,25 @@ def rocm_built() -> bool:
 def sycl_built() -> bool:
     """False: hvdlite has no SYCL (Intel GPU) data path."""
     return False
+
+
+def mpi_library_version() -> str | None:
+    """First line of ``MPI.Get_library_version()`` (the MPI library mpi4py uses), or None when
+    mpi4py is unusable.
+
+    Read in a child process with ``mpi4py.rc.initialize = False`` unless mpi4py's MPI module is
+    already loaded here, so the check never initializes MPI in the caller.
+    """
+    if "mpi4py.MPI" in sys.modules:
+        text = sys.modules["mpi4py.MPI"].Get_library_version()
+    else:
+        try:
+            proc = subprocess.run([sys.executable, "-c", _LIBRARY_VERSION_SNIPPET],
+                                  capture_output=True, text=True, timeout=60, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if proc.returncode != 0:
+            return None
+        text = proc.stdout
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return " ".join(lines[0].split()) if lines else None

@@ -100,6 +100,27 @@ def how_to_launch(launch: Launch) -> str:
     return "Launch with `hvdlite run -np N python train.py`, mpiexec, torchrun or srun."
 
 
+def pmix_launch(launch: Launch) -> bool:
+    """Whether Open MPI's launcher (or another PMIx one) started this process: a Hydra-family
+    MPI library (MPICH's wheel, Intel MPI) cannot even initialise there."""
+    return launch.kind == MPI and any(name.startswith(("OMPI_", "PMIX_"))
+                                      for name, _ in launch.seen)
+
+
+def library_error(launch: Launch, library: Optional[str]) -> Optional[str]:
+    """The error for a PMIx launch (:func:`pmix_launch`) of a process whose mpi4py uses an MPI
+    of MPICH's family (``library``: its version line), which aborts in ``MPI_Init`` with
+    "unsupported PMI version PMIx"; None when they fit or the library is unknown."""
+    if not library or "Open MPI" in library or not any(
+            family in library for family in ("MPICH", "Intel(R) MPI")):
+        return None
+    said = f"rank {launch.rank} of {launch.size}" if launch.size is not None \
+        else f"rank {launch.rank}"
+    return (f"hvd.init(): this process was started by {launch.describe()} as {said}, but "
+            f"mpi4py uses {library.split(',')[0]}, which cannot join a world that Open MPI's "
+            f"launcher (PMIx) starts: its MPI_Init would abort. {how_to_launch(launch)}")
+
+
 def mismatch_error(launch: Launch, mpi_size: int, mpi_rank: int,
                    initialised_before: bool = False) -> Optional[str]:
     """The error when the MPI world does not match the launch (None when it does, or when the

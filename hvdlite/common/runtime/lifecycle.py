@@ -19,6 +19,7 @@ from hvdlite.common.memory import result_pool
 from hvdlite.common.runtime import (child_process, elastic_channel, env_world, launch_env,
                                     liveness, output_relay, registry, state as _state,
                                     timeline)
+from hvdlite.common.runtime.build import mpi_library_version
 from hvdlite.common.runtime.process_sets import ProcessSet, global_process_set
 from hvdlite.common.runtime.state import EngineFactory, ProcessState
 from hvdlite.common.runtime.topology import discover
@@ -81,6 +82,10 @@ def init(comm=None, process_sets=None, *, make_engine: EngineFactory) -> None:
             return
         launch = launch_env.detect(os.environ) if comm is None else None
         mpi_was_up = _mpi_initialized()
+        if launch is not None and not mpi_was_up and launch_env.pmix_launch(launch):
+            problem = launch_env.library_error(launch, mpi_library_version())
+            if problem:   # before MPI_Init, which would abort with MPICH's own words
+                raise LaunchError(problem)
         if launch is not None and launch.kind == launch_env.ENV and (launch.size or 0) > 1 \
                 and not mpi_was_up:
             _form_env_world(launch)

@@ -91,3 +91,16 @@ def test_check_build_says_what_this_environment_would_do():
     out = subprocess.run([sys.executable, "-m", "hvdlite.runner", "--check-build"], env=env,
                          capture_output=True, text=True, timeout=120, check=True).stdout
     assert "This environment: torchrun (RANK=1, WORLD_SIZE=4" in out
+
+
+def test_pmix_launches_and_a_library_that_cannot_join_them():
+    ompi = L.detect({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1"})
+    pmix = L.detect({"PMIX_RANK": "0"})
+    assert L.pmix_launch(ompi) and L.pmix_launch(pmix)
+    assert not L.pmix_launch(L.detect({"PMI_RANK": "0", "PMI_SIZE": "2"}))
+    assert not L.pmix_launch(L.detect(TORCHRUN))
+    msg = L.library_error(ompi, "MPICH Version: 5.0.2")
+    assert "Open MPI's mpirun" in msg and "rank 1 of 2" in msg and "mpi4py uses MPICH" in msg
+    assert "Intel(R) MPI" in L.library_error(pmix, "Intel(R) MPI Library 2021.10")
+    assert L.library_error(ompi, "Open MPI v4.1.4, package: Debian") is None
+    assert L.library_error(ompi, None) is None
