@@ -28,7 +28,7 @@ ADDRESS_VARIABLE = "HVDLITE_RUN_ADDRESS"   # "host:port" of the driver's listene
 KEY_VARIABLE = "HVDLITE_RUN_KEY"           # its authentication key, hex
 
 
-def _cloudpickle():
+def cloudpickle_module():
     try:
         import cloudpickle
     except ImportError:
@@ -74,13 +74,20 @@ def _parse(argv: Sequence[str]):
     return launch.parse_args(argv, parser)
 
 
-class _Driver:
-    """Serves the pickled function to the ranks and collects what they send back."""
+class FunctionDriver:
+    """Serves the pickled function to the ranks and collects what they send back.
 
-    def __init__(self, payload: bytes, bind: str) -> None:
+    A connection carries any number of requests: ``("payload", rank)`` (answered with the
+    payload's bytes), ``("result", rank, succeeded, data, world)`` (answered ``"ok"``), and the
+    kinds in ``handlers`` (``kind -> callable(*rest)``, not answered): e.g. the Spark runner's
+    tasks report their start and relay their rank's output over one connection each."""
+
+    def __init__(self, payload: bytes, bind: str,
+                 handlers: dict[str, Callable[..., None]] | None = None) -> None:
         from multiprocessing.connection import Listener
         self.key = secrets.token_bytes(32)
         self.payload = payload
+        self.handlers = dict(handlers or {})
         # (world, rank) -> (succeeded, data); an elastic job runs a world after each reset
         self.results: dict[tuple[int, int], tuple[bool, Any]] = {}
         self._listener = Listener((bind, 0), authkey=self.key)
@@ -107,15 +114,18 @@ class _Driver:
     def _answer(self, conn) -> None:
         with conn:
             try:
-                request = conn.recv()
-                if request[0] == "payload":
-                    conn.send_bytes(self.payload)
-                elif request[0] == "result":
-                    _, rank, succeeded, data, world = request
-                    self.results[(world, rank)] = (succeeded, data)
-                    conn.send("ok")
+                while True:
+                    request = conn.recv()
+                    if request[0] == "payload":
+                        conn.send_bytes(self.payload)
+                    elif request[0] == "result":
+                        _, rank, succeeded, data, world = request
+                        self.results[(world, rank)] = (succeeded, data)
+                        conn.send("ok")
+                    elif request[0] in self.handlers:
+                        self.handlers[request[0]](*request[1:])
             except (EOFError, OSError):
-                pass   # the rank died mid-way; its missing result is reported
+                pass   # the end of the connection (a rank that died: its result is missing)
 
     def close(self) -> None:
         from multiprocessing.connection import Client
@@ -196,11 +206,11 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None 
             launch.process_count(parsed, hosts)
     except launch.LaunchError as exc:
         raise ValueError(f"hvdlite.run(): {exc}") from None
-    payload = _cloudpickle().dumps((func, tuple(args), dict(kwargs or {})))
+    payload = cloudpickle_module().dumps((func, tuple(args), dict(kwargs or {})))
     bind, advertised = _listen_address(hosts)
     if elastic.requested(parsed) and parsed.host_discovery_script:
         bind = "0.0.0.0"   # the hosts are not known yet
-    driver = _Driver(payload, bind)
+    driver = FunctionDriver(payload, bind)
     environ = dict(os.environ)
     environ[ADDRESS_VARIABLE] = f"{advertised}:{driver.port}"
     environ[KEY_VARIABLE] = driver.key.hex()
@@ -214,22 +224,25 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None 
     finally:
         driver.close()
     world, size = worlds[-1] if worlds else (0, 0)
-    return _collect({rank: result for (w, rank), result in driver.results.items()
+    return collect_results({rank: result for (w, rank), result in driver.results.items()
                      if w == world}, size, status)
 
 
-def _collect(results: dict[int, tuple[bool, Any]], size: int, status: int) -> list[Any]:
-    """The return values in rank order, or RuntimeError describing what went wrong."""
+def collect_results(results: dict[int, tuple[bool, Any]], size: int, status: int,
+                    caller: str = "hvdlite.run()") -> list[Any]:
+    """The return values in rank order, or RuntimeError describing what went wrong.
+    ``results``: rank -> (succeeded, data) as the ranks reported them; ``status``: the job's
+    exit status; ``caller`` starts the message."""
     failed = sorted(rank for rank, (ok, _) in results.items() if not ok)
     missing = [rank for rank in range(size) if rank not in results]
     if not failed and not missing and status == 0:
-        cloudpickle = _cloudpickle()
+        cloudpickle = cloudpickle_module()
         return [cloudpickle.loads(results[rank][1]) for rank in range(size)]
-    lines = [f"hvdlite.run(): the job failed (exit status {status})." if status else
-             "hvdlite.run(): the job exited with status 0, but not every rank reported back."]
+    lines = [f"{caller}: the job failed (exit status {status})." if status else
+             f"{caller}: the job exited with status 0, but not every rank reported back."]
     cause = None
     if failed:
-        errors = {rank: _exception(results[rank][1][1]) for rank in failed}
+        errors = {rank: unpickled_exception(results[rank][1][1]) for rank in failed}
         # A rank that failed only because another one did (RankExitedError) is not the story.
         from hvdlite.common.core import RankExitedError
         first = next((rank for rank in failed if not isinstance(errors[rank], RankExitedError)),
@@ -243,11 +256,11 @@ def _collect(results: dict[int, tuple[bool, Any]], size: int, status: int) -> li
     raise RuntimeError("\n".join(lines)) from cause
 
 
-def _exception(pickled: bytes | None) -> BaseException | None:
+def unpickled_exception(pickled: bytes | None) -> BaseException | None:
     """A rank's exception, or None when it did not pickle or does not unpickle here."""
     if pickled is None:
         return None
     try:
-        return _cloudpickle().loads(pickled)
+        return cloudpickle_module().loads(pickled)
     except Exception:  # noqa: BLE001 - the traceback text still tells the story
         return None

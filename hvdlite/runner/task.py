@@ -10,7 +10,7 @@ import os
 import sys
 import traceback
 
-from .function_runner import ADDRESS_VARIABLE, KEY_VARIABLE, _cloudpickle
+from .function_runner import ADDRESS_VARIABLE, KEY_VARIABLE, cloudpickle_module
 from .rank_output import launcher_rank
 
 
@@ -25,7 +25,7 @@ def _failure(exc: BaseException) -> tuple[str, bytes | None]:
     """The traceback text and, if it pickles, the exception itself."""
     text = traceback.format_exc()
     try:
-        return text, _cloudpickle().dumps(exc)
+        return text, cloudpickle_module().dumps(exc)
     except Exception:  # noqa: BLE001 - the traceback carries the message anyway
         return text, None
 
@@ -40,7 +40,7 @@ def main() -> int:
         return 2
     address = (host, int(port))
     rank = launcher_rank(os.environ)
-    cloudpickle = _cloudpickle()
+    cloudpickle = cloudpickle_module()
     func, args, kwargs = cloudpickle.loads(_exchange(address, key, ("payload", rank)))
     try:
         value = func(*args, **kwargs)

@@ -158,7 +158,7 @@ def test_elastic_job_returns_the_last_worlds_values():
 def test_collect_orders_results_by_rank():
     import cloudpickle
     results = {1: (True, cloudpickle.dumps("b")), 0: (True, cloudpickle.dumps("a"))}
-    assert fr._collect(results, 2, 0) == ["a", "b"]
+    assert fr.collect_results(results, 2, 0) == ["a", "b"]
 
 
 def test_collect_prefers_the_root_cause_over_ranks_that_saw_a_peer_leave():
@@ -168,7 +168,7 @@ def test_collect_prefers_the_root_cause_over_ranks_that_saw_a_peer_leave():
                1: (False, ("tb1 ValueError", cloudpickle.dumps(ValueError("bad")))),
                2: (False, ("tb2 RankExitedError", None))}
     with pytest.raises(RuntimeError) as info:
-        fr._collect(results, 3, 1)
+        fr.collect_results(results, 3, 1)
     assert "rank(s) [0, 1, 2]; rank 1's traceback:\ntb1 ValueError" in str(info.value)
     assert isinstance(info.value.__cause__, ValueError)
 
@@ -176,7 +176,7 @@ def test_collect_prefers_the_root_cause_over_ranks_that_saw_a_peer_leave():
 def test_collect_reports_missing_ranks_even_when_the_job_exited_0():
     import cloudpickle
     with pytest.raises(RuntimeError, match=r"exited with status 0.*\n.*rank\(s\) \[1\]"):
-        fr._collect({0: (True, cloudpickle.dumps(1))}, 2, 0)
+        fr.collect_results({0: (True, cloudpickle.dumps(1))}, 2, 0)
 
 
 def test_listen_address_passes_over_a_host_that_does_not_resolve():

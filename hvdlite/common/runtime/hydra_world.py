@@ -91,9 +91,11 @@ def parse_pmi_line(line: str) -> Optional[dict[str, str]]:
 class MpiWorld:
     """``mpiexec -launcher manual`` for ranks on ``nodes`` (the node of each world rank, in rank
     order; any labels that are equal for the ranks of one node).  ``control_host``: the name or
-    address under which the proxies reach this host (the one that runs ``mpiexec``)."""
+    address under which the proxies reach this host (the one that runs ``mpiexec``);
+    ``extra_args``: more ``mpiexec`` options (the user's, e.g. ``-genv NAME value``)."""
 
-    def __init__(self, nodes: Sequence[str], control_host: str, timeout_s: float) -> None:
+    def __init__(self, nodes: Sequence[str], control_host: str, timeout_s: float,
+                 extra_args: Sequence[str] = ()) -> None:
         self.size = len(nodes)
         # The file whose creation on a host releases that host's placeholders (see
         # hydra_member.stop_proxy); unique to this world.
@@ -102,7 +104,7 @@ class MpiWorld:
         self.timeout_s = timeout_s
         hosts = ",".join(f"{node}:{count}" for node, count in self.segments)
         self.argv = [mpiexec_path(), "-launcher", "manual", "-pmi-port", "-localhost",
-                     control_host, "-hosts", hosts, "-n", str(self.size),
+                     control_host, "-hosts", hosts, *extra_args, "-n", str(self.size),
                      "sh", "-c", PLACEHOLDER_SCRIPT, self.release_path]
         self._proc: Optional[subprocess.Popen] = None
         self._cond = threading.Condition()

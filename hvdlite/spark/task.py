@@ -1,0 +1,102 @@
+"""The body of one Spark barrier task of :func:`hvdlite.spark.run`: forms the world with the
+other tasks (:mod:`hvdlite.spark.formation`), then runs its rank as a child process and waits
+for it.
+
+The rank is a fresh ``python -m hvdlite.runner.task`` (the rank process of
+:func:`hvdlite.run`): it fetches the pickled function from the driver, runs it, and sends back
+its value or its exception.  A fresh process, not the Spark Python worker itself, because a
+worker is reused for later tasks, and a process joins one MPI world in its life; it also keeps
+the job's environment (``env=``) out of the worker.  The child dies with the task (a killed
+task kills its rank), and its output travels to the driver, line by line, over the task's
+connection.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from hvdlite.common.runtime import hydra_member
+from hvdlite.runner.function_runner import ADDRESS_VARIABLE, KEY_VARIABLE
+
+from . import formation
+
+
+@dataclass
+class TaskSpec:
+    """What every task of one job needs; travels to the executors in Spark's closure (as
+    Horovod's key does, so enable Spark's RPC encryption where that matters)."""
+    address: tuple            # the driver's listener (host, port)
+    key: bytes                # its authentication key
+    start_timeout_s: float    # bound on every step of the formation
+    env: dict = field(default_factory=dict)   # set in every rank's environment
+    extra_mpi_args: list = field(default_factory=list)
+
+
+class RankFailed(RuntimeError):
+    """The rank process of this task ended with a non-zero status."""
+
+
+def connect(spec: TaskSpec):
+    from multiprocessing.connection import Client
+    return Client(tuple(spec.address), authkey=spec.key)
+
+
+def relay(stream, fd: int, rank: int, send) -> None:
+    """Send the child's output on ``stream`` to the driver, one line per message (a last line
+    without its newline at the end)."""
+    for line in iter(stream.readline, b""):
+        send(("output", rank, fd, line))
+    stream.close()
+
+
+def run_barrier_task(spec: TaskSpec, _rows: Iterator[Any]) -> Iterator[int]:
+    """``mapPartitions`` body of the barrier stage: yields this task's rank once its rank
+    process exited 0; raises (failing the stage, so Spark kills every other task) otherwise."""
+    from pyspark import BarrierTaskContext
+    context = BarrierTaskContext.get()
+    conn = connect(spec)
+    lock = threading.Lock()
+
+    def send(message) -> None:
+        with lock:
+            conn.send(message)
+
+    send(("started", context.partitionId(), context.getTaskInfos()[context.partitionId()]
+          .address, os.getpid()))
+    try:
+        member = formation.form(context, spec.start_timeout_s, spec.extra_mpi_args)
+    except BaseException as exc:
+        send(("failed", context.partitionId(), f"{type(exc).__name__}: {exc}"))
+        conn.close()
+        raise
+    try:
+        send(("formed", member.partition, member.rank, member.host))
+        environ = dict(os.environ)
+        environ.update({k: str(v) for k, v in spec.env.items()})
+        environ.update(member.env)
+        environ[ADDRESS_VARIABLE] = f"{spec.address[0]}:{spec.address[1]}"
+        environ[KEY_VARIABLE] = spec.key.hex()
+        child = subprocess.Popen([sys.executable, "-m", "hvdlite.runner.task"], env=environ,
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE,
+                                 preexec_fn=hydra_member.die_with_parent)
+        readers = [threading.Thread(target=relay, args=(stream, fd, member.rank, send),
+                                    daemon=True)
+                   for stream, fd in ((child.stdout, 1), (child.stderr, 2))]
+        for reader in readers:
+            reader.start()
+        status = child.wait()
+        for reader in readers:
+            reader.join(5)
+        if status != 0:
+            raise RankFailed(f"rank {member.rank} (Spark partition {member.partition}, host "
+                             f"{member.host}) exited with status {status}; the driver reports "
+                             f"its error")
+    finally:
+        member.leave()
+        conn.close()
+    yield member.rank
