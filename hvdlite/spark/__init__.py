@@ -10,6 +10,7 @@ try:
 except ImportError:
     raise ImportError("hvdlite.spark needs PySpark 4: pip install hvdlite[spark]") from None
 
+from .elastic import run_elastic
 from .runner import run
 
-__all__ = ["run"]
+__all__ = ["run", "run_elastic"]

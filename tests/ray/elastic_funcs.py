@@ -19,10 +19,26 @@ def batch(rank: int, step: int):
     return x, x.sum(dim=1, keepdim=True) * 0.5 + 1.0
 
 
+def kill_ancestor(marker: str) -> None:
+    """SIGKILL the nearest ancestor process whose command line contains ``marker`` (a Spark
+    executor's JVM: its host lost, for the job)."""
+    pid = os.getppid()
+    while pid > 1:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if marker.encode() in f.read():
+                os.kill(pid, signal.SIGKILL)
+                return
+        with open(f"/proc/{pid}/stat") as f:
+            pid = int(f.read().rsplit(")", 1)[1].split()[1])
+    raise RuntimeError(f"no ancestor process runs {marker!r}")
+
+
 def train(config: dict) -> dict:
     """``config``: ``out`` (a directory), ``steps`` (the last step, exclusive), optional
     ``until_file`` (train until rank 0 sees it, up to ``steps``), ``sleep`` (per step),
     ``kill`` ``[world, rank, step]`` (that worker SIGKILLs itself after that step's commit),
+    ``kill_ancestor`` ``[world, rank, step]`` with ``ancestor`` (the same, to its nearest
+    ancestor whose command line contains ``ancestor``),
     ``raise`` ``[rank, step]`` (that worker raises ValueError) and ``chatty`` (every worker
     writes all the time, from a second thread too, and a second after a failure)."""
     import torch
@@ -82,6 +98,8 @@ def train(config: dict) -> dict:
             state.commit()
             if config.get("kill") == [world, rank, state.step - 1]:
                 os.kill(os.getpid(), signal.SIGKILL)   # a worker lost mid-training
+            if config.get("kill_ancestor") == [world, rank, state.step - 1]:
+                kill_ancestor(config["ancestor"])   # e.g. the Spark executor running it
             if finished:
                 break
             time.sleep(config.get("sleep", 0))

@@ -22,6 +22,7 @@ import pytest
 pyspark = pytest.importorskip("pyspark", reason="pip install hvdlite[spark] for the Spark tests")
 
 CLUSTER_MASTER = "local-cluster[2,1,1024]"
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _state: dict = {"session": None, "master": None}
 _work_dir = tempfile.mkdtemp(prefix="hvdlite-spark-work-")
 
@@ -37,12 +38,17 @@ def session_for(master: str):
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
     os.environ["SPARK_WORKER_DIR"] = _work_dir
     os.environ.setdefault("PYSPARK_PYTHON", os.sys.executable)
+    # The tests' functions (tests.*) travel by reference: the executors import them too.
+    path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    os.environ["PYTHONPATH"] = path
     builder = (SparkSession.builder.master(master).appName("hvdlite-tests")
                .config("spark.driver.host", "127.0.0.1")
                .config("spark.driver.bindAddress", "127.0.0.1")
                .config("spark.ui.enabled", "false")
                .config("spark.executorEnv.OMP_NUM_THREADS", "1")
                .config("spark.executorEnv.SPARK_LOCAL_IP", "127.0.0.1")
+               .config("spark.executorEnv.PYTHONPATH", path)
+               .config("spark.ui.showConsoleProgress", "false")
                .config("spark.sql.shuffle.partitions", "4"))
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
