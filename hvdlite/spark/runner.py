@@ -176,11 +176,19 @@ class SparkJob:
         self.thread.join(CANCEL_WAIT_S)
 
 
+OWN_ERRORS = ("RankFailed:", "FormationError:")   # hvdlite.spark's words in a task's error
+
+
 def spark_error_summary(error: BaseException) -> str:
-    """The useful part of a failed Spark job's error: the first lines of its message (a Py4J
-    error carries the JVM's whole stack trace)."""
-    text = str(error).strip()
-    keep = [line for line in text.splitlines() if not line.lstrip().startswith("at ")]
+    """The useful part of a failed Spark job's error: the tasks' own words when they said
+    why (a rank that exited, a formation that failed), else the first lines of the message (a
+    Py4J error carries the JVM's whole stack trace).  Pure logic."""
+    lines = str(error).strip().splitlines()
+    own = list(dict.fromkeys(line.strip() for line in lines
+                             if any(mark in line for mark in OWN_ERRORS)))
+    if own:
+        return "\n".join(own)
+    keep = [line for line in lines if not line.lstrip().startswith("at ")]
     return "\n".join(keep[:40])
 
 
@@ -255,10 +263,23 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dict]
     results = {rank: result for (world, rank), result in driver.results.items() if world == 0}
     if job.error is None:
         return collect_results(results, num_proc, 0, "hvdlite.spark.run()")
-    if any(not ok for ok, _ in results.values()):
-        collect_results(results, num_proc, 1, "hvdlite.spark.run()")   # raises: a rank's error
-    if progress.failures:
-        raise RuntimeError("hvdlite.spark.run(): forming the world failed: " + "; ".join(
-            f"partition {p}: {m}" for p, m in sorted(progress.failures.items()))) from None
-    raise RuntimeError(f"hvdlite.spark.run(): the Spark job failed:\n"
-                       f"{spark_error_summary(job.error)}") from None
+    raise job_failure(results, num_proc, progress, job.error, "hvdlite.spark.run()")
+
+
+def job_failure(results: dict, size: int, progress: Progress, error: BaseException,
+                caller: str) -> RuntimeError:
+    """The error for a failed Spark job: the ranks' own story (the first rank's traceback, as
+    :func:`hvdlite.run` tells it), then what the tasks said (a rank that exited or was
+    killed, a formation that failed), with the failing rank's exception as the cause."""
+    cause: Optional[BaseException] = None
+    try:
+        collect_results(results, size, 1, caller)
+        story = f"{caller}: the Spark job failed."
+    except RuntimeError as exc:
+        story, cause = str(exc), exc.__cause__
+    lines = [story]
+    lines += [f"partition {p}: {m}" for p, m in sorted(progress.failures.items())]
+    lines.append("Spark: " + spark_error_summary(error))
+    failure = RuntimeError("\n".join(lines))
+    failure.__cause__ = cause
+    return failure

@@ -13,6 +13,7 @@ connection.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -76,6 +77,9 @@ def run_barrier_task(spec: TaskSpec, _rows: Iterator[Any]) -> Iterator[int]:
     try:
         send(("formed", member.partition, member.rank, member.host))
         environ = dict(os.environ)
+        # The worker's import path, with what Spark added to it (addPyFile, --py-files): the
+        # function may import those modules in the rank.
+        environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         environ.update({k: str(v) for k, v in spec.env.items()})
         environ.update(member.env)
         environ[ADDRESS_VARIABLE] = f"{spec.address[0]}:{spec.address[1]}"
@@ -93,9 +97,10 @@ def run_barrier_task(spec: TaskSpec, _rows: Iterator[Any]) -> Iterator[int]:
         for reader in readers:
             reader.join(5)
         if status != 0:
+            how = (f"was killed by signal {-status} ({signal.Signals(-status).name})"
+                   if status < 0 else f"exited with status {status}")
             raise RankFailed(f"rank {member.rank} (Spark partition {member.partition}, host "
-                             f"{member.host}) exited with status {status}; the driver reports "
-                             f"its error")
+                             f"{member.host}) {how}")
     finally:
         member.leave()
         conn.close()
