@@ -38,6 +38,9 @@ setup(
         "examples": ["scikit-learn>=1.2"],
         # hvdlite.ray: RayExecutor and the Ray Train backend (HvdliteTrainer).
         "ray": ["ray[train]>=2.40"],
+        # hvdlite.spark: run/run_elastic on barrier stages and the estimators (Parquet through
+        # pyarrow; PySpark's pandas support stops short of pandas 3).
+        "spark": ["pyspark>=4.0", "pyarrow>=14", "pandas>=2,<3", "cloudpickle>=3"],
         "test": ["pytest>=7", "pytest-timeout>=2", "scikit-learn>=1.2", "tqdm>=4"],
         # The documentation site (mkdocs.yml, docs/); tests/test_docs.py builds it in strict mode.
         "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings>=1.0",

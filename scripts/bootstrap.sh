@@ -2,7 +2,8 @@
 # Create (or update) the project's virtual environment in .venv with everything the examples
 # and the test suite need: hvdlite itself (editable), numpy, mpi4py, the MPICH wheel (a working
 # mpiexec), PyTorch's CPU wheel, TensorFlow CPU, scikit-learn, pytest, MkDocs (the suite
-# builds the docs) and Ray (hvdlite.ray). Safe to run repeatedly.
+# builds the docs), Ray (hvdlite.ray) and PySpark (hvdlite.spark; it needs a Java 17+
+# runtime). Safe to run repeatedly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -20,7 +21,7 @@ want="$(cat setup.py scripts/bootstrap.sh | sha256sum | cut -c1-16) $TORCH_SPEC 
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[bootstrap] installing hvdlite and its test/example/docs dependencies"
   .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet "$TORCH_SPEC" "$TF_SPEC" -e ".[test,examples,docs,ray]"
+  .venv/bin/python -m pip install --quiet "$TORCH_SPEC" "$TF_SPEC" -e ".[test,examples,docs,ray,spark]"
   # Keras 2 for the tf-keras tests (TF_USE_LEGACY_KERAS=1): matched to TensorFlow, and without
   # its dependency on the full `tensorflow` wheel (tensorflow-cpu is already there).
   .venv/bin/python -m pip install --quiet --no-deps "$TF_KERAS_SPEC"

@@ -13,9 +13,10 @@ import pytest
 
 from tests.ray import elastic_funcs
 from tests.spark import funcs
-from tests.spark.conftest import bounded
+from tests.spark.conftest import bounded, require_spark
 
-hvdlite_spark = pytest.importorskip("hvdlite.spark")
+require_spark()   # (at collection: skips or fails the module)
+import hvdlite.spark as hvdlite_spark  # noqa: E402
 from hvdlite.spark.elastic import task_slots  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
