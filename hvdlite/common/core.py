@@ -55,6 +55,7 @@ from hvdlite.common.runtime.build import (ccl_built, cuda_built, ddl_built, gloo
                                           mpi_library_version, nccl_built, rocm_built,
                                           sycl_built)
 from hvdlite.common.runtime import elastic_wire, hydra_member, launch_env, warm_start
+from hvdlite.common.runtime.env_world import rank_order
 from hvdlite.common.runtime.hydra_world import MpiWorld, WorldError
 from hvdlite.common.runtime.child_process import LAUNCHER_RANK_VARIABLES
 from hvdlite.common.runtime.elastic_wire import (EXIT_RESET, Codec, HostUpdateResult,

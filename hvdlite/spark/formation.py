@@ -23,9 +23,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from hvdlite.common.runtime import hydra_member
-from hvdlite.common.runtime.env_world import rank_order
-from hvdlite.common.runtime.hydra_world import MpiWorld
+from hvdlite.common.core import MpiWorld, hydra_member, rank_order
 
 
 class FormationError(RuntimeError):

@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from hvdlite.common.runtime import hydra_member
+from hvdlite.common.core import hydra_member
 from hvdlite.runner.function_runner import ADDRESS_VARIABLE, KEY_VARIABLE
 
 from . import formation

@@ -78,7 +78,8 @@ def _reference_identifiers() -> list[tuple[str, str]]:
 PUBLIC_MODULES = ("hvdlite", "hvdlite.torch", "hvdlite.tensorflow", "hvdlite.tensorflow.keras",
                   "hvdlite.tensorflow.keras.callbacks", "hvdlite.keras", "hvdlite.runner",
                   "hvdlite.torch.elastic", "hvdlite.tensorflow.elastic",
-                  "hvdlite.tensorflow.keras.elastic", "hvdlite.keras.elastic", "hvdlite.ray")
+                  "hvdlite.tensorflow.keras.elastic", "hvdlite.keras.elastic", "hvdlite.ray",
+                  "hvdlite.spark")
 
 
 def test_reference_names_are_public():

@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("api", ("hvdlite.common.api",)),
     ("door", ("hvdlite.common.core",)),
     ("adapters", ("hvdlite.torch", "hvdlite.tensorflow", "hvdlite.keras", "hvdlite.runner",
-                  "hvdlite.ray")),
+                  "hvdlite.ray", "hvdlite.spark")),
 ]
 # Package markers that import nothing and belong to no layer.
 NEUTRAL = {"hvdlite.common"}
