@@ -1,0 +1,190 @@
+"""The Spark ML estimator and model that :class:`~hvdlite.spark.torch.TorchEstimator` and
+:class:`~hvdlite.spark.keras.KerasEstimator` share.
+
+``fit(df)``: the selected columns go to the store as Parquet (:mod:`.data`), the framework's
+training function runs on ``num_proc`` Spark tasks through :func:`hvdlite.spark.run`, and rank
+0's trained model comes back as a Spark ML ``Model``.  ``transform(df)`` adds one
+``<label>__output`` column per label column (Horovod's names) with the model's predictions,
+computed on the executors by a pandas UDF that loads the model once per partition.
+"""
+from __future__ import annotations
+
+import uuid
+from typing import Any, Callable, Iterator, Optional, Tuple
+
+import numpy as np
+import pandas as pd
+from pyspark.ml import Estimator, Model
+
+from .store import LocalStore, Store
+
+# (parameter, default): Horovod's names, where they still make sense here.
+COMMON_PARAMS: dict[str, Any] = {
+    "num_proc": None, "model": None, "optimizer": None, "loss": None, "metrics": None,
+    "feature_cols": None, "label_cols": None, "batch_size": 32, "epochs": 1,
+    "validation": None, "store": None, "callbacks": None, "verbose": 1, "shuffle": True,
+    "random_seed": None, "run_id": None, "train_steps_per_epoch": None,
+    "validation_steps_per_epoch": None, "start_timeout": None,
+}
+# Horovod parameters that have no meaning here; passing one raises, saying why.
+UNSUPPORTED: dict[str, str] = {
+    "backend": "the estimators always run through hvdlite.spark.run on the active Spark "
+               "session; drop backend",
+    "use_gpu": "pick the device in your model code and give each task a GPU with Spark's GPU "
+               "scheduling (docs/spark.md)",
+    "gradient_compression": "pass compression through hvdlite's DistributedOptimizer in your "
+                            "own training function (hvdlite.spark.run)",
+    "transformation_fn": "transform the DataFrame with Spark before fit",
+    "inmemory_cache_all": "each rank already holds its share in memory",
+    "reader_pool_type": "the ranks read Parquet with pyarrow (no petastorm reader pool)",
+    "train_reader_num_workers": "the ranks read Parquet with pyarrow (no petastorm reader)",
+    "val_reader_num_workers": "the ranks read Parquet with pyarrow (no petastorm reader)",
+    "partitions_per_process": "Spark's writer decides the Parquet files; each rank reads its "
+                              "row groups",
+    "mp_start_method": "the ranks are processes that Spark's tasks start",
+}
+
+
+class ParamsMixin:
+    """Keyword parameters with Horovod's ``getX()``/``setX()`` accessors (``getBatchSize``)."""
+
+    PARAMS: dict[str, Any] = {}
+
+    def init_params(self, kwargs: dict[str, Any], owner: str) -> None:
+        bad = {k: UNSUPPORTED[k] for k in kwargs if k in UNSUPPORTED}
+        if bad:
+            raise ValueError(f"{owner}: unsupported parameter(s): " + "; ".join(
+                f"{k} ({why})" for k, why in bad.items()))
+        unknown = sorted(set(kwargs) - set(self.PARAMS))
+        if unknown:
+            raise TypeError(f"{owner}: unknown parameter(s) {unknown}; known: "
+                            f"{sorted(self.PARAMS)}")
+        self.values = {**self.PARAMS, **kwargs}
+
+    def __getattr__(self, name: str) -> Callable:
+        if name.startswith(("get", "set")) and len(name) > 3:
+            key = "".join("_" + c.lower() if c.isupper() else c for c in name[3:]).lstrip("_")
+            if key in self.__dict__.get("values", {}):
+                if name.startswith("get"):
+                    return lambda: self.values[key]
+
+                def setter(value):
+                    self.values[key] = value
+                    return self
+                return setter
+        raise AttributeError(name)
+
+
+class HorovodEstimator(ParamsMixin, Estimator):
+    """Base of the estimators: the data path and the run; subclasses give the training
+    function and the model."""
+
+    NAME = "Estimator"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        self.init_params(kwargs, self.NAME)
+
+    def check(self) -> None:
+        v = self.values
+        for name in ("model", "feature_cols", "label_cols"):
+            if not v[name]:
+                raise ValueError(f"{self.NAME}: {name} is required")
+        for name in ("feature_cols", "label_cols"):
+            if isinstance(v[name], str) or not all(isinstance(c, str) for c in v[name]):
+                raise ValueError(f"{self.NAME}: {name} must be a list of column names, got "
+                                 f"{v[name]!r}")
+        if not isinstance(v["batch_size"], int) or v["batch_size"] < 1:
+            raise ValueError(f"{self.NAME}: batch_size must be a positive int")
+        if not isinstance(v["epochs"], int) or v["epochs"] < 1:
+            raise ValueError(f"{self.NAME}: epochs must be a positive int")
+
+    def _fit(self, dataset: Any) -> Model:
+        from hvdlite.spark.runner import run
+        from . import data
+        self.check()
+        v = self.values
+        store: Store = v["store"] or LocalStore(f"/tmp/hvdlite-spark-store-{uuid.uuid4().hex}")
+        run_id = v["run_id"] or f"{self.NAME.lower()}_{uuid.uuid4().hex[:12]}"
+        train_path = store.get_train_data_path(run_id)
+        val_path = store.get_val_data_path(run_id)
+        columns = list(dict.fromkeys(list(v["feature_cols"]) + list(v["label_cols"])))
+        has_val = data.write_datasets(dataset, columns, v["validation"], train_path, val_path)
+        trainer = self.remote_trainer(store, train_path, val_path if has_val else None)
+        results = run(trainer, num_proc=v["num_proc"], start_timeout=v["start_timeout"],
+                      verbose=v["verbose"])
+        model_bytes, history = results[0]
+        store.write(store.get_checkpoint_path(run_id), model_bytes)
+        return self.make_model(model_bytes, history, run_id)
+
+    # --- the framework's part -------------------------------------------------------------
+    def remote_trainer(self, store: Store, train_path: str,
+                       val_path: Optional[str]) -> Callable[[], Any]:
+        raise NotImplementedError
+
+    def make_model(self, model_bytes: bytes, history: dict, run_id: str) -> "HorovodModel":
+        raise NotImplementedError
+
+
+class HorovodModel(ParamsMixin, Model):
+    """A trained model as a Spark ML ``Model``: ``transform(df)`` predicts."""
+
+    PARAMS = {"feature_cols": None, "label_cols": None, "output_cols": None, "history": None,
+              "run_id": None, "model": None, "batch_size": 256}
+
+    def __init__(self, model_bytes: bytes, **kwargs: Any) -> None:
+        super().__init__()
+        self.init_params(kwargs, type(self).__name__)
+        if not self.values["output_cols"]:
+            self.values["output_cols"] = [f"{c}__output" for c in self.values["label_cols"]]
+        self.model_bytes = model_bytes
+
+    def predictor(self) -> Callable[[bytes], Callable]:
+        """A function that turns the model's bytes into ``predict(x: np.ndarray) -> 2-D
+        np.ndarray`` (runs on the executors)."""
+        raise NotImplementedError
+
+    def _transform(self, dataset: Any) -> Any:
+        from pyspark.ml.functions import vector_to_array
+        from pyspark.ml.linalg import VectorUDT
+        from pyspark.sql import functions as F
+        from pyspark.sql.functions import pandas_udf
+        from pyspark.sql.types import ArrayType, DoubleType
+
+        v = self.values
+        types = {f.name: f.dataType for f in dataset.schema.fields}
+        inputs = [vector_to_array(c) if isinstance(types.get(c), VectorUDT) else F.col(c)
+                  for c in v["feature_cols"]]
+        load, model_bytes, batch = self.predictor(), self.model_bytes, v["batch_size"]
+
+        def outputs(model, columns) -> pd.Series:
+            x = np.concatenate([np.stack(c.to_numpy()).reshape(len(c), -1)
+                                if len(c) and isinstance(c.iloc[0], (list, np.ndarray))
+                                else c.to_numpy().reshape(-1, 1) for c in columns],
+                               axis=1).astype(np.float32)
+            if not len(x):
+                return pd.Series([], dtype=object)
+            out = np.concatenate([model(x[i:i + batch]) for i in range(0, len(x), batch)])
+            return pd.Series(list(out.reshape(len(x), -1).astype(np.float64)))
+
+        # (the iterator form loads the model once per partition, not once per batch)
+        if len(inputs) == 1:
+            def predict(batches: Iterator[pd.Series]) -> Iterator[pd.Series]:
+                model = load(model_bytes)
+                for column in batches:
+                    yield outputs(model, (column,))
+        else:
+            def predict(batches: Iterator[Tuple[pd.Series, ...]]) -> Iterator[pd.Series]:
+                model = load(model_bytes)
+                for columns in batches:
+                    yield outputs(model, columns)
+        predict_udf = pandas_udf(predict, ArrayType(DoubleType()))
+
+        with_output = dataset.withColumn("__hvdlite_output", predict_udf(*inputs))
+        names = v["output_cols"]
+        if len(names) == 1:
+            return with_output.withColumnRenamed("__hvdlite_output", names[0])
+        # several labels: the model's outputs side by side, one column per label
+        for i, name in enumerate(names):
+            with_output = with_output.withColumn(name, F.col("__hvdlite_output")[i])
+        return with_output.drop("__hvdlite_output")
