@@ -84,3 +84,31 @@ def test_estimator_parameters_are_checked():
     with pytest.raises(ValueError, match="feature_cols must be a list"):
         estimator.check()
     assert estimator.getBatchSize() == 32 and estimator.setBatchSize(8).getBatchSize() == 8
+
+
+def test_keras_estimator_fits_digits_and_its_model_transforms(spark_cluster, tmp_path):
+    import keras
+    from hvdlite.spark.keras import KerasEstimator, KerasModel
+    train, test = digits_frames(spark_cluster)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(10, activation="softmax")])
+    estimator = KerasEstimator(
+        num_proc=2, store=LocalStore(str(tmp_path)), model=model,
+        optimizer=keras.optimizers.SGD(learning_rate=0.1, momentum=0.9),
+        loss="sparse_categorical_crossentropy", metrics=["accuracy"],
+        feature_cols=["features"], label_cols=["label"], batch_size=32, epochs=12,
+        validation=0.2, random_seed=1, verbose=0)
+    fitted = bounded(spark_cluster, lambda: estimator.fit(train))
+    assert isinstance(fitted, KerasModel)
+    history = fitted.getHistory()
+    assert len(history["loss"]) == 12 and history["loss"][-1] < history["loss"][0]
+    assert history["val_accuracy"][-1] > 0.9
+    predicted = bounded(spark_cluster, lambda: fitted.transform(test).collect())
+    outputs = np.array([row["label__output"] for row in predicted])
+    labels = np.array([row["label"] for row in predicted])
+    assert outputs.shape == (len(labels), 10)
+    assert (outputs.argmax(axis=1) == labels).mean() >= 0.9
+    local = fitted.getModel().predict_on_batch(
+        np.array([row["features"].toArray() for row in predicted[:20]], dtype=np.float32))
+    np.testing.assert_allclose(outputs[:20], local, rtol=1e-4, atol=1e-5)

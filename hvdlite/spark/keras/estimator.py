@@ -1,0 +1,95 @@
+"""``KerasEstimator``: fit a Keras model on a Spark DataFrame with hvdlite (Horovod's
+``horovod.spark.keras.KerasEstimator``), Keras 3 on the TensorFlow backend through
+:mod:`hvdlite.tensorflow.keras`."""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Callable, Optional
+
+from hvdlite.spark.common.estimator import COMMON_PARAMS, HorovodEstimator, HorovodModel
+from hvdlite.spark.common.store import Store
+
+
+def model_to_bytes(model: Any) -> bytes:
+    """The model in Keras' own ``.keras`` format (architecture, weights, compile state)."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "model.keras")
+        model.save(path)
+        with open(path, "rb") as f:
+            return f.read()
+
+
+def model_from_bytes(data: bytes, custom_objects: Optional[dict] = None,
+                     compile: bool = True) -> Any:
+    import keras
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "model.keras")
+        with open(path, "wb") as f:
+            f.write(data)
+        return keras.models.load_model(path, custom_objects=custom_objects, compile=compile)
+
+
+def keras_predictor(custom_objects: Optional[dict]) -> Callable[[bytes], Callable]:
+    def load(data: bytes) -> Callable:
+        import tensorflow as tf
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        model = model_from_bytes(data, custom_objects, compile=False)
+        return lambda x: model.predict_on_batch(x)
+    return load
+
+
+class KerasModel(HorovodModel):
+    """The trained model; ``getModel()`` is the Keras model, ``getHistory()`` the history of
+    ``model.fit`` (metrics averaged over the ranks)."""
+
+    PARAMS = {**HorovodModel.PARAMS, "custom_objects": None}
+
+    def predictor(self) -> Callable[[bytes], Callable]:
+        return keras_predictor(self.values["custom_objects"])
+
+
+class KerasEstimator(HorovodEstimator):
+    """Horovod's ``KerasEstimator``: ``model`` (a Keras model), ``optimizer`` (a Keras
+    optimizer; wrapped in ``hvd.DistributedOptimizer`` on the ranks), ``loss``, ``metrics``,
+    ``loss_weights``, ``custom_objects``, ``feature_cols``, ``label_cols``, ``batch_size``,
+    ``epochs``, ``validation``, ``store``, ``num_proc``, ``callbacks`` (Keras callbacks, run on
+    every rank after hvdlite's broadcast and metric averaging), ``shuffle``, ``random_seed``,
+    ``train_steps_per_epoch``, ``validation_steps_per_epoch``, ``verbose``."""
+
+    NAME = "KerasEstimator"
+    PARAMS = {**COMMON_PARAMS, "custom_objects": None, "loss_weights": None,
+              "sample_weight_col": None}
+
+    def remote_trainer(self, store: Store, train_path: str,
+                       val_path: Optional[str]) -> Callable[[], Any]:
+        import keras
+        from .remote import train
+        v = self.values
+        if v["optimizer"] is None or v["loss"] is None:
+            raise ValueError("KerasEstimator: optimizer and loss are required")
+        if v["sample_weight_col"]:
+            raise ValueError("KerasEstimator: sample_weight_col is not supported yet; weight "
+                             "the loss in a custom loss function instead")
+        spec = {
+            "model": model_to_bytes(v["model"]),
+            "optimizer": keras.optimizers.serialize(v["optimizer"]),
+            "loss": v["loss"], "loss_weights": v["loss_weights"],
+            "metrics": v["metrics"] or [], "callbacks": v["callbacks"] or [],
+            "custom_objects": v["custom_objects"],
+            "feature_cols": list(v["feature_cols"]), "label_cols": list(v["label_cols"]),
+            "batch_size": v["batch_size"], "epochs": v["epochs"], "shuffle": v["shuffle"],
+            "seed": v["random_seed"], "verbose": v["verbose"],
+            "train_steps_per_epoch": v["train_steps_per_epoch"],
+            "validation_steps_per_epoch": v["validation_steps_per_epoch"],
+            "store": store, "train_path": train_path, "val_path": val_path,
+        }
+        return lambda: train(spec)
+
+    def make_model(self, model_bytes: bytes, history: dict, run_id: str) -> KerasModel:
+        v = self.values
+        return KerasModel(model_bytes, feature_cols=list(v["feature_cols"]),
+                          label_cols=list(v["label_cols"]), history=history, run_id=run_id,
+                          custom_objects=v["custom_objects"],
+                          model=model_from_bytes(model_bytes, v["custom_objects"],
+                                                 compile=False))
