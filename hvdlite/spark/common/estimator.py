@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 from pyspark.ml import Estimator, Model
 
+from .backend import Backend, SparkBackend
 from .store import LocalStore, Store
 
 # (parameter, default): Horovod's names, where they still make sense here.
@@ -24,18 +25,17 @@ COMMON_PARAMS: dict[str, Any] = {
     "feature_cols": None, "label_cols": None, "batch_size": 32, "epochs": 1,
     "validation": None, "store": None, "callbacks": None, "verbose": 1, "shuffle": True,
     "random_seed": None, "run_id": None, "train_steps_per_epoch": None,
-    "validation_steps_per_epoch": None, "start_timeout": None,
+    "validation_steps_per_epoch": None, "start_timeout": None, "backend": None,
+    # always true here: every rank holds its share in memory
+    "inmemory_cache_all": True,
 }
 # Horovod parameters that have no meaning here; passing one raises, saying why.
 UNSUPPORTED: dict[str, str] = {
-    "backend": "the estimators always run through hvdlite.spark.run on the active Spark "
-               "session; drop backend",
     "use_gpu": "pick the device in your model code and give each task a GPU with Spark's GPU "
                "scheduling (docs/spark.md)",
     "gradient_compression": "pass compression through hvdlite's DistributedOptimizer in your "
                             "own training function (hvdlite.spark.run)",
     "transformation_fn": "transform the DataFrame with Spark before fit",
-    "inmemory_cache_all": "each rank already holds its share in memory",
     "reader_pool_type": "the ranks read Parquet with pyarrow (no petastorm reader pool)",
     "train_reader_num_workers": "the ranks read Parquet with pyarrow (no petastorm reader)",
     "val_reader_num_workers": "the ranks read Parquet with pyarrow (no petastorm reader)",
@@ -98,9 +98,22 @@ class HorovodEstimator(ParamsMixin, Estimator):
             raise ValueError(f"{self.NAME}: batch_size must be a positive int")
         if not isinstance(v["epochs"], int) or v["epochs"] < 1:
             raise ValueError(f"{self.NAME}: epochs must be a positive int")
+        if v["inmemory_cache_all"] is not True:
+            raise ValueError(f"{self.NAME}: inmemory_cache_all=False: every rank holds its "
+                             f"share of the data in memory here; drop the parameter")
+
+    def backend(self) -> Backend:
+        """``backend``, else a :class:`SparkBackend` of ``num_proc`` tasks (giving both raises,
+        as in Horovod)."""
+        v = self.values
+        if v["backend"] is not None:
+            if v["num_proc"] is not None:
+                raise ValueError(f"{self.NAME}: give backend or num_proc, not both")
+            return v["backend"]
+        extra = {} if v["start_timeout"] is None else {"start_timeout": v["start_timeout"]}
+        return SparkBackend(num_proc=v["num_proc"], verbose=v["verbose"], **extra)
 
     def _fit(self, dataset: Any) -> Model:
-        from hvdlite.spark.runner import run
         from . import data
         self.check()
         v = self.values
@@ -111,8 +124,7 @@ class HorovodEstimator(ParamsMixin, Estimator):
         columns = list(dict.fromkeys(list(v["feature_cols"]) + list(v["label_cols"])))
         has_val = data.write_datasets(dataset, columns, v["validation"], train_path, val_path)
         trainer = self.remote_trainer(store, train_path, val_path if has_val else None)
-        results = run(trainer, num_proc=v["num_proc"], start_timeout=v["start_timeout"],
-                      verbose=v["verbose"])
+        results = self.backend().run(trainer)
         model_bytes, history = results[0]
         store.write(store.get_checkpoint_path(run_id), model_bytes)
         return self.make_model(model_bytes, history, run_id)

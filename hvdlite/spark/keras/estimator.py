@@ -34,8 +34,9 @@ def keras_predictor(custom_objects: Optional[dict]) -> Callable[[bytes], Callabl
     def load(data: bytes) -> Callable:
         import tensorflow as tf
         tf.config.threading.set_intra_op_parallelism_threads(1)
+        from .remote import shaped
         model = model_from_bytes(data, custom_objects, compile=False)
-        return lambda x: model.predict_on_batch(x)
+        return lambda x: model.predict_on_batch(shaped(x, model))
     return load
 
 

@@ -5,6 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 
+def shaped(x: Any, model: Any) -> Any:
+    """The stacked features in the model's input shape when that is another shape of the same
+    size (Horovod's Keras estimator reshapes them so: a 784-vector column into 28x28x1)."""
+    import numpy as np
+    want = tuple(model.input_shape[1:]) if not isinstance(model.input_shape, list) else None
+    if want and None not in want and tuple(x.shape[1:]) != want \
+            and int(np.prod(want)) == int(np.prod(x.shape[1:])):
+        return x.reshape(len(x), *want)
+    return x
+
+
 def train(spec: dict) -> Any:
     """Train; rank 0 returns ``(model in .keras bytes, history)``, the others ``None``."""
     import keras
@@ -27,9 +38,13 @@ def train(spec: dict) -> Any:
         ys = [columns[c] for c in spec["label_cols"]]
         return x, ys[0] if len(ys) == 1 else ys
 
-    x, y = load(spec["train_path"])
-    validation = load(spec["val_path"]) if spec["val_path"] else None
     model = model_from_bytes(spec["model"], spec["custom_objects"], compile=False)
+    x, y = load(spec["train_path"])
+    x = shaped(x, model)
+    validation = None
+    if spec["val_path"]:
+        x_val, y_val = load(spec["val_path"])
+        validation = (shaped(x_val, model), y_val)
     optimizer = hvd.DistributedOptimizer(keras.optimizers.deserialize(spec["optimizer"]))
     model.compile(optimizer=optimizer, loss=spec["loss"], loss_weights=spec["loss_weights"],
                   metrics=spec["metrics"])

@@ -8,26 +8,32 @@ from hvdlite.spark.common.estimator import COMMON_PARAMS, HorovodEstimator, Horo
 from hvdlite.spark.common.store import Store
 
 
-def load_torch_model(model_bytes: bytes) -> Callable:
-    """``predict(x)`` for the pickled model (eval mode, no gradients; 1 thread per task)."""
-    import cloudpickle
-    import torch
-    torch.set_num_threads(1)
-    model = cloudpickle.loads(model_bytes)
-    model.eval()
+def torch_predictor(input_shapes: Any) -> Callable[[bytes], Callable]:
+    """A loader of the pickled model: ``predict(x)`` in eval mode, without gradients, on the
+    features in the model's input shape (one thread per task)."""
+    def load(model_bytes: bytes) -> Callable:
+        import cloudpickle
+        import torch
+        from .remote import shaped
+        torch.set_num_threads(1)
+        model = cloudpickle.loads(model_bytes)
+        model.eval()
 
-    def predict(x):
-        with torch.no_grad():
-            return model(torch.from_numpy(x)).numpy()
-    return predict
+        def predict(x):
+            with torch.no_grad():
+                return model(torch.from_numpy(shaped(x, input_shapes))).numpy()
+        return predict
+    return load
 
 
 class TorchModel(HorovodModel):
     """The trained model; ``getModel()`` is the ``torch.nn.Module``, ``getHistory()`` the
     per-epoch metrics averaged over the ranks."""
 
+    PARAMS = {**HorovodModel.PARAMS, "input_shapes": None}
+
     def predictor(self) -> Callable[[bytes], Callable]:
-        return load_torch_model
+        return torch_predictor(self.values["input_shapes"])
 
 
 class TorchEstimator(HorovodEstimator):
@@ -38,12 +44,12 @@ class TorchEstimator(HorovodEstimator):
     ``batch_size``, ``epochs``, ``validation`` (a fraction, or a column marking validation
     rows), ``store``, ``num_proc``, ``shuffle``, ``random_seed``, ``train_steps_per_epoch``,
     ``validation_steps_per_epoch``, ``input_shapes`` (reshape of the stacked features, per
-    sample), ``loss_constructors`` and ``callbacks`` (called ``callback(epoch, logs)`` on rank
+    sample), ``backward_passes_per_step``, ``loss_constructors`` and ``callbacks`` (called ``callback(epoch, logs)`` on rank
     0 after each epoch)."""
 
     NAME = "TorchEstimator"
     PARAMS = {**COMMON_PARAMS, "input_shapes": None, "loss_constructors": None,
-              "label_dtype": None}
+              "label_dtype": None, "backward_passes_per_step": 1}
 
     def remote_trainer(self, store: Store, train_path: str,
                        val_path: Optional[str]) -> Callable[[], Any]:
@@ -66,6 +72,7 @@ class TorchEstimator(HorovodEstimator):
             "train_steps_per_epoch": v["train_steps_per_epoch"],
             "validation_steps_per_epoch": v["validation_steps_per_epoch"],
             "label_dtype": v["label_dtype"], "verbose": v["verbose"],
+            "backward_passes_per_step": v["backward_passes_per_step"],
             "store": store, "train_path": train_path, "val_path": val_path,
         }
         return lambda: train(spec)
@@ -75,4 +82,4 @@ class TorchEstimator(HorovodEstimator):
         v = self.values
         return TorchModel(model_bytes, feature_cols=list(v["feature_cols"]),
                           label_cols=list(v["label_cols"]), history=history, run_id=run_id,
-                          model=cloudpickle.loads(model_bytes))
+                          input_shapes=v["input_shapes"], model=cloudpickle.loads(model_bytes))

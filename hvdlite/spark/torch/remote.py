@@ -7,6 +7,17 @@ from typing import Any
 import numpy as np
 
 
+def shaped(x: np.ndarray, input_shapes: Any) -> np.ndarray:
+    """The stacked features in the model's input shape: ``input_shapes[0]`` is Horovod's
+    ``[-1, *sample_shape]`` (or the sample shape alone)."""
+    if not input_shapes:
+        return x
+    shape = list(input_shapes[0])
+    if len(shape) > 1 and shape[0] in (-1, None):
+        shape = shape[1:]
+    return x.reshape(len(x), *shape)
+
+
 def as_labels(y: np.ndarray, loss_name: str, dtype: Any):
     import torch
     if dtype is not None:
@@ -32,11 +43,7 @@ def train(spec: dict) -> Any:
 
     def load(path):
         columns = data.read_shard(fs, path, rank, size)
-        x = data.stack(columns, spec["feature_cols"])
-        if spec["input_shapes"]:
-            x = x.reshape(len(x), *spec["input_shapes"][0][1:] if len(spec["input_shapes"][0])
-                          > 1 and spec["input_shapes"][0][0] in (-1, None)
-                          else spec["input_shapes"][0])
+        x = shaped(data.stack(columns, spec["feature_cols"]), spec["input_shapes"])
         ys = [columns[c] for c in spec["label_cols"]]
         return torch.from_numpy(x), ys
 
@@ -54,7 +61,9 @@ def train(spec: dict) -> Any:
     optimizer = spec["optimizer_cls"](model.parameters(), **spec["optimizer_defaults"])
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    optimizer = hvd.DistributedOptimizer(
+        optimizer, named_parameters=model.named_parameters(),
+        backward_passes_per_step=spec["backward_passes_per_step"])
 
     def compute(outputs, labels):
         outs = outputs if isinstance(outputs, (list, tuple)) else [outputs] * len(labels)
@@ -76,14 +85,17 @@ def train(spec: dict) -> Any:
         order = (torch.randperm(len(x_train), generator=generator) if spec["shuffle"]
                  else torch.arange(len(x_train)))
         totals: dict[str, float] = {"loss": 0.0}
+        passes = spec["backward_passes_per_step"]
         for step in range(steps):
             index = order[step * spec["batch_size"]:(step + 1) * spec["batch_size"]]
-            optimizer.zero_grad()
+            if step % passes == 0:
+                optimizer.zero_grad()
             outputs = model(x_train[index])
             labels = [y[index] for y in y_train]
             loss = compute(outputs, labels)
             loss.backward()
-            optimizer.step()
+            if (step + 1) % passes == 0 or step == steps - 1:
+                optimizer.step()
             totals["loss"] += loss.item()
             for name, value in metrics_of(outputs.detach(), labels).items():
                 totals[name] = totals.get(name, 0.0) + value
