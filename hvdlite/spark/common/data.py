@@ -1,7 +1,7 @@
 """From a Spark DataFrame to the ranks: Parquet in the store, read with pyarrow.
 
-Horovod used petastorm, which is unmaintained and does not install with current pyarrow and
-Spark 4 (its last release pins pyarrow and Spark 3 APIs).  Here the driver has Spark write the
+Horovod used petastorm, whose latest release (0.13.1) no longer imports with current pyarrow
+(it imports ``pyarrow.filesystem``, which pyarrow has removed; checked with pyarrow 26).  Here the driver has Spark write the
 selected columns as Parquet under the store (``df.write.parquet``: Spark's own writer, run on
 the executors), and each rank reads its share with pyarrow: the files' row groups dealt out
 round robin (disjoint and covering), or, when there are fewer row groups than ranks, every
