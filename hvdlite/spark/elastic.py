@@ -22,14 +22,17 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import types
 import sys
 import time
 from typing import Any, Callable, Optional, Sequence, TextIO
 
 from hvdlite.common.core import HorovodInternalError
 from hvdlite.common.core import elastic_wire as wire
+from hvdlite.runner.elastic import options
 from hvdlite.runner.elastic.driver import RESET_LIMIT_MESSAGE
 from hvdlite.runner.elastic.server import Server
+from hvdlite.runner.launch_errors import UsageError
 from hvdlite.runner.function_runner import (FunctionDriver, cloudpickle_module,
                                             collect_results, unpickled_exception)
 from hvdlite.runner.horovodrun_flags import nic_env
@@ -40,8 +43,6 @@ from .task import TaskSpec
 
 log = logging.getLogger("hvdlite.spark")
 
-ELASTIC_TIMEOUT_VARIABLES = ("HVDLITE_ELASTIC_TIMEOUT", "HOROVOD_ELASTIC_TIMEOUT")
-DEFAULT_ELASTIC_TIMEOUT_S = 600.0
 DISCOVER_S = 1.0       # how often the cluster's slots are counted while a world runs
 REPORT_GRACE_S = 5.0   # after a world failed, how long its ranks get to hand in their commits
 START_ATTEMPTS = 3     # worlds in a row that fail to start before the job gives up
@@ -66,15 +67,6 @@ def world_size(slots: int, min_np: int, max_np: int) -> Optional[int]:
     """The size of a world on ``slots`` free slots, or None when below ``min_np``.  Pure."""
     size = min(slots, max_np)
     return size if size >= min_np else None
-
-
-def elastic_timeout_s(elastic_timeout: Optional[float], environ=os.environ) -> float:
-    """``elastic_timeout``, else ``HVDLITE_ELASTIC_TIMEOUT`` / ``HOROVOD_ELASTIC_TIMEOUT``, else
-    600 s (Horovod's default).  Pure logic."""
-    if elastic_timeout is not None:
-        return float(elastic_timeout)
-    source = next((v for v in ELASTIC_TIMEOUT_VARIABLES if environ.get(v, "").strip()), None)
-    return float(environ[source]) if source else DEFAULT_ELASTIC_TIMEOUT_S
 
 
 class ElasticJob:
@@ -263,8 +255,13 @@ def run_elastic(fn: Callable[..., Any], args: Sequence[Any] = (),
                          f"int, got {reset_limit!r}")
     job_env = {**nic_env(list(nics or ())), **{k: str(v) for k, v in (env or {}).items()}}
     payload = cloudpickle_module().dumps((fn, tuple(args), dict(kwargs or {})))
+    try:   # hvdlite run's rule: the argument, else HVDLITE_/HOROVOD_ELASTIC_TIMEOUT, else 600
+        elastic_s = options.elastic_timeout(types.SimpleNamespace(
+            elastic_timeout=elastic_timeout), os.environ)
+    except UsageError as exc:
+        raise ValueError(f"hvdlite.spark.run_elastic(): {exc}") from None
     job = ElasticJob(context, payload, min_np, max_np, start_timeout_s(start_timeout),
-                     elastic_timeout_s(elastic_timeout), reset_limit, job_env,
+                     elastic_s, reset_limit, job_env,
                      shlex.split(extra_mpi_args or ""), stdout or sys.stdout,
                      stderr or sys.stderr, prefix_output_with_timestamp)
     if verbose >= 2:

@@ -12,7 +12,7 @@ pytest.importorskip("pyspark", reason="pip install hvdlite[spark]")
 from hvdlite.spark import runner  # noqa: E402
 from hvdlite.spark.common import data  # noqa: E402
 from hvdlite.spark.common.store import LocalStore, Store  # noqa: E402
-from hvdlite.spark.elastic import elastic_timeout_s, world_size  # noqa: E402
+from hvdlite.spark.elastic import world_size  # noqa: E402
 from hvdlite.spark.torch.remote import shaped  # noqa: E402
 
 
@@ -28,10 +28,7 @@ def test_start_timeout_comes_from_the_argument_then_hvdlite_then_horovod_then_60
         runner.start_timeout_s(-1, {})
 
 
-def test_elastic_timeout_and_world_sizes():
-    assert elastic_timeout_s(None, {"HOROVOD_ELASTIC_TIMEOUT": "7"}) == 7.0
-    assert elastic_timeout_s(3, {"HOROVOD_ELASTIC_TIMEOUT": "7"}) == 3.0
-    assert elastic_timeout_s(None, {}) == 600.0
+def test_world_sizes_follow_the_slots_within_the_bounds():
     assert world_size(slots=5, min_np=2, max_np=4) == 4
     assert world_size(slots=3, min_np=2, max_np=4) == 3
     assert world_size(slots=1, min_np=2, max_np=4) is None
