@@ -48,9 +48,15 @@ def connect(spec: TaskSpec):
 
 def relay(stream, fd: int, rank: int, send) -> None:
     """Send the child's output on ``stream`` to the driver, one line per message (a last line
-    without its newline at the end)."""
+    without its newline at the end).  When the driver is gone, the output is still read (and
+    dropped), so that the rank never blocks on a full pipe."""
+    connected = True
     for line in iter(stream.readline, b""):
-        send(("output", rank, fd, line))
+        if connected:
+            try:
+                send(("output", rank, fd, line))
+            except (OSError, ValueError):
+                connected = False
     stream.close()
 
 

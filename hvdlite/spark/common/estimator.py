@@ -129,6 +129,23 @@ class HorovodEstimator(ParamsMixin, Estimator):
         store.write(store.get_checkpoint_path(run_id), model_bytes)
         return self.make_model(model_bytes, history, run_id)
 
+    def common_spec(self, store: Store, train_path: str, val_path: Optional[str]) -> dict:
+        """What every framework's training function reads (it adds its own)."""
+        v = self.values
+        return {"metrics": v["metrics"] or [], "callbacks": v["callbacks"] or [],
+                "feature_cols": list(v["feature_cols"]), "label_cols": list(v["label_cols"]),
+                "batch_size": v["batch_size"], "epochs": v["epochs"], "shuffle": v["shuffle"],
+                "seed": v["random_seed"], "verbose": v["verbose"],
+                "train_steps_per_epoch": v["train_steps_per_epoch"],
+                "validation_steps_per_epoch": v["validation_steps_per_epoch"],
+                "store": store, "train_path": train_path, "val_path": val_path}
+
+    def common_model_params(self, history: dict, run_id: str) -> dict:
+        """The fitted model's parameters that every framework's model has."""
+        v = self.values
+        return {"feature_cols": list(v["feature_cols"]), "label_cols": list(v["label_cols"]),
+                "history": history, "run_id": run_id}
+
     # --- the framework's part -------------------------------------------------------------
     def remote_trainer(self, store: Store, train_path: str,
                        val_path: Optional[str]) -> Callable[[], Any]:

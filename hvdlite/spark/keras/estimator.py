@@ -73,24 +73,17 @@ class KerasEstimator(HorovodEstimator):
             raise ValueError("KerasEstimator: sample_weight_col is not supported yet; weight "
                              "the loss in a custom loss function instead")
         spec = {
+            **self.common_spec(store, train_path, val_path),
             "model": model_to_bytes(v["model"]),
             "optimizer": keras.optimizers.serialize(v["optimizer"]),
             "loss": v["loss"], "loss_weights": v["loss_weights"],
-            "metrics": v["metrics"] or [], "callbacks": v["callbacks"] or [],
             "custom_objects": v["custom_objects"],
-            "feature_cols": list(v["feature_cols"]), "label_cols": list(v["label_cols"]),
-            "batch_size": v["batch_size"], "epochs": v["epochs"], "shuffle": v["shuffle"],
-            "seed": v["random_seed"], "verbose": v["verbose"],
-            "train_steps_per_epoch": v["train_steps_per_epoch"],
-            "validation_steps_per_epoch": v["validation_steps_per_epoch"],
-            "store": store, "train_path": train_path, "val_path": val_path,
         }
         return lambda: train(spec)
 
     def make_model(self, model_bytes: bytes, history: dict, run_id: str) -> KerasModel:
         v = self.values
-        return KerasModel(model_bytes, feature_cols=list(v["feature_cols"]),
-                          label_cols=list(v["label_cols"]), history=history, run_id=run_id,
+        return KerasModel(model_bytes, **self.common_model_params(history, run_id),
                           custom_objects=v["custom_objects"],
                           model=model_from_bytes(model_bytes, v["custom_objects"],
                                                  compile=False))

@@ -61,25 +61,18 @@ class TorchEstimator(HorovodEstimator):
         if v["loss"] is None and not v["loss_constructors"]:
             raise ValueError("TorchEstimator: loss (or loss_constructors) is required")
         spec = {
+            **self.common_spec(store, train_path, val_path),
             "model": cloudpickle.dumps(v["model"]),
             "optimizer_cls": type(v["optimizer"]),
             "optimizer_defaults": dict(v["optimizer"].defaults),
             "loss": v["loss"] or [c() for c in v["loss_constructors"]],
-            "metrics": v["metrics"] or [], "callbacks": v["callbacks"] or [],
-            "feature_cols": list(v["feature_cols"]), "label_cols": list(v["label_cols"]),
-            "batch_size": v["batch_size"], "epochs": v["epochs"], "shuffle": v["shuffle"],
-            "seed": v["random_seed"], "input_shapes": v["input_shapes"],
-            "train_steps_per_epoch": v["train_steps_per_epoch"],
-            "validation_steps_per_epoch": v["validation_steps_per_epoch"],
-            "label_dtype": v["label_dtype"], "verbose": v["verbose"],
+            "input_shapes": v["input_shapes"], "label_dtype": v["label_dtype"],
             "backward_passes_per_step": v["backward_passes_per_step"],
-            "store": store, "train_path": train_path, "val_path": val_path,
         }
         return lambda: train(spec)
 
     def make_model(self, model_bytes: bytes, history: dict, run_id: str) -> TorchModel:
         import cloudpickle
         v = self.values
-        return TorchModel(model_bytes, feature_cols=list(v["feature_cols"]),
-                          label_cols=list(v["label_cols"]), history=history, run_id=run_id,
+        return TorchModel(model_bytes, **self.common_model_params(history, run_id),
                           input_shapes=v["input_shapes"], model=cloudpickle.loads(model_bytes))
