@@ -87,7 +87,8 @@ def test_torch_estimator_as_horovods_example_uses_it(spark_cluster, tmp_path):
     store = Store.create(str(tmp_path))
     assert isinstance(store, LocalStore)
     model = conv_net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    # (scaled by the 2 ranks for training, as Horovod does)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.025, momentum=0.9)
     loss = torch.nn.NLLLoss()
     out = io.StringIO()
     backend = SparkBackend(num_proc=2, stdout=out, stderr=io.StringIO(),
@@ -101,6 +102,10 @@ def test_torch_estimator_as_horovods_example_uses_it(spark_cluster, tmp_path):
     torch_model = bounded(spark_cluster, lambda: torch_estimator.fit(train_df),
                           timeout_s=300).setOutputCols(["label_prob"])
     assert isinstance(torch_model, hvd.TorchModel)
+    assert torch_model.getFeatureColumns() == ["features"]
+    # the returned optimizer is the trained one, with the learning rate given (unscaled)
+    assert torch_model.getOptimizer().param_groups[0]["lr"] == 0.025
+    assert torch_model.getOptimizer().state   # momentum buffers came back
     history = torch_model.getHistory()
     assert len(history["loss"]) == 15 and history["loss"][-1] < history["loss"][0]
     assert history["val_accuracy"][-1] > 0.9
@@ -129,7 +134,7 @@ def test_keras_estimator_as_horovods_example_uses_it(spark_cluster, tmp_path):
         keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10, activation="softmax")])
     keras_estimator = hvd.KerasEstimator(
         backend=SparkBackend(num_proc=2, stdout=io.StringIO(), stderr=io.StringIO()),
-        store=store, model=model, optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+        store=store, model=model, optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
         loss=keras.losses.categorical_crossentropy, metrics=["accuracy"],
         feature_cols=["features"], label_cols=["label_vec"], batch_size=32, epochs=15,
         validation=0.2, random_seed=1, inmemory_cache_all=True, verbose=1)

@@ -17,7 +17,7 @@ import pandas as pd
 from pyspark.ml import Estimator, Model
 
 from .backend import Backend, SparkBackend
-from .store import LocalStore, Store
+from .store import Store
 
 # (parameter, default): Horovod's names, where they still make sense here.
 COMMON_PARAMS: dict[str, Any] = {
@@ -28,6 +28,10 @@ COMMON_PARAMS: dict[str, Any] = {
     "validation_steps_per_epoch": None, "start_timeout": None, "backend": None,
     # always true here: every rank holds its share in memory
     "inmemory_cache_all": True,
+    "val_batch_size": None,
+    # Horovod's deprecated shuffle buffer: 0 turns shuffling off; any other size shuffles the
+    # whole share (it is in memory), at least as random as a buffer of that size
+    "shuffle_buffer_size": None,
 }
 # Horovod parameters that have no meaning here; passing one raises, saying why.
 UNSUPPORTED: dict[str, str] = {
@@ -42,6 +46,19 @@ UNSUPPORTED: dict[str, str] = {
     "partitions_per_process": "Spark's writer decides the Parquet files; each rank reads its "
                               "row groups",
     "mp_start_method": "the ranks are processes that Spark's tasks start",
+    "transformation_edit_fields": "these describe a petastorm TransformSpec; transform the "
+                                  "DataFrame with Spark before fit",
+    "transformation_removed_fields": "these describe a petastorm TransformSpec; select the "
+                                     "columns with Spark before fit",
+    "compress_sparse_cols": "sparse vector columns are written as dense arrays; nothing to "
+                            "compress",
+    "label_shapes": "a label with as many values as the model's output takes the output's "
+                    "shape; reshape other labels in your loss",
+}
+# Horovod's accessors whose names do not follow the parameter's name.
+ACCESSOR_ALIASES: dict[str, str] = {
+    "InMemoryCacheAll": "inmemory_cache_all", "ShufflingBufferSize": "shuffle_buffer_size",
+    "FeatureColumns": "feature_cols", "LabelColumns": "label_cols",
 }
 
 
@@ -49,9 +66,11 @@ class ParamsMixin:
     """Keyword parameters with Horovod's ``getX()``/``setX()`` accessors (``getBatchSize``)."""
 
     PARAMS: dict[str, Any] = {}
+    # Horovod's parameters that raise here, with why (subclasses add their own).
+    REFUSED: dict[str, str] = UNSUPPORTED
 
     def init_params(self, kwargs: dict[str, Any], owner: str) -> None:
-        bad = {k: UNSUPPORTED[k] for k in kwargs if k in UNSUPPORTED}
+        bad = {k: self.REFUSED[k] for k in kwargs if k in self.REFUSED}
         if bad:
             raise ValueError(f"{owner}: unsupported parameter(s): " + "; ".join(
                 f"{k} ({why})" for k, why in bad.items()))
@@ -63,7 +82,8 @@ class ParamsMixin:
 
     def __getattr__(self, name: str) -> Callable:
         if name.startswith(("get", "set")) and len(name) > 3:
-            key = "".join("_" + c.lower() if c.isupper() else c for c in name[3:]).lstrip("_")
+            key = ACCESSOR_ALIASES.get(name[3:]) or "".join(
+                "_" + c.lower() if c.isupper() else c for c in name[3:]).lstrip("_")
             if key in self.__dict__.get("values", {}):
                 if name.startswith("get"):
                     return lambda: self.values[key]
@@ -98,9 +118,16 @@ class HorovodEstimator(ParamsMixin, Estimator):
             raise ValueError(f"{self.NAME}: batch_size must be a positive int")
         if not isinstance(v["epochs"], int) or v["epochs"] < 1:
             raise ValueError(f"{self.NAME}: epochs must be a positive int")
+        if v["val_batch_size"] is not None and (not isinstance(v["val_batch_size"], int)
+                                                or v["val_batch_size"] < 1):
+            raise ValueError(f"{self.NAME}: val_batch_size must be a positive int")
         if v["inmemory_cache_all"] is not True:
             raise ValueError(f"{self.NAME}: inmemory_cache_all=False: every rank holds its "
                              f"share of the data in memory here; drop the parameter")
+        if v["store"] is None:
+            # (a default under /tmp would split the data between machines on a real cluster)
+            raise ValueError(f"{self.NAME}: store is required: Store.create('/a/path/every/"
+                             f"executor/sees') (hvdlite.spark.common.store)")
 
     def backend(self) -> Backend:
         """``backend``, else a :class:`SparkBackend` of ``num_proc`` tasks (giving both raises,
@@ -117,24 +144,32 @@ class HorovodEstimator(ParamsMixin, Estimator):
         from . import data
         self.check()
         v = self.values
-        store: Store = v["store"] or LocalStore(f"/tmp/hvdlite-spark-store-{uuid.uuid4().hex}")
+        store: Store = v["store"]
         run_id = v["run_id"] or f"{self.NAME.lower()}_{uuid.uuid4().hex[:12]}"
         train_path = store.get_train_data_path(run_id)
         val_path = store.get_val_data_path(run_id)
-        columns = list(dict.fromkeys(list(v["feature_cols"]) + list(v["label_cols"])))
+        weights = [v["sample_weight_col"]] if v.get("sample_weight_col") else []
+        columns = list(dict.fromkeys(list(v["feature_cols"]) + list(v["label_cols"]) + weights))
         has_val = data.write_datasets(dataset, columns, v["validation"], train_path, val_path)
         trainer = self.remote_trainer(store, train_path, val_path if has_val else None)
-        results = self.backend().run(trainer)
-        model_bytes, history = results[0]
+        results = self.backend().run(trainer, env=self.backend_env())
+        # rank 0's (model bytes, history, whatever else its framework returns)
+        model_bytes, history, *extra = results[0]
         store.write(store.get_checkpoint_path(run_id), model_bytes)
-        return self.make_model(model_bytes, history, run_id)
+        return self.make_model(model_bytes, history, run_id, *extra)
+
+    def backend_env(self) -> dict:
+        """Variables for the ranks' environment (Keras has Horovod's ``backend_env``)."""
+        return {}
 
     def common_spec(self, store: Store, train_path: str, val_path: Optional[str]) -> dict:
         """What every framework's training function reads (it adds its own)."""
         v = self.values
         return {"metrics": v["metrics"] or [], "callbacks": v["callbacks"] or [],
                 "feature_cols": list(v["feature_cols"]), "label_cols": list(v["label_cols"]),
-                "batch_size": v["batch_size"], "epochs": v["epochs"], "shuffle": v["shuffle"],
+                "batch_size": v["batch_size"], "val_batch_size": v["val_batch_size"],
+                "epochs": v["epochs"],
+                "shuffle": bool(v["shuffle"]) and v["shuffle_buffer_size"] != 0,
                 "seed": v["random_seed"], "verbose": v["verbose"],
                 "train_steps_per_epoch": v["train_steps_per_epoch"],
                 "validation_steps_per_epoch": v["validation_steps_per_epoch"],
@@ -151,7 +186,8 @@ class HorovodEstimator(ParamsMixin, Estimator):
                        val_path: Optional[str]) -> Callable[[], Any]:
         raise NotImplementedError
 
-    def make_model(self, model_bytes: bytes, history: dict, run_id: str) -> "HorovodModel":
+    def make_model(self, model_bytes: bytes, history: dict, run_id: str,
+                   *extra: Any) -> "HorovodModel":
         raise NotImplementedError
 
 

@@ -7,7 +7,8 @@ import os
 import tempfile
 from typing import Any, Callable, Optional
 
-from hvdlite.spark.common.estimator import COMMON_PARAMS, HorovodEstimator, HorovodModel
+from hvdlite.spark.common.estimator import (COMMON_PARAMS, UNSUPPORTED, HorovodEstimator,
+                                            HorovodModel)
 from hvdlite.spark.common.store import Store
 
 
@@ -52,36 +53,49 @@ class KerasModel(HorovodModel):
 
 class KerasEstimator(HorovodEstimator):
     """Horovod's ``KerasEstimator``: ``model`` (a Keras model), ``optimizer`` (a Keras
-    optimizer; wrapped in ``hvd.DistributedOptimizer`` on the ranks), ``loss``, ``metrics``,
-    ``loss_weights``, ``custom_objects``, ``feature_cols``, ``label_cols``, ``batch_size``,
-    ``epochs``, ``validation``, ``store``, ``num_proc``, ``callbacks`` (Keras callbacks, run on
-    every rank after hvdlite's broadcast and metric averaging), ``shuffle``, ``random_seed``,
+    optimizer, else the compiled model's; wrapped in ``hvd.DistributedOptimizer`` on the ranks,
+    its learning rate scaled by the number of ranks as Horovod does), ``loss``, ``metrics``,
+    ``loss_weights``, ``sample_weight_col``, ``custom_objects``, ``feature_cols``,
+    ``label_cols``, ``batch_size``, ``val_batch_size``, ``epochs``, ``validation``, ``store``,
+    ``num_proc`` or ``backend``, ``backend_env``, ``callbacks`` (Keras callbacks, run on every
+    rank after hvdlite's broadcast and metric averaging), ``shuffle``, ``random_seed``,
     ``train_steps_per_epoch``, ``validation_steps_per_epoch``, ``verbose``."""
 
     NAME = "KerasEstimator"
     PARAMS = {**COMMON_PARAMS, "custom_objects": None, "loss_weights": None,
-              "sample_weight_col": None}
+              "sample_weight_col": None, "backend_env": None}
+    REFUSED = {
+        **UNSUPPORTED,
+        "checkpoint_callback": "rank 0's model after the last epoch comes back (and is kept "
+                               "in the store); add your own ModelCheckpoint to callbacks",
+    }
+
+    def backend_env(self) -> dict:
+        return dict(self.values["backend_env"] or {})
 
     def remote_trainer(self, store: Store, train_path: str,
                        val_path: Optional[str]) -> Callable[[], Any]:
         import keras
         from .remote import train
         v = self.values
-        if v["optimizer"] is None or v["loss"] is None:
-            raise ValueError("KerasEstimator: optimizer and loss are required")
-        if v["sample_weight_col"]:
-            raise ValueError("KerasEstimator: sample_weight_col is not supported yet; weight "
-                             "the loss in a custom loss function instead")
+        optimizer = v["optimizer"] or getattr(v["model"], "optimizer", None)
+        if optimizer is None or v["loss"] is None:
+            raise ValueError("KerasEstimator: loss is required, and optimizer unless the model "
+                             "is compiled with one")
+        from .remote import scaled_optimizer_config
+        scaled_optimizer_config(keras.optimizers.serialize(optimizer), 1)   # raises here, early
         spec = {
             **self.common_spec(store, train_path, val_path),
             "model": model_to_bytes(v["model"]),
-            "optimizer": keras.optimizers.serialize(v["optimizer"]),
+            "optimizer": keras.optimizers.serialize(optimizer),
+            "sample_weight_col": v["sample_weight_col"],
             "loss": v["loss"], "loss_weights": v["loss_weights"],
             "custom_objects": v["custom_objects"],
         }
         return lambda: train(spec)
 
-    def make_model(self, model_bytes: bytes, history: dict, run_id: str) -> KerasModel:
+    def make_model(self, model_bytes: bytes, history: dict, run_id: str,
+                   *extra: Any) -> KerasModel:
         v = self.values
         return KerasModel(model_bytes, **self.common_model_params(history, run_id),
                           custom_objects=v["custom_objects"],

@@ -16,6 +16,20 @@ def shaped(x: Any, model: Any) -> Any:
     return x
 
 
+def scaled_optimizer_config(config: dict, factor: float) -> dict:
+    """A serialized Keras optimizer with its learning rate times ``factor`` (Horovod scales it
+    by the number of ranks).  A learning-rate schedule raises: it cannot be scaled here."""
+    inner = dict(config["config"])
+    lr = inner.get("learning_rate")
+    if not isinstance(lr, (int, float)):
+        raise ValueError("KerasEstimator scales the optimizer's learning rate by the number of "
+                         "ranks, as Horovod does, and cannot scale a schedule "
+                         f"({lr!r}): give a float learning rate and schedule it with a "
+                         "callback (hvdlite.tensorflow.keras.callbacks)")
+    inner["learning_rate"] = float(lr) * factor
+    return {**config, "config": inner}
+
+
 def train(spec: dict) -> Any:
     """Train; rank 0 returns ``(model in .keras bytes, history)``, the others ``None``."""
     import keras
@@ -29,35 +43,48 @@ def train(spec: dict) -> Any:
     tf.config.threading.set_inter_op_parallelism_threads(1)
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    keras.utils.set_random_seed(spec["seed"] if spec["seed"] is not None else 0)
+    seed = spec["seed"] if spec["seed"] is not None else 0
+    keras.utils.set_random_seed(seed)
     fs = spec["store"].filesystem()
+    model = model_from_bytes(spec["model"], spec["custom_objects"], compile=False)
 
     def load(path):
         columns = data.read_shard(fs, path, rank, size)
-        x = data.stack(columns, spec["feature_cols"])
+        x = shaped(data.stack(columns, spec["feature_cols"]), model)
         ys = [columns[c] for c in spec["label_cols"]]
-        return x, ys[0] if len(ys) == 1 else ys
+        weights = columns[spec["sample_weight_col"]] if spec["sample_weight_col"] else None
+        return x, (ys[0] if len(ys) == 1 else tuple(ys)), weights
 
-    model = model_from_bytes(spec["model"], spec["custom_objects"], compile=False)
-    x, y = load(spec["train_path"])
-    x = shaped(x, model)
-    validation = None
-    if spec["val_path"]:
-        x_val, y_val = load(spec["val_path"])
-        validation = (shaped(x_val, model), y_val)
-    optimizer = hvd.DistributedOptimizer(keras.optimizers.deserialize(spec["optimizer"]))
+    def batches(x, y, weights, batch, shuffle, repeat):
+        # (a repeated, reshuffled stream: every epoch draws its steps from the whole share)
+        parts = (x, y) if weights is None else (x, y, weights)
+        stream = tf.data.Dataset.from_tensor_slices(parts)
+        if shuffle:
+            stream = stream.shuffle(len(x), seed=seed, reshuffle_each_iteration=True)
+        if repeat:
+            stream = stream.repeat()
+        return stream.batch(batch)
+
+    x, y, w = load(spec["train_path"])
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.deserialize(
+        scaled_optimizer_config(spec["optimizer"], size)))
     model.compile(optimizer=optimizer, loss=spec["loss"], loss_weights=spec["loss_weights"],
                   metrics=spec["metrics"])
-    # Every rank runs the same number of steps (the shares differ by at most one row).
+    # Every rank runs the same number of steps (the smallest share decides).
     rows = int(hvd.allreduce(np.array([len(x)]), op=hvd.Min, name="rows")[0])
     steps = max(1, rows // spec["batch_size"])
     if spec["train_steps_per_epoch"]:
         steps = min(steps, spec["train_steps_per_epoch"])
+    validation = None
+    if spec["val_path"]:
+        x_val, y_val, w_val = load(spec["val_path"])
+        validation = batches(x_val, y_val, w_val, spec["val_batch_size"] or spec["batch_size"],
+                             shuffle=False, repeat=False)
     callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0),
                  hvd.callbacks.MetricAverageCallback(), *spec["callbacks"]]
-    history = model.fit(x[:steps * spec["batch_size"]], y[:steps * spec["batch_size"]],
-                        batch_size=spec["batch_size"], epochs=spec["epochs"],
-                        shuffle=spec["shuffle"], validation_data=validation,
+    history = model.fit(batches(x, y, w, spec["batch_size"], spec["shuffle"], repeat=True),
+                        steps_per_epoch=steps, epochs=spec["epochs"],
+                        validation_data=validation,
                         validation_steps=spec["validation_steps_per_epoch"],
                         callbacks=callbacks, verbose=2 if spec["verbose"] and rank == 0 else 0)
     result = ((model_to_bytes(model), {k: [float(v) for v in vs]

@@ -2,7 +2,7 @@
 :func:`hvdlite.spark.run`): hvdlite.torch training on this rank's share of the Parquet data."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -27,8 +27,68 @@ def as_labels(y: np.ndarray, loss_name: str, dtype: Any):
     return torch.as_tensor(y.astype(np.float32))
 
 
+def per_label(losses: Any, n_labels: int) -> list:
+    """One loss per label column: a single loss serves every label (Horovod's rule)."""
+    losses = list(losses) if isinstance(losses, (list, tuple)) else [losses]
+    if len(losses) == 1:
+        return losses * n_labels
+    if len(losses) != n_labels:
+        raise ValueError(f"TorchEstimator: {len(losses)} losses for {n_labels} label columns; "
+                         f"give one loss, or one per label column")
+    return losses
+
+
+def loss_weights_for(weights: Optional[Sequence[float]], n_labels: int) -> list[float]:
+    """``loss_weights``, else Horovod's default: every label's loss weighted 1/n."""
+    if not weights:
+        return [1.0 / n_labels] * n_labels
+    if len(weights) != n_labels:
+        raise ValueError(f"TorchEstimator: {len(weights)} loss_weights for {n_labels} label "
+                         f"columns")
+    return [float(w) for w in weights]
+
+
+def match_labels(outputs: Sequence[Any], labels: Sequence[Any]) -> list:
+    """Each label in its output's shape when they hold as many values (Horovod's rule): a
+    regression output of shape (batch, 1) against a label column of shape (batch,) would
+    otherwise broadcast to (batch, batch) in the loss."""
+    return [y.reshape(o.shape) if hasattr(o, "shape") and o.shape != y.shape
+            and o.numel() == y.numel() else y for o, y in zip(outputs, labels)]
+
+
+def metric_table(metrics: Sequence[Any], label_cols: Sequence[str]) -> list[tuple]:
+    """``(name, fn, output index)`` for every metric: Horovod's groups (a list with one
+    function for every output, or one per output, named ``group_<g>_<label>``), or plain
+    functions (named after the function; one function serves every output)."""
+    table = []
+    for g, entry in enumerate(metrics):
+        if isinstance(entry, (list, tuple)):
+            fns = list(entry) * len(label_cols) if len(entry) == 1 else list(entry)
+            if len(fns) != len(label_cols):
+                raise ValueError(f"TorchEstimator: metric group {g} has {len(entry)} "
+                                 f"functions for {len(label_cols)} label columns")
+            table += [(f"group_{g}_{label}", fn, i)
+                      for i, (fn, label) in enumerate(zip(fns, label_cols))]
+        elif callable(entry):
+            name = getattr(entry, "__name__", type(entry).__name__)
+            table += [(name if len(label_cols) == 1 else f"{name}_{label}", entry, i)
+                      for i, label in enumerate(label_cols)]
+        else:
+            raise ValueError(f"TorchEstimator: metrics[{g}] = {entry!r}: give functions "
+                             f"metric(output, label), or Horovod's lists of them")
+    return table
+
+
+def scale_lr(optimizer: Any, factor: float) -> None:
+    """Every parameter group's learning rate times ``factor`` (Horovod scales it by the
+    number of ranks for training and back for the returned optimizer)."""
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * factor
+
+
 def train(spec: dict) -> Any:
-    """Train; rank 0 returns ``(pickled model, history)``, the others ``None``."""
+    """Train; rank 0 returns ``(pickled model, history, pickled optimizer)``, the others
+    ``None``."""
     import cloudpickle
     import torch
     import hvdlite.torch as hvd
@@ -40,44 +100,50 @@ def train(spec: dict) -> Any:
     seed = spec["seed"] if spec["seed"] is not None else 0
     torch.manual_seed(seed)
     fs = spec["store"].filesystem()
+    n_labels = len(spec["label_cols"])
+    losses = per_label(spec["loss"], n_labels)
+    weights = loss_weights_for(spec["loss_weights"], n_labels)
+    metrics = metric_table(spec["metrics"], spec["label_cols"])
 
     def load(path):
         columns = data.read_shard(fs, path, rank, size)
         x = shaped(data.stack(columns, spec["feature_cols"]), spec["input_shapes"])
-        ys = [columns[c] for c in spec["label_cols"]]
+        ys = [as_labels(columns[c], type(f).__name__, spec["label_dtype"])
+              for c, f in zip(spec["label_cols"], losses)]
         return torch.from_numpy(x), ys
 
-    losses = spec["loss"] if isinstance(spec["loss"], (list, tuple)) else [spec["loss"]]
     x_train, y_train = load(spec["train_path"])
-    y_train = [as_labels(y, type(f).__name__, spec["label_dtype"])
-               for y, f in zip(y_train, losses)]
-    val = None
-    if spec["val_path"]:
-        x_val, y_val = load(spec["val_path"])
-        val = (x_val, [as_labels(y, type(f).__name__, spec["label_dtype"])
-                       for y, f in zip(y_val, losses)])
+    val = load(spec["val_path"]) if spec["val_path"] else None
 
-    model = cloudpickle.loads(spec["model"])
-    optimizer = spec["optimizer_cls"](model.parameters(), **spec["optimizer_defaults"])
+    # The model and its optimizer travel pickled together, so the optimizer's parameter
+    # groups (their own hyper-parameters) and state still point at this model's parameters.
+    model, base = cloudpickle.loads(spec["model_and_optimizer"])
+    scale_lr(base, size)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    hvd.broadcast_optimizer_state(base, root_rank=0)
     optimizer = hvd.DistributedOptimizer(
-        optimizer, named_parameters=model.named_parameters(),
+        base, named_parameters=model.named_parameters(),
         backward_passes_per_step=spec["backward_passes_per_step"])
 
+    def outputs_of(outputs):
+        return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+
     def compute(outputs, labels):
-        outs = outputs if isinstance(outputs, (list, tuple)) else [outputs] * len(labels)
-        return sum(f(o, y) for f, o, y in zip(losses, outs, labels))
+        outs = outputs_of(outputs)
+        labels = match_labels(outs, labels)
+        return sum(w * f(o, y) for f, w, o, y in zip(losses, weights, outs, labels))
 
     def metrics_of(outputs, labels) -> dict:
-        return {getattr(m, "__name__", type(m).__name__): float(m(outputs, labels[0]))
-                for m in spec["metrics"]}
+        outs = outputs_of(outputs)
+        labels = match_labels(outs, labels)
+        return {name: float(fn(outs[i], labels[i])) for name, fn, i in metrics}
 
-    # Every rank runs the same number of steps (the shares differ by at most one row).
+    # Every rank runs the same number of steps (the smallest share decides).
     n = hvd.allreduce(torch.tensor([len(x_train)]), op=hvd.Min, name="rows").item()
     steps = max(1, n // spec["batch_size"])
     if spec["train_steps_per_epoch"]:
         steps = min(steps, spec["train_steps_per_epoch"])
+    val_batch = spec["val_batch_size"] or spec["batch_size"]
     history: dict[str, list] = {}
     generator = torch.Generator().manual_seed(seed * 1000 + rank)
     for epoch in range(spec["epochs"]):
@@ -97,18 +163,26 @@ def train(spec: dict) -> Any:
             if (step + 1) % passes == 0 or step == steps - 1:
                 optimizer.step()
             totals["loss"] += loss.item()
-            for name, value in metrics_of(outputs.detach(), labels).items():
+            detached = [o.detach() for o in outputs_of(outputs)]
+            for name, value in metrics_of(detached, labels).items():
                 totals[name] = totals.get(name, 0.0) + value
         logs = {k: t / steps for k, t in totals.items()}
         if val is not None:
             model.eval()
+            count = len(val[0]) if not spec["validation_steps_per_epoch"] else min(
+                len(val[0]), spec["validation_steps_per_epoch"] * val_batch)
+            val_totals: dict[str, float] = {}
             with torch.no_grad():
-                count = len(val[0]) if not spec["validation_steps_per_epoch"] else min(
-                    len(val[0]), spec["validation_steps_per_epoch"] * spec["batch_size"])
-                outputs = model(val[0][:count])
-                labels = [y[:count] for y in val[1]]
-                logs["val_loss"] = compute(outputs, labels).item()
-                logs.update({f"val_{k}": m for k, m in metrics_of(outputs, labels).items()})
+                for start in range(0, count, val_batch):
+                    end = min(start + val_batch, count)
+                    outputs = model(val[0][start:end])
+                    labels = [y[start:end] for y in val[1]]
+                    # weighted by the batch's rows: the mean over the share
+                    parts = {"loss": compute(outputs, labels).item(),
+                             **metrics_of(outputs, labels)}
+                    for k, value in parts.items():
+                        val_totals[k] = val_totals.get(k, 0.0) + value * (end - start)
+            logs.update({f"val_{k}": t / max(count, 1) for k, t in val_totals.items()})
         names = sorted(logs)
         averaged = hvd.allreduce(torch.tensor([logs[k] for k in names], dtype=torch.float64),
                                  name=f"metrics.{epoch}")
@@ -120,6 +194,12 @@ def train(spec: dict) -> Any:
             if spec["verbose"]:
                 print(f"epoch {epoch}: " + "  ".join(f"{k} {history[k][-1]:.4f}"
                                                      for k in names), flush=True)
-    result = (cloudpickle.dumps(model), history) if rank == 0 else None
+    result = None
+    if rank == 0:
+        # the returned optimizer holds the learning rate the user gave (Horovod's too)
+        # (the user's optimizer class, not hvdlite's wrapper, with the trained state)
+        base.load_state_dict(optimizer.state_dict())
+        scale_lr(base, 1.0 / size)
+        result = (cloudpickle.dumps(model), history, cloudpickle.dumps((model, base)))
     hvd.shutdown()
     return result
