@@ -106,3 +106,9 @@ def stack(columns: dict[str, np.ndarray], names: Sequence[str]) -> np.ndarray:
     """The named columns side by side as one 2-D float32 array (scalars one column each)."""
     parts = [columns[n].reshape(len(columns[n]), -1) for n in names]
     return np.concatenate(parts, axis=1).astype(np.float32)
+
+
+def matrices(columns: dict[str, np.ndarray], names: Sequence[str]) -> list[np.ndarray]:
+    """The named columns as 2-D float32 arrays, one per column (rows by values; a scalar column
+    gives one value per row): the models' inputs before their shapes are applied."""
+    return [columns[n].reshape(len(columns[n]), -1).astype(np.float32) for n in names]

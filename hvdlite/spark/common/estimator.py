@@ -205,12 +205,14 @@ class HorovodModel(ParamsMixin, Model):
         self.model_bytes = model_bytes
 
     def predictor(self) -> Callable[[bytes], Callable]:
-        """A function that turns the model's bytes into ``predict(x: np.ndarray) -> 2-D
-        np.ndarray`` (runs on the executors)."""
+        """A function ``load(model_bytes, executor=True)`` that turns the model's bytes into
+        ``predict(columns) -> outputs`` (on the executors; ``executor=False`` on the driver,
+        which leaves the process's thread settings alone): ``columns`` holds one 2-D float32 array per feature column (rows by
+        values), ``outputs`` one 2-D array per model output (rows by values)."""
         raise NotImplementedError
 
     def _transform(self, dataset: Any) -> Any:
-        from pyspark.ml.functions import vector_to_array
+        from pyspark.ml.functions import array_to_vector, vector_to_array
         from pyspark.ml.linalg import VectorUDT
         from pyspark.sql import functions as F
         from pyspark.sql.functions import pandas_udf
@@ -218,38 +220,64 @@ class HorovodModel(ParamsMixin, Model):
 
         v = self.values
         types = {f.name: f.dataType for f in dataset.schema.fields}
-        inputs = [vector_to_array(c) if isinstance(types.get(c), VectorUDT) else F.col(c)
+        missing = [c for c in v["feature_cols"] if c not in types]
+        if missing:
+            raise ValueError(f"{type(self).__name__}.transform: the DataFrame has no feature "
+                             f"column(s) {missing}")
+        inputs = [vector_to_array(c).alias(c) if isinstance(types[c], VectorUDT) else F.col(c)
                   for c in v["feature_cols"]]
         load, model_bytes, batch = self.predictor(), self.model_bytes, v["batch_size"]
 
-        def outputs(model, columns) -> pd.Series:
-            x = np.concatenate([np.stack(c.to_numpy()).reshape(len(c), -1)
-                                if len(c) and isinstance(c.iloc[0], (list, np.ndarray))
-                                else c.to_numpy().reshape(-1, 1) for c in columns],
-                               axis=1).astype(np.float32)
-            if not len(x):
+        def matrices(columns) -> list:
+            return [np.stack(c.to_numpy()).reshape(len(c), -1).astype(np.float32)
+                    if len(c) and isinstance(c.iloc[0], (list, np.ndarray))
+                    else c.to_numpy().reshape(-1, 1).astype(np.float32) for c in columns]
+
+        def outputs(model, columns) -> list:
+            cols = matrices(columns)
+            rows = len(cols[0])
+            parts = [model([c[i:i + batch] for c in cols]) for i in range(0, rows, batch)]
+            return [np.concatenate([p[k] for p in parts]).reshape(rows, -1)
+                    for k in range(len(parts[0]))] if parts else []
+
+        # Each output's width decides its column's type, as in Horovod: one value per row
+        # gives a double column, more give a Spark ML vector.  (One row, predicted here.)
+        sample = dataset.select(*inputs).limit(1).toPandas()
+        if len(sample):
+            widths = [o.shape[1] for o in outputs(load(model_bytes, executor=False),
+                                                  [sample[c] for c in sample.columns])]
+        else:
+            widths = [2] * len(v["output_cols"])   # no rows: vectors, and nothing in them
+        names = v["output_cols"]
+        if len(widths) != len(names):
+            raise ValueError(f"{type(self).__name__}.transform: the model gives {len(widths)} "
+                             f"outputs for {len(names)} output columns {names}")
+
+        def flat(model, columns) -> pd.Series:
+            outs = outputs(model, columns)
+            if not outs:
                 return pd.Series([], dtype=object)
-            out = np.concatenate([model(x[i:i + batch]) for i in range(0, len(x), batch)])
-            return pd.Series(list(out.reshape(len(x), -1).astype(np.float64)))
+            joined = np.concatenate(outs, axis=1).astype(np.float64)
+            return pd.Series(list(joined))
 
         # (the iterator form loads the model once per partition, not once per batch)
         if len(inputs) == 1:
             def predict(batches: Iterator[pd.Series]) -> Iterator[pd.Series]:
                 model = load(model_bytes)
                 for column in batches:
-                    yield outputs(model, (column,))
+                    yield flat(model, (column,))
         else:
             def predict(batches: Iterator[Tuple[pd.Series, ...]]) -> Iterator[pd.Series]:
                 model = load(model_bytes)
                 for columns in batches:
-                    yield outputs(model, columns)
+                    yield flat(model, columns)
         predict_udf = pandas_udf(predict, ArrayType(DoubleType()))
 
-        with_output = dataset.withColumn("__hvdlite_output", predict_udf(*inputs))
-        names = v["output_cols"]
-        if len(names) == 1:
-            return with_output.withColumnRenamed("__hvdlite_output", names[0])
-        # several labels: the model's outputs side by side, one column per label
-        for i, name in enumerate(names):
-            with_output = with_output.withColumn(name, F.col("__hvdlite_output")[i])
-        return with_output.drop("__hvdlite_output")
+        result = dataset.withColumn("__hvdlite_output", predict_udf(*inputs))
+        offset = 0
+        for name, width in zip(names, widths):
+            values = F.col("__hvdlite_output")
+            result = result.withColumn(name, values[offset] if width == 1 else array_to_vector(
+                F.slice(values, offset + 1, width)))
+            offset += width
+        return result.drop("__hvdlite_output")

@@ -32,12 +32,19 @@ def model_from_bytes(data: bytes, custom_objects: Optional[dict] = None,
 
 
 def keras_predictor(custom_objects: Optional[dict]) -> Callable[[bytes], Callable]:
-    def load(data: bytes) -> Callable:
-        import tensorflow as tf
-        tf.config.threading.set_intra_op_parallelism_threads(1)
-        from .remote import shaped
+    """A loader of the ``.keras`` bytes: ``predict(columns)`` on the feature columns fed as in
+    training (one thread per task)."""
+    def load(data: bytes, executor: bool = True) -> Callable:
+        from .remote import keras_inputs
+        if executor:   # (not on the driver: its TensorFlow is running already)
+            import tensorflow as tf
+            tf.config.threading.set_intra_op_parallelism_threads(1)
         model = model_from_bytes(data, custom_objects, compile=False)
-        return lambda x: model.predict_on_batch(shaped(x, model))
+
+        def predict(columns):
+            out = model.predict_on_batch(keras_inputs(columns, model))
+            return [o for o in (out if isinstance(out, (list, tuple)) else [out])]
+        return predict
     return load
 
 

@@ -16,6 +16,24 @@ def shaped(x: Any, model: Any) -> Any:
     return x
 
 
+def keras_inputs(columns: Any, model: Any) -> Any:
+    """The model's input from the feature columns (2-D arrays), as Horovod feeds it: one
+    input per column when the model has that many inputs (each in its input's shape), else the
+    columns stacked side by side into the single input."""
+    import numpy as np
+    inputs = getattr(model, "inputs", None) or []
+    if len(columns) > 1 and len(inputs) == len(columns):
+        shaped_columns = []
+        for column, tensor in zip(columns, inputs):
+            want = tuple(tensor.shape[1:])
+            if None not in want and tuple(column.shape[1:]) != want \
+                    and int(np.prod(want)) == int(np.prod(column.shape[1:])):
+                column = column.reshape(len(column), *want)
+            shaped_columns.append(column)
+        return shaped_columns
+    return shaped(np.concatenate(list(columns), axis=1), model)
+
+
 def scaled_optimizer_config(config: dict, factor: float) -> dict:
     """A serialized Keras optimizer with its learning rate times ``factor`` (Horovod scales it
     by the number of ranks).  A learning-rate schedule raises: it cannot be scaled here."""
@@ -50,17 +68,19 @@ def train(spec: dict) -> Any:
 
     def load(path):
         columns = data.read_shard(fs, path, rank, size)
-        x = shaped(data.stack(columns, spec["feature_cols"]), model)
+        x = keras_inputs(data.matrices(columns, spec["feature_cols"]), model)
         ys = [columns[c] for c in spec["label_cols"]]
         weights = columns[spec["sample_weight_col"]] if spec["sample_weight_col"] else None
         return x, (ys[0] if len(ys) == 1 else tuple(ys)), weights
 
     def batches(x, y, weights, batch, shuffle, repeat):
         # (a repeated, reshuffled stream: every epoch draws its steps from the whole share)
+        x = tuple(x) if isinstance(x, list) else x
         parts = (x, y) if weights is None else (x, y, weights)
         stream = tf.data.Dataset.from_tensor_slices(parts)
         if shuffle:
-            stream = stream.shuffle(len(x), seed=seed, reshuffle_each_iteration=True)
+            stream = stream.shuffle(len(y[0] if isinstance(y, tuple) else y), seed=seed,
+                                    reshuffle_each_iteration=True)
         if repeat:
             stream = stream.repeat()
         return stream.batch(batch)
@@ -71,7 +91,8 @@ def train(spec: dict) -> Any:
     model.compile(optimizer=optimizer, loss=spec["loss"], loss_weights=spec["loss_weights"],
                   metrics=spec["metrics"])
     # Every rank runs the same number of steps (the smallest share decides).
-    rows = int(hvd.allreduce(np.array([len(x)]), op=hvd.Min, name="rows")[0])
+    rows = int(hvd.allreduce(np.array([len(y[0] if isinstance(y, tuple) else y)]), op=hvd.Min,
+                             name="rows")[0])
     steps = max(1, rows // spec["batch_size"])
     if spec["train_steps_per_epoch"]:
         steps = min(steps, spec["train_steps_per_epoch"])

@@ -10,19 +10,23 @@ from hvdlite.spark.common.store import Store
 
 
 def torch_predictor(input_shapes: Any) -> Callable[[bytes], Callable]:
-    """A loader of the pickled model: ``predict(x)`` in eval mode, without gradients, on the
-    features in the model's input shape (one thread per task)."""
-    def load(model_bytes: bytes) -> Callable:
+    """A loader of the pickled model: ``predict(columns)`` in eval mode, without gradients, on
+    the feature columns given to ``forward`` as in training (one thread per task)."""
+    def load(model_bytes: bytes, executor: bool = True) -> Callable:
         import cloudpickle
         import torch
-        from .remote import shaped
-        torch.set_num_threads(1)
+        from .remote import model_inputs, separate_inputs
+        if executor:   # (the driver's own thread count is the user's)
+            torch.set_num_threads(1)
         model = cloudpickle.loads(model_bytes)
         model.eval()
 
-        def predict(x):
+        def predict(columns):
+            separate = separate_inputs(model, len(columns), input_shapes)
+            xs = [torch.from_numpy(x) for x in model_inputs(columns, separate, input_shapes)]
             with torch.no_grad():
-                return model(torch.from_numpy(shaped(x, input_shapes))).numpy()
+                out = model(*xs)
+            return [o.numpy() for o in (out if isinstance(out, (list, tuple)) else [out])]
         return predict
     return load
 

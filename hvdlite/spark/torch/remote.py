@@ -2,20 +2,56 @@
 :func:`hvdlite.spark.run`): hvdlite.torch training on this rank's share of the Parquet data."""
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+import inspect
+from typing import Any, Optional, Sequence
 
 import numpy as np
+
+
+def reshaped(x: np.ndarray, shape: Any) -> np.ndarray:
+    """``x`` (rows by values) in ``shape``: Horovod's ``[-1, *sample_shape]``, or the sample
+    shape alone; None leaves it."""
+    if not shape:
+        return x
+    shape = list(shape)
+    if len(shape) > 1 and shape[0] in (-1, None):
+        shape = shape[1:]
+    return x.reshape(len(x), *shape)
 
 
 def shaped(x: np.ndarray, input_shapes: Any) -> np.ndarray:
     """The stacked features in the model's input shape: ``input_shapes[0]`` is Horovod's
     ``[-1, *sample_shape]`` (or the sample shape alone)."""
-    if not input_shapes:
-        return x
-    shape = list(input_shapes[0])
-    if len(shape) > 1 and shape[0] in (-1, None):
-        shape = shape[1:]
-    return x.reshape(len(x), *shape)
+    return reshaped(x, input_shapes[0] if input_shapes else None)
+
+
+def separate_inputs(model: Any, n_columns: int, input_shapes: Any) -> bool:
+    """Whether the feature columns go to ``forward`` as separate arguments (Horovod's rule:
+    one argument per column): when there are several and ``input_shapes`` gives one shape per
+    column or ``forward`` takes that many positional arguments.  Otherwise they are stacked
+    side by side into one input."""
+    if n_columns == 1:
+        return False
+    if input_shapes and len(input_shapes) == n_columns:
+        return True
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return True
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= n_columns
+
+
+def model_inputs(columns: Sequence[np.ndarray], separate: bool,
+                 input_shapes: Any) -> list[np.ndarray]:
+    """The arguments of ``forward`` from the feature columns (2-D arrays): one per column in
+    ``input_shapes[i]``, or the columns stacked in ``input_shapes[0]``."""
+    if separate:
+        return [reshaped(c, input_shapes[i] if input_shapes else None)
+                for i, c in enumerate(columns)]
+    return [shaped(np.concatenate(list(columns), axis=1), input_shapes)]
 
 
 def as_labels(y: np.ndarray, loss_name: str, dtype: Any):
@@ -105,19 +141,21 @@ def train(spec: dict) -> Any:
     weights = loss_weights_for(spec["loss_weights"], n_labels)
     metrics = metric_table(spec["metrics"], spec["label_cols"])
 
-    def load(path):
-        columns = data.read_shard(fs, path, rank, size)
-        x = shaped(data.stack(columns, spec["feature_cols"]), spec["input_shapes"])
-        ys = [as_labels(columns[c], type(f).__name__, spec["label_dtype"])
-              for c, f in zip(spec["label_cols"], losses)]
-        return torch.from_numpy(x), ys
-
-    x_train, y_train = load(spec["train_path"])
-    val = load(spec["val_path"]) if spec["val_path"] else None
-
     # The model and its optimizer travel pickled together, so the optimizer's parameter
     # groups (their own hyper-parameters) and state still point at this model's parameters.
     model, base = cloudpickle.loads(spec["model_and_optimizer"])
+    separate = separate_inputs(model, len(spec["feature_cols"]), spec["input_shapes"])
+
+    def load(path):
+        columns = data.read_shard(fs, path, rank, size)
+        xs = model_inputs(data.matrices(columns, spec["feature_cols"]), separate,
+                          spec["input_shapes"])
+        ys = [as_labels(columns[c], type(f).__name__, spec["label_dtype"])
+              for c, f in zip(spec["label_cols"], losses)]
+        return [torch.from_numpy(x) for x in xs], ys
+
+    x_train, y_train = load(spec["train_path"])
+    val = load(spec["val_path"]) if spec["val_path"] else None
     scale_lr(base, size)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(base, root_rank=0)
@@ -139,7 +177,7 @@ def train(spec: dict) -> Any:
         return {name: float(fn(outs[i], labels[i])) for name, fn, i in metrics}
 
     # Every rank runs the same number of steps (the smallest share decides).
-    n = hvd.allreduce(torch.tensor([len(x_train)]), op=hvd.Min, name="rows").item()
+    n = hvd.allreduce(torch.tensor([len(x_train[0])]), op=hvd.Min, name="rows").item()
     steps = max(1, n // spec["batch_size"])
     if spec["train_steps_per_epoch"]:
         steps = min(steps, spec["train_steps_per_epoch"])
@@ -148,15 +186,15 @@ def train(spec: dict) -> Any:
     generator = torch.Generator().manual_seed(seed * 1000 + rank)
     for epoch in range(spec["epochs"]):
         model.train()
-        order = (torch.randperm(len(x_train), generator=generator) if spec["shuffle"]
-                 else torch.arange(len(x_train)))
+        order = (torch.randperm(len(x_train[0]), generator=generator) if spec["shuffle"]
+                 else torch.arange(len(x_train[0])))
         totals: dict[str, float] = {"loss": 0.0}
         passes = spec["backward_passes_per_step"]
         for step in range(steps):
             index = order[step * spec["batch_size"]:(step + 1) * spec["batch_size"]]
             if step % passes == 0:
                 optimizer.zero_grad()
-            outputs = model(x_train[index])
+            outputs = model(*[x[index] for x in x_train])
             labels = [y[index] for y in y_train]
             loss = compute(outputs, labels)
             loss.backward()
@@ -169,13 +207,13 @@ def train(spec: dict) -> Any:
         logs = {k: t / steps for k, t in totals.items()}
         if val is not None:
             model.eval()
-            count = len(val[0]) if not spec["validation_steps_per_epoch"] else min(
-                len(val[0]), spec["validation_steps_per_epoch"] * val_batch)
+            count = len(val[0][0]) if not spec["validation_steps_per_epoch"] else min(
+                len(val[0][0]), spec["validation_steps_per_epoch"] * val_batch)
             val_totals: dict[str, float] = {}
             with torch.no_grad():
                 for start in range(0, count, val_batch):
                     end = min(start + val_batch, count)
-                    outputs = model(val[0][start:end])
+                    outputs = model(*[x[start:end] for x in val[0]])
                     labels = [y[start:end] for y in val[1]]
                     # weighted by the batch's rows: the mean over the share
                     parts = {"loss": compute(outputs, labels).item(),
