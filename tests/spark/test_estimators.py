@@ -211,8 +211,8 @@ def test_estimator_parameters_are_checked(spark_cluster):
     import torch
     from hvdlite.spark.torch import TorchEstimator
     model = conv_net()
-    with pytest.raises(ValueError, match="unsupported parameter.*use_gpu"):
-        TorchEstimator(model=model, use_gpu=True)
+    with pytest.raises(ValueError, match="unsupported parameter.*mp_start_method"):
+        TorchEstimator(model=model, mp_start_method="spawn")
     with pytest.raises(TypeError, match="unknown parameter"):
         TorchEstimator(model=model, batchsize=3)
     estimator = TorchEstimator(model=model, optimizer=torch.optim.SGD(model.parameters(), 0.1),
@@ -229,3 +229,9 @@ def test_estimator_parameters_are_checked(spark_cluster):
         to_arrays(spark_cluster.createDataFrame([(1.0,)], ["x"]), ["features"])
     with pytest.raises(ValueError, match="LocalStore only"):
         Store.create("hdfs://namenode/tmp")
+    # fit refuses before any Spark job: no store (a /tmp default would split the data across
+    # machines)
+    storeless = TorchEstimator(model=model, optimizer=torch.optim.SGD(model.parameters(), 0.1),
+                               loss=torch.nn.MSELoss(), feature_cols=["x"], label_cols=["y"])
+    with pytest.raises(ValueError, match="store is required"):
+        storeless.fit(spark_cluster.createDataFrame([(1.0, 2.0)], ["x", "y"]))

@@ -32,11 +32,11 @@ COMMON_PARAMS: dict[str, Any] = {
     # Horovod's deprecated shuffle buffer: 0 turns shuffling off; any other size shuffles the
     # whole share (it is in memory), at least as random as a buffer of that size
     "shuffle_buffer_size": None,
+    # the estimators train on the CPU: use_gpu=False says so, True raises (check)
+    "use_gpu": None,
 }
 # Horovod parameters that have no meaning here; passing one raises, saying why.
 UNSUPPORTED: dict[str, str] = {
-    "use_gpu": "pick the device in your model code and give each task a GPU with Spark's GPU "
-               "scheduling (docs/spark.md)",
     "gradient_compression": "pass compression through hvdlite's DistributedOptimizer in your "
                             "own training function (hvdlite.spark.run)",
     "transformation_fn": "transform the DataFrame with Spark before fit",
@@ -121,6 +121,11 @@ class HorovodEstimator(ParamsMixin, Estimator):
         if v["val_batch_size"] is not None and (not isinstance(v["val_batch_size"], int)
                                                 or v["val_batch_size"] < 1):
             raise ValueError(f"{self.NAME}: val_batch_size must be a positive int")
+        if v["use_gpu"]:
+            raise ValueError(f"{self.NAME}: use_gpu=True: the estimators train on the CPU here; "
+                             f"for GPUs write the training function with hvdlite.torch or "
+                             f"hvdlite.tensorflow.keras and run it with hvdlite.spark.run, each "
+                             f"task given a GPU by Spark's GPU scheduling (docs/spark.md)")
         if v["inmemory_cache_all"] is not True:
             raise ValueError(f"{self.NAME}: inmemory_cache_all=False: every rank holds its "
                              f"share of the data in memory here; drop the parameter")

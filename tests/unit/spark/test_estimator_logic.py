@@ -92,6 +92,9 @@ def test_horovods_parameters_are_accepted_or_refused_by_name():
         TorchEstimator(model=model, optimizer=torch.optim.SGD(model.parameters(), 0.1),
                        loss=torch.nn.MSELoss(), loss_constructors=[torch.nn.MSELoss],
                        feature_cols=["f"], label_cols=["y"]).remote_trainer(None, "t", None)
+    TorchEstimator(model=model, use_gpu=False)   # Horovod scripts' way of saying CPU
+    with pytest.raises(ValueError, match="use_gpu=True: the estimators train on the CPU"):
+        TorchEstimator(model=model, feature_cols=["f"], label_cols=["y"], use_gpu=True).check()
     with pytest.raises(ValueError, match="store is required"):
         TorchEstimator(model=model, feature_cols=["f"], label_cols=["y"]).check()
     fitted = TorchModel(b"", feature_cols=["f"], label_cols=["y"], history={}, run_id="r")
