@@ -142,6 +142,8 @@ def test_keras_estimator_as_horovods_example_uses_it(spark_cluster, tmp_path):
     keras_model = bounded(spark_cluster, lambda: keras_estimator.fit(train_df),
                           timeout_s=300).setOutputCols(["label_prob"])
     assert isinstance(keras_model, hvd.KerasModel)
+    # compiled, with the learning rate given (the ranks trained with it times 2)
+    assert float(keras_model.getModel().optimizer.learning_rate) == pytest.approx(0.05)
     history = keras_model.getHistory()
     assert len(history["loss"]) == 15 and history["loss"][-1] < history["loss"][0]
     assert history["val_accuracy"][-1] > 0.9
@@ -152,6 +154,11 @@ def test_keras_estimator_as_horovods_example_uses_it(spark_cluster, tmp_path):
         np.array([r["features"].toArray() for r in rows], dtype=np.float32).reshape(-1, 8, 8, 1))
     np.testing.assert_allclose(np.array([r["label_prob"].toArray() for r in rows]), local,
                                rtol=1e-4, atol=1e-5)
+    labels = np.array([r["label_vec"].toArray() for r in rows])
+    _, accuracy = keras_model.getModel().evaluate(
+        np.array([r["features"].toArray() for r in rows]).reshape(-1, 8, 8, 1), labels,
+        verbose=0)
+    assert accuracy >= 0.8
 
 
 class TwoInputRegression:

@@ -103,8 +103,15 @@ class KerasEstimator(HorovodEstimator):
 
     def make_model(self, model_bytes: bytes, history: dict, run_id: str,
                    *extra: Any) -> KerasModel:
+        import keras
         v = self.values
+        model = model_from_bytes(model_bytes, v["custom_objects"], compile=False)
+        # Compiled as Horovod returns it (with the learning rate given, not the scaled one), so
+        # that evaluate() works; the optimizer is a fresh copy of yours: its trained state
+        # stayed on the ranks (they compiled with hvdlite's wrapper of it).
+        optimizer = v["optimizer"] or v["model"].optimizer
+        model.compile(optimizer=keras.optimizers.deserialize(
+                          keras.optimizers.serialize(optimizer)),
+                      loss=v["loss"], loss_weights=v["loss_weights"], metrics=v["metrics"])
         return KerasModel(model_bytes, **self.common_model_params(history, run_id),
-                          custom_objects=v["custom_objects"],
-                          model=model_from_bytes(model_bytes, v["custom_objects"],
-                                                 compile=False))
+                          custom_objects=v["custom_objects"], model=model)
