@@ -1,9 +1,10 @@
 """From a Spark DataFrame to the ranks: Parquet in the store, read with pyarrow.
 
 Horovod used petastorm, whose latest release (0.13.1) no longer imports with current pyarrow
-(it imports ``pyarrow.filesystem``, which pyarrow has removed; checked with pyarrow 26).  Here the driver has Spark write the
-selected columns as Parquet under the store (``df.write.parquet``: Spark's own writer, run on
-the executors), and each rank reads its share with pyarrow: the files' row groups dealt out
+(it imports ``pyarrow.filesystem``, which pyarrow has removed; checked with pyarrow 26).  Here
+the driver has Spark write the selected columns as Parquet under the store
+(``df.write.parquet``: Spark's own writer, run on the executors), and each rank reads its
+share with pyarrow: the files' row groups dealt out
 round robin (disjoint and covering), or, when there are fewer row groups than ranks, every
 ``size``-th row.  Vector columns (``pyspark.ml.linalg``) travel as arrays.
 """

@@ -212,8 +212,9 @@ class HorovodModel(ParamsMixin, Model):
     def predictor(self) -> Callable[[bytes], Callable]:
         """A function ``load(model_bytes, executor=True)`` that turns the model's bytes into
         ``predict(columns) -> outputs`` (on the executors; ``executor=False`` on the driver,
-        which leaves the process's thread settings alone): ``columns`` holds one 2-D float32 array per feature column (rows by
-        values), ``outputs`` one 2-D array per model output (rows by values)."""
+        which leaves the process's thread settings alone): ``columns`` holds one 2-D float32
+        array per feature column (rows by values), ``outputs`` one 2-D array per model output
+        (rows by values)."""
         raise NotImplementedError
 
     def _transform(self, dataset: Any) -> Any:
