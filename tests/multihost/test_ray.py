@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,9 +24,10 @@ pytest.importorskip("ray", reason="hvdlite.ray needs Ray: pip install 'hvdlite[r
 pytest.importorskip("torch")
 
 from tests.mpi_harness import REPO  # noqa: E402
+from tests.multihost.drivers import driver_result, free_port, nothing_left  # noqa: E402
 from tests.multihost.hosts import JOB_ENV  # noqa: E402
 from tests.multihost.layouts import N1, N2  # noqa: E402
-from tests.ray.procs import launcher_processes, read_steps, wait_for  # noqa: E402
+from tests.ray.procs import read_steps, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 BIN = os.path.dirname(sys.executable)
@@ -42,12 +42,6 @@ def _command(*argv: str) -> str:
         shlex.join(argv)
 
 
-def _free_port(address: str) -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
-
-
 def _start_node(bed, host: str, *args: str) -> None:
     address = bed.hosts[host].address
     done = bed.shell(host, _command(os.path.join(BIN, "ray"), "start",
@@ -60,7 +54,7 @@ def _start_node(bed, host: str, *args: str) -> None:
 @pytest.fixture(scope="module")
 def cluster(host_bed):
     head = host_bed.hosts[N1].address
-    port = _free_port(head)
+    port = free_port(head)
     try:
         _start_node(host_bed, N1, "--head", f"--port={port}", "--include-dashboard=false")
         _start_node(host_bed, N2, f"--address={head}:{port}")
@@ -79,32 +73,13 @@ def _driver(bed, address: str, mode: str, out: str, timeout: float = 240):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _result(proc, timeout: float = 240):
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"the Ray driver did not finish in {timeout} s:\n{stdout}\n{stderr[-4000:]}")
-    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"driver failed:\n{stdout}\n{stderr[-4000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
-
-
 def _out(bed) -> str:
     return tempfile.mkdtemp(dir=bed.root / "jobs")   # a directory every host sees
 
 
-def _nothing_left():
-    deadline = time.monotonic() + 20
-    while launcher_processes() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert launcher_processes() == []
-
-
 def test_an_executor_world_spans_the_nodes_with_horovod_ranks(cluster):
     bed, address = cluster
-    result = _result(_driver(bed, address, "executor", _out(bed)))
+    result = driver_result(_driver(bed, address, "executor", _out(bed)), "Ray")
     by_rank = sorted(result, key=lambda r: r["rank"])
     hosts = [r["host"] for r in by_rank]
     # Two ranks per node, each node's ranks consecutive; local and cross ranks by node.
@@ -114,18 +89,18 @@ def test_an_executor_world_spans_the_nodes_with_horovod_ranks(cluster):
             for r in by_rank] == [(0, 2, 0, 2), (1, 2, 0, 2), (0, 2, 1, 2), (1, 2, 1, 2)]
     expected = [float(i * (1 + 2 + 3 + 4)) for i in range(4)]
     assert all(r["sum"] == expected for r in by_rank)
-    _nothing_left()
+    nothing_left()
 
 
 def test_a_trainer_run_spans_the_nodes(cluster):
     bed, address = cluster
     out = _out(bed)
-    assert _result(_driver(bed, address, "trainer", out)) == {"error": None}
+    assert driver_result(_driver(bed, address, "trainer", out), "Ray") == {"error": None}
     results = [json.load(open(os.path.join(out, f"result{r}.json"))) for r in range(4)]
     assert sorted(r["host"] for r in results) == sorted([N1, N1, N2, N2])
     assert all(r["params"] == results[0]["params"] for r in results)
     assert [s["step"] for s in read_steps(out)] == list(range(8))
-    _nothing_left()
+    nothing_left()
 
 
 def test_an_elastic_job_survives_the_loss_of_a_whole_node(cluster):
@@ -146,7 +121,7 @@ def test_an_elastic_job_survives_the_loss_of_a_whole_node(cluster):
         raise AssertionError(f"steps: {read_steps(out)[-5:]}\ndriver:\n{stdout[-3000:]}\n"
                              f"{stderr[-6000:]}") from None
     open(os.path.join(out, "stop"), "w").close()
-    result = _result(proc)
+    result = driver_result(proc, "Ray")
     steps = read_steps(out)
     # Nothing committed lost and nothing committed run again.  Rank 0 logs a step before its
     # commit, and the node dies at an arbitrary moment: a step logged but not yet committed
@@ -163,4 +138,4 @@ def test_an_elastic_job_survives_the_loss_of_a_whole_node(cluster):
     assert [r["host"] for r in result] == [N1, N1]
     assert result[0]["params"] == result[1]["params"]
     print(f"\nnode lost -> 3 steps on the node left: {went_on:.1f} s")
-    _nothing_left()
+    nothing_left()
