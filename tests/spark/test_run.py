@@ -216,3 +216,14 @@ def test_run_elastic_at_three_resumes_after_a_killed_rank(spark_local3, tmp_path
     assert [r["rank"] for r in results] == [0, 1, 2]
     assert results[0]["params"] == results[1]["params"] == results[2]["params"]
     assert_nothing_left()
+
+
+def test_run_elastic_stops_at_the_reset_limit(spark_local3, tmp_path):
+    from hvdlite.spark.elastic import ElasticSparkError
+    with pytest.raises(ElasticSparkError, match="resets during the elastic job exceeded the "
+                                                "limit: 0"):
+        bounded(spark_local3, lambda: hvdlite_spark.run_elastic(
+            elastic_funcs.train, args=[{"out": str(tmp_path), "steps": 12, "kill": [0, 2, 4]}],
+            num_proc=3, reset_limit=0, stdout=io.StringIO(), stderr=io.StringIO()))
+    assert [(w, s) for w, s, _, _ in steps_by_world(str(tmp_path))] == [(0, 3)]
+    assert_nothing_left()
