@@ -84,8 +84,10 @@ def stop_session() -> None:
         session.stop()
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="package", autouse=True)
 def _stop_at_end():
+    """The session's JVMs (driver, workers, executors) end with tests/spark, not with the
+    whole test run, whose later tests need the memory and cores."""
     yield
     stop_session()
     shutil.rmtree(_work_dir, ignore_errors=True)

@@ -3,32 +3,13 @@
 :mod:`hvdlite.tensorflow.keras`."""
 from __future__ import annotations
 
-import os
-import tempfile
 from typing import Any, Callable, Optional
 
 from hvdlite.spark.common.estimator import (COMMON_PARAMS, UNSUPPORTED, HorovodEstimator,
                                             HorovodModel)
 from hvdlite.spark.common.store import Store
 
-
-def model_to_bytes(model: Any) -> bytes:
-    """The model in Keras' own ``.keras`` format (architecture, weights, compile state)."""
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "model.keras")
-        model.save(path)
-        with open(path, "rb") as f:
-            return f.read()
-
-
-def model_from_bytes(data: bytes, custom_objects: Optional[dict] = None,
-                     compile: bool = True) -> Any:
-    import keras
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "model.keras")
-        with open(path, "wb") as f:
-            f.write(data)
-        return keras.models.load_model(path, custom_objects=custom_objects, compile=compile)
+from .remote import model_from_bytes, model_to_bytes
 
 
 def keras_predictor(custom_objects: Optional[dict]) -> Callable[[bytes], Callable]:

@@ -2,7 +2,28 @@
 :func:`hvdlite.spark.run`): ``model.fit`` with hvdlite.tensorflow.keras on this rank's share."""
 from __future__ import annotations
 
-from typing import Any
+import os
+import tempfile
+from typing import Any, Optional
+
+
+def model_to_bytes(model: Any) -> bytes:
+    """The model in Keras' own ``.keras`` format (architecture, weights, compile state)."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "model.keras")
+        model.save(path)
+        with open(path, "rb") as f:
+            return f.read()
+
+
+def model_from_bytes(data: bytes, custom_objects: Optional[dict] = None,
+                     compile: bool = True) -> Any:
+    import keras
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "model.keras")
+        with open(path, "wb") as f:
+            f.write(data)
+        return keras.models.load_model(path, custom_objects=custom_objects, compile=compile)
 
 
 def shaped(x: Any, model: Any) -> Any:
@@ -55,7 +76,6 @@ def train(spec: dict) -> Any:
     import tensorflow as tf
     import hvdlite.tensorflow.keras as hvd
     from hvdlite.spark.common import data
-    from hvdlite.spark.keras.estimator import model_from_bytes, model_to_bytes
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
