@@ -40,3 +40,17 @@ def nothing_left(within_s: float = 20.0) -> None:
     while launcher_processes() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert launcher_processes() == []
+
+
+def assert_resumed_from_commits(steps: list[dict]) -> None:
+    """Rank 0's step log of an elastic job that lost a host: nothing committed lost and nothing
+    committed run again.  Rank 0 logs a step before its commit and the host dies at an arbitrary
+    moment, so at a change of world a step logged but not committed may run once more;
+    anywhere else the steps run on without a gap."""
+    assert steps[0]["step"] == 0, steps[:3]
+    for before, after in zip(steps, steps[1:]):
+        if after["world"] == before["world"]:
+            assert after["step"] == before["step"] + 1, (before, after)
+        else:
+            assert after["world"] > before["world"], (before, after)
+            assert after["step"] in (before["step"], before["step"] + 1), (before, after)
