@@ -25,7 +25,9 @@ _counter_lock = threading.Lock()
 _counters: dict[tuple[str, int], itertools.count] = {}
 
 
-def _auto_name(kind: str, set_id: int = 0) -> str:
+def auto_name(kind: str, set_id: int = 0) -> str:
+    """The next automatic name of an unnamed ``kind`` operation in process set ``set_id``
+    (every rank draws them in the same order, so they pair up across ranks)."""
     # One counter per process set: unnamed ops in a set must not shift the global set's names.
     with _counter_lock:
         counter = _counters.setdefault((kind, set_id), itertools.count())
@@ -34,7 +36,7 @@ def _auto_name(kind: str, set_id: int = 0) -> str:
 
 
 # Errors after which no stand-in can be submitted (nothing runs any more, or the name is busy).
-_NOTHING_TO_ANNOUNCE = (DuplicateNameError, ShutdownError, NotInitializedError)
+NOTHING_TO_ANNOUNCE = (DuplicateNameError, ShutdownError, NotInitializedError)
 # The cause sent to the other ranks with a FAILED stand-in is cut to this many characters.
 _FAILURE_TEXT_LIMIT = 600
 
@@ -63,7 +65,7 @@ def announce_failure(kind: str, name: str | None, process_set: ProcessSet | None
     announced where no operation could be submitted (not initialized, not a member of
     ``process_set``, shut down)."""
     if (name is not None or getattr(error, "_hvdlite_announced", False)
-            or isinstance(error, _NOTHING_TO_ANNOUNCE)):
+            or isinstance(error, NOTHING_TO_ANNOUNCE)):
         return
     try:
         if process_set is None or process_set is global_process_set:
@@ -73,7 +75,7 @@ def announce_failure(kind: str, name: str | None, process_set: ProcessSet | None
             set_id = 0 if members is None else process_set.process_set_id
     except Exception:   # noqa: BLE001 - nothing can be submitted here, so nothing is owed
         return
-    _announce(engine, members, [_auto_name(kind, set_id)], error)
+    announce_names(engine, members, [auto_name(kind, set_id)], error)
 
 
 @contextlib.contextmanager
@@ -120,15 +122,15 @@ def announcing(kind: str) -> Callable[[Callable], Callable]:
         kind, bound.get("name"), bound.get("process_set"), exc))
 
 
-def _announce(engine, members: list[int] | None, names: list[str], error: BaseException,
-              group: str = "") -> None:
+def announce_names(engine, members: list[int] | None, names: list[str], error: BaseException,
+                   group: str = "") -> None:
     """Submit one FAILED stand-in per name (a group's members keep their group, so that the
     group fails as one unit everywhere).  Best effort: the caller re-raises ``error``."""
     try:
         error._hvdlite_announced = True   # outer layers (see announcing) must not announce again
     except AttributeError:
         pass
-    if isinstance(error, _NOTHING_TO_ANNOUNCE):
+    if isinstance(error, NOTHING_TO_ANNOUNCE):
         return   # the name is busy here, or nothing runs any more: nothing can stand in
     failure = f"{type(error).__name__}: {error}"
     if len(failure) > _FAILURE_TEXT_LIMIT:

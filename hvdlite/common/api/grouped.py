@@ -19,9 +19,9 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from hvdlite.common.api.announce import (_NOTHING_TO_ANNOUNCE, _announce, _auto_name,
+from hvdlite.common.api.announce import (NOTHING_TO_ANNOUNCE, announce_names, auto_name,
                                          announcing_with)
-from hvdlite.common.api.submission import (GroupTemplate, _contiguous, fast_host_allreduce_group,
+from hvdlite.common.api.submission import (GroupTemplate, contiguous, fast_host_allreduce_group,
                                           make_entry)
 from hvdlite.common.engine.handle import Entry, GroupHandle
 from hvdlite.common.engine.messages import ALLGATHER, ALLREDUCE, REDUCESCATTER, Request
@@ -79,9 +79,9 @@ def submit_group(kind: str, arrays: Sequence[np.ndarray], *, name: str | None = 
     except Exception as exc:
         if auto_named:
             if packed:
-                _announce(engine, members, [group], exc)
+                announce_names(engine, members, [group], exc)
             else:
-                _announce(engine, members, names, exc, group=group)
+                announce_names(engine, members, names, exc, group=group)
         raise
     if not packed:
         return GroupHandle(group, engine.submit_group(entries))
@@ -133,8 +133,8 @@ _FAST_GROUP_ARGUMENTS = frozenset({"reduce_op", "prescale_factor", "postscale_fa
 
 def _group_names(kind: str, name: str | None, set_id: int, n: int) -> tuple[str, list[str]]:
     """The group's name and its members' names (unnamed groups take them from the counters)."""
-    base = _auto_name(f"grouped_{kind}", set_id) if name is None else name
-    members = ([_auto_name(kind, set_id) for _ in range(n)] if name is None
+    base = auto_name(f"grouped_{kind}", set_id) if name is None else name
+    members = ([auto_name(kind, set_id) for _ in range(n)] if name is None
                else [f"{base}.{i}" for i in range(n)])
     return f"{base}.group{n}", members
 
@@ -168,7 +168,7 @@ def announce_group_failure(kind: str, name: str | None, process_set: ProcessSet 
     """:func:`hvdlite.common.api.announce.announce_failure` for an unnamed group of ``count``
     tensors."""
     if (name is not None or count == 0 or getattr(exc, "_hvdlite_announced", False)
-            or isinstance(exc, _NOTHING_TO_ANNOUNCE)):
+            or isinstance(exc, NOTHING_TO_ANNOUNCE)):
         return
     try:
         engine, members = registry.process_set_engine(process_set, f"grouped {kind}")
@@ -177,9 +177,9 @@ def announce_group_failure(kind: str, name: str | None, process_set: ProcessSet 
         return
     group, names = _group_names(kind, None, set_id, count)
     if kind == ALLREDUCE:   # negotiated as one request under the group's name
-        _announce(engine, members, [group], exc)
+        announce_names(engine, members, [group], exc)
     else:
-        _announce(engine, members, names, exc, group=group)
+        announce_names(engine, members, names, exc, group=group)
 
 
 @announcing_group(ALLREDUCE)
@@ -188,7 +188,7 @@ def grouped_allreduce_async(arrays, average: bool | None = None, name: str | Non
                             postscale_factor: float = 1.0,
                             process_set: ProcessSet | None = None) -> GroupHandle:
     """Allreduce a list of arrays as one unit; the handle yields a list of new arrays."""
-    return submit_group(ALLREDUCE, [_contiguous(a) for a in arrays], name=name,
+    return submit_group(ALLREDUCE, [contiguous(a) for a in arrays], name=name,
                         reduce_op=resolve_op(op, average), prescale_factor=prescale_factor,
                         postscale_factor=postscale_factor, process_set=process_set)
 
@@ -232,7 +232,7 @@ def grouped_allgather_async(arrays, name: str | None = None,
     """Allgather a list of arrays as one unit; the handle yields a list of gathered arrays."""
     prepared = []
     for a in arrays:
-        a = _contiguous(a)
+        a = contiguous(a)
         prepared.append(a.reshape(1) if a.ndim == 0 else a)
     return submit_group(ALLGATHER, prepared, name=name, process_set=process_set)
 
@@ -249,7 +249,7 @@ def grouped_reducescatter_async(arrays, name: str | None = None, op: ReduceOp | 
                                 process_set: ProcessSet | None = None) -> GroupHandle:
     """Reducescatter a list of arrays as one unit (see
     :func:`hvdlite.common.api.ops.reducescatter_async` for how rows are divided)."""
-    return submit_group(REDUCESCATTER, [_contiguous(a) for a in arrays], name=name,
+    return submit_group(REDUCESCATTER, [contiguous(a) for a in arrays], name=name,
                         reduce_op=resolve_op(op), prescale_factor=prescale_factor,
                         postscale_factor=postscale_factor, process_set=process_set)
 

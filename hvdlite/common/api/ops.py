@@ -13,8 +13,8 @@ import numpy as np
 
 from hvdlite.common.api.announce import (announce_failure, announced, announcing,
                                          announcing_with)
-from hvdlite.common.api.submission import (PreparedAllreduce, _check_writable, _contiguous,
-                                           _contiguous_in_place, fast_host_allreduce,
+from hvdlite.common.api.submission import (PreparedAllreduce, check_writable, contiguous,
+                                           contiguous_in_place, fast_host_allreduce,
                                            make_entry, prepare_allreduce, submit)
 from hvdlite.common.engine.handle import GroupHandle, Handle
 from hvdlite.common.engine.messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST,
@@ -54,7 +54,7 @@ def allreduce_async(array, average: bool | None = None, name: str | None = None,
                                      postscale_factor, process_set)
         if handle is not None:
             return handle
-        return submit(ALLREDUCE, _contiguous(array), name=name, reduce_op=reduce_op,
+        return submit(ALLREDUCE, contiguous(array), name=name, reduce_op=reduce_op,
                       prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                       process_set=process_set)
     except Exception as exc:
@@ -78,8 +78,8 @@ def allreduce_async_(array: np.ndarray, average: bool | None = None, name: str |
             return submit(ALLREDUCE, array, name=name, output=array, reduce_op=reduce_op,
                           prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                           process_set=process_set)
-        _check_writable(array, "allreduce_")
-        return _contiguous_in_place(array, lambda a: submit(
+        check_writable(array, "allreduce_")
+        return contiguous_in_place(array, lambda a: submit(
             ALLREDUCE, a, name=name, output=a, reduce_op=reduce_op,
             prescale_factor=prescale_factor, postscale_factor=postscale_factor,
             process_set=process_set))
@@ -111,7 +111,7 @@ def allgather_async(array, name: str | None = None,
                     process_set: ProcessSet | None = None) -> Handle:
     """Start gathering every rank's ``array`` along the first dimension (which may differ per
     rank; the other dimensions must match).  A scalar counts as one row."""
-    return submit(ALLGATHER, _contiguous(array), name=name, process_set=process_set)
+    return submit(ALLGATHER, contiguous(array), name=name, process_set=process_set)
 
 
 def allgather(array, name: str | None = None,
@@ -126,7 +126,7 @@ def broadcast_async(array, root_rank: int, name: str | None = None,
                     process_set: ProcessSet | None = None) -> Handle:
     """Start broadcasting ``root_rank``'s ``array`` into a new array on every rank.
     ``root_rank`` is a global rank (a member of ``process_set``)."""
-    return submit(BROADCAST, _contiguous(array), name=name, root_rank=root_rank,
+    return submit(BROADCAST, contiguous(array), name=name, root_rank=root_rank,
                   process_set=process_set)
 
 
@@ -134,8 +134,8 @@ def broadcast_async(array, root_rank: int, name: str | None = None,
 def broadcast_async_(array: np.ndarray, root_rank: int, name: str | None = None,
                      process_set: ProcessSet | None = None) -> Handle:
     """In-place broadcast: ``array`` is overwritten with the root's values on other ranks."""
-    _check_writable(array, "broadcast_")
-    return _contiguous_in_place(array, lambda a: submit(
+    check_writable(array, "broadcast_")
+    return contiguous_in_place(array, lambda a: submit(
         BROADCAST, a, name=name, output=a, root_rank=root_rank, process_set=process_set))
 
 
@@ -159,7 +159,7 @@ def alltoall_async(array, splits=None, name: str | None = None,
     rank j.  Without ``splits`` the rows are divided evenly (the first dimension must then be
     divisible by the number of ranks).  The handle yields ``(received, received_splits)``:
     the rows received from every rank, in rank order, and how many came from each."""
-    return submit(ALLTOALL, _contiguous(array), name=name, splits=splits,
+    return submit(ALLTOALL, contiguous(array), name=name, splits=splits,
                   process_set=process_set)
 
 
@@ -178,7 +178,7 @@ def reducescatter_async(array, name: str | None = None, op: ReduceOp | None = No
     (Average by default, or Sum/Min/Max/Product) and rank r receives its share of the rows.
     Rows are divided as evenly as possible: with R rows and N ranks, the first R % N ranks get
     R // N + 1 rows and the others R // N (Horovod's rule)."""
-    return submit(REDUCESCATTER, _contiguous(array), name=name, reduce_op=resolve_op(op),
+    return submit(REDUCESCATTER, contiguous(array), name=name, reduce_op=resolve_op(op),
                   prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                   process_set=process_set)
 

@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from hvdlite.common.api.announce import _announce, _auto_name
+from hvdlite.common.api.announce import announce_names, auto_name
 from hvdlite.common.dtypes import check_reduce_op, dtype_info
 from hvdlite.common.engine.handle import Entry, Handle
 from hvdlite.common.engine.messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST,
@@ -24,7 +24,7 @@ from hvdlite.common.runtime import registry, state
 from hvdlite.common.runtime.process_sets import ProcessSet, global_process_set
 
 
-def _contiguous(x) -> np.ndarray:
+def contiguous(x) -> np.ndarray:
     """``x`` as a C-contiguous array, copying only if needed (0-d stays 0-d, unlike
     np.ascontiguousarray)."""
     if hasattr(x, "__cuda_array_interface__") and not isinstance(x, np.ndarray):
@@ -232,7 +232,7 @@ def submit(kind: str, array: np.ndarray | None, *, name: str | None = None,
         set_id = 0 if members is None else process_set.process_set_id
     auto_named = name is None
     if auto_named:
-        name = _auto_name(kind, set_id)
+        name = auto_name(kind, set_id)
     try:
         # Positional: this runs for every gradient, and keyword passing costs measurably here.
         entry = make_entry(engine, members, kind, array, name, output, allocate, reduce_op,
@@ -240,7 +240,7 @@ def submit(kind: str, array: np.ndarray | None, *, name: str | None = None,
                            set_id, "", 0, auto_named)
     except Exception as exc:
         if auto_named:
-            _announce(engine, members, [name], exc)
+            announce_names(engine, members, [name], exc)
         raise
     return engine.submit(entry)
 
@@ -376,11 +376,11 @@ def _check_splits(name: str, splits, rows: int, set_size: int) -> tuple:
     return values
 
 
-def _contiguous_in_place(array: np.ndarray, run: Callable[[np.ndarray], Handle]) -> Handle:
+def contiguous_in_place(array: np.ndarray, run: Callable[[np.ndarray], Handle]) -> Handle:
     """In-place op on a possibly non-contiguous array: work on a contiguous copy, copy back."""
     if array.flags.c_contiguous:
         return run(array)
-    work = _contiguous(array)
+    work = contiguous(array)
 
     def copy_back(result: np.ndarray) -> np.ndarray:
         array[...] = result
@@ -389,6 +389,7 @@ def _contiguous_in_place(array: np.ndarray, run: Callable[[np.ndarray], Handle])
     return run(work).then(copy_back)
 
 
-def _check_writable(array: np.ndarray, what: str) -> None:
+def check_writable(array: np.ndarray, what: str) -> None:
+    """Refuse a read-only ``array`` for the in-place operation ``what``."""
     if not array.flags.writeable:
         raise ValueError(f"{what} needs a writable array; this one is read-only.")
