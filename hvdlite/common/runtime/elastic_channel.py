@@ -137,11 +137,6 @@ class Channel:
         for update in unheard:
             listener(*update)
 
-    def remove_listener(self, listener: Listener) -> None:
-        with self._listeners_lock:
-            if listener in self._listeners:
-                self._listeners.remove(listener)
-
     def _hosts_updated(self, timestamp: int, result: int) -> None:
         with self._listeners_lock:
             self._unheard.append((timestamp, result))

@@ -116,8 +116,5 @@ class StoreChannel:
     def add_listener(self, listener: Callable[[int, int], None]) -> None:
         """No host updates come from torchrun (it restarts the workers itself)."""
 
-    def remove_listener(self, listener: Callable[[int, int], None]) -> None:
-        """See :meth:`add_listener`."""
-
     def forget_in_child(self) -> None:
         self.closed = True

@@ -5,8 +5,9 @@ An MPI world cannot lose or gain a process, so the driver (this process) runs th
 sequence of worlds: it starts one ``mpiexec`` on the hosts available now, watches it (every
 worker reports to it, see :mod:`.server`), and when a worker fails or hosts come and go it lets
 that world end and starts the next one, at the new size, from the last commit it holds.  See
-:mod:`.driver` for the loop, :mod:`.hosts` for discovery, blacklisting and placement, and
-docs/elastic.md for the user's view.
+:mod:`.driver` for the loop (shared with Ray's and Spark's elastic jobs through
+:mod:`.provider`), :mod:`.launcher` for worlds over the MPI launcher, :mod:`.hosts` for
+discovery, blacklisting and placement, and docs/elastic.md for the user's view.
 """
 from __future__ import annotations
 
@@ -23,11 +24,10 @@ def run(args: argparse.Namespace, environ: Mapping[str, str], forward: Sequence[
     forward, workdir) -> (argv, env)``, ``start(argv, env, output) -> (proc, pumps)`` and
     ``check(args, hosts, environ) -> [(host, why)]`` are the launcher's own (:mod:`..launch`),
     used for every world."""
-    from .driver import Driver
+    from .launcher import run_job
     settings = settings_from_args(args, environ)
-    driver = Driver(args, settings, dict(environ), forward, output, on_world, prepare, start,
-                    check)
-    return driver.run()
+    return run_job(args, settings, dict(environ), forward, output, on_world, prepare, start,
+                   check)
 
 
 __all__ = ["add_options", "requested", "run"]

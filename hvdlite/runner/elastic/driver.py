@@ -1,208 +1,187 @@
-"""The elastic driver's loop: a job as a sequence of MPI worlds.
+"""The elastic driver: a job as a sequence of worlds, whatever runs their workers.
 
-For each world: wait (up to ``--elastic-timeout``) until the hosts that are discovered and not
-blacklisted offer ``-np`` slots (later worlds: ``--min-np``), place up to ``--max-np`` ranks on
-them (oldest hosts first), start ``mpiexec`` on them with the driver's address in the workers'
-environment, and watch:
+One world cannot lose or gain a worker (an MPI world's size is fixed), so the driver runs the
+job as worlds, each started by a :class:`~.provider.Provider` (processes over the MPI launcher,
+Ray actors, Spark barrier stages).  For each world:
 
-* every worker connects at ``hvd.init()`` and says which rank it is; when training ends it says
-  so (``done``), and when its world fails it offers its newest commit and says ``reset``;
-* a worker whose connection ends without a word has failed (killed, crashed, its host lost): the
-  world is over.  Its host is blamed (blacklisted, with the cooldown), the other workers notice
-  through hvdlite's watchdog and report in; what is still running after a short grace is
-  stopped;
-* discovery runs every second; when the hosts available would give a different placement, rank
-  0 is told, and every rank stops at its next commit (``HostsUpdatedInterrupt``) so that the
-  next world starts at the new size, with nothing rolled back.
+* wait (up to ``elastic_timeout``) until the discovered hosts that are not blacklisted offer
+  the slots it needs (the first world ``start_np``, later ones ``min_np``), place up to
+  ``max_np`` ranks on them, oldest hosts first (:mod:`.hosts`), and start it, its workers
+  pointed at the driver's commit server (:mod:`.server`);
+* watch it: every worker connects at ``hvd.init()``; when training ends it says so (``done``),
+  and when its world fails it offers its newest commit and says ``reset``.  A worker whose
+  connection ends without a word has failed (killed, crashed, its host lost): the world is
+  over, the others notice through hvdlite's watchdog and report in, and what still runs after
+  a short grace is stopped;
+* discovery runs every second; when the hosts available would give a different placement,
+  rank 0 is told, and every rank stops at its next commit (``HostsUpdatedInterrupt``) so that
+  the next world starts at the new size, with nothing rolled back.
 
-A world that ends with ``done`` ends the job with ``mpiexec``'s status.  Otherwise the driver
-blacklists the failing hosts, and stops the job if every rank failed on its own, if every host
-of the world is blacklisted, or after ``--reset-limit`` resets (horovodrun's rules); else it
-starts the next world.
+How a world ended (Horovod's rules, ``horovod/runner/elastic/driver.py``, for every provider):
+training finished ends the job; otherwise the first rank lost and every rank that raised are
+blamed, and their hosts blacklisted (for providers that blacklist); the job stops if every
+rank failed, if every host of the world is blacklisted, or after ``reset_limit`` resets, else
+the next world starts from the last commit.  A provider that does not retry a rank's own
+exception (Ray, Spark: a bug would fail again in every world) ends the job with it.
 """
 from __future__ import annotations
 
-import argparse
-import copy
-import dataclasses
-import os
 import queue
-import secrets
 import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-from typing import Callable, Mapping, Sequence, TextIO
+from typing import Any, Callable, Mapping, Optional
 
 from hvdlite.common.core import elastic_wire as wire
-from hvdlite.common.core import warm_start
 
-from .. import addresses, mpi_flavor
-from ..job_process import exit_status, kill_group
-from ..launch_errors import LaunchError
 from . import hosts as hostmod
-from .options import ElasticSettings
-from .server import Event, Member, Server
+from .provider import HostsUnreachable, Provider, WorldEnd, WorldRecord, WorldStartError, ranks_on
+from .server import Event, Server
 
 DISCOVER_SECONDS = 1.0    # horovodrun's discovery period
-TEARDOWN_GRACE = 5.0      # after a failure, how long the other workers get to report and exit
-KILL_GRACE = 3.0          # after SIGTERM to a world's launcher, before SIGKILL
-REPORT_GRACE = 30.0       # after the launcher exits, how long its workers may still report
+POLL_SECONDS = 0.1        # how long one look at a running world waits for news
+TEARDOWN_GRACE = 5.0      # after a failure, how long the other workers get to report and end
+KILL_GRACE = 3.0          # after asking a world to stop, before making it
 HELLO_SECONDS = 600.0     # a world whose workers have not all reported in by then has failed
+START_ATTEMPTS = 3        # worlds in a row that fail to start before the job gives up
 RESET_LIMIT_MESSAGE = ("hvdlite was shut down because the number of resets during the elastic "
                        "job exceeded the limit: {}")   # horovodrun's message, in hvdlite's words
 
 
-class ElasticError(LaunchError):
-    """The elastic job cannot go on; the message says why."""
+class Discoverer(threading.Thread):
+    """Runs discovery every :data:`DISCOVER_SECONDS`; the driver reads :attr:`latest`.  The
+    first run's error is raised; later ones keep the last answer (said once)."""
 
-
-def _say(message: str) -> None:
-    print(f"hvdlite: elastic: {message}", file=sys.stderr, flush=True)
-
-
-class _Discoverer(threading.Thread):
-    """Runs discovery every :data:`DISCOVER_SECONDS`; the driver reads :attr:`latest`."""
-
-    def __init__(self, discovery) -> None:
+    def __init__(self, discovery: Any, say: Callable[[str], None]) -> None:
         super().__init__(name="hvdlite-elastic-discovery", daemon=True)
         self.discovery = discovery
-        self.latest: dict[str, int] = discovery.find_available_hosts_and_slots()   # may raise
-        self.problem: str | None = None
+        self.say = say
+        self.latest: dict[str, int] = dict(discovery.find_available_hosts_and_slots())
+        self.problem: Optional[str] = None
         self._stop_event = threading.Event()
 
     def run(self) -> None:
         while not self._stop_event.wait(DISCOVER_SECONDS):
             try:
-                self.latest = self.discovery.find_available_hosts_and_slots()
+                self.latest = dict(self.discovery.find_available_hosts_and_slots())
                 self.problem = None
-            except hostmod.DiscoveryError as exc:   # later failures keep the last answer
+            except Exception as exc:   # noqa: BLE001 - any failure: keep the last answer
                 if self.problem is None:
-                    _say(f"host discovery failed, keeping the last answer: {exc}")
+                    self.say(f"host discovery failed, keeping the last answer: {exc}")
                 self.problem = str(exc)
 
     def stop(self) -> None:
         self._stop_event.set()
 
 
-@dataclasses.dataclass
-class World:
-    index: int
-    placement: list[tuple[str, int]]
-    proc: subprocess.Popen
-    pumps: list[threading.Thread]
-    started: float
-    host_of: dict[int, str]                 # rank -> host, from the placement
-    members: dict[int, Member] = dataclasses.field(default_factory=dict)
-    lost: list[int] = dataclasses.field(default_factory=list)      # ranks, in order lost
-    failed_at: float | None = None          # first failure: a reset/error, or a lost worker
-    first_report_at: float | None = None    # first reset/interrupt report
-    updates: int = 0                        # HostUpdateResult since the world started
-    notified: list | None = None            # the placement rank 0 was told about
-    terminated_at: float | None = None
+class ElasticDriver:
+    """Runs one elastic job's worlds with ``provider`` (see the module docstring).
 
-    @property
-    def size(self) -> int:
-        return sum(n for _, n in self.placement)
+    ``settings`` has ``start_np``, ``min_np``, ``max_np``, ``discovery`` (with
+    ``find_available_hosts_and_slots()``), ``reset_limit``, ``cooldown_range`` and
+    ``elastic_timeout``.  ``say`` writes a message for the user; ``fail(message)`` is the
+    exception that ends the job; ``timeout_error(need, available, hosts_text)`` the one for an
+    elastic timeout."""
 
-    def describe(self) -> str:
-        return ",".join(f"{host}:{n}" for host, n in self.placement)
-
-
-@dataclasses.dataclass
-class WorldEnd:
-    kind: str                    # "done", "reset", "failed" or "stopped"
-    status: int
-    culprits: list[int]          # ranks blamed for the failure
-    reason: str
-
-
-class Driver:
-    """Runs one elastic job (see the module docstring)."""
-
-    def __init__(self, args: argparse.Namespace, settings: ElasticSettings,
-                 environ: dict[str, str], forward: Sequence[str],
-                 output: tuple[TextIO, TextIO] | None,
-                 on_world: Callable[[int, int], None] | None, prepare: Callable,
-                 start: Callable, check: Callable) -> None:
-        self.args = args
+    def __init__(self, provider: Provider, settings: Any, say: Callable[[str], None],
+                 fail: Callable[[str], BaseException],
+                 timeout_error: Callable[[int, int, str], BaseException],
+                 catch_signals: bool = False) -> None:
+        self.provider = provider
         self.settings = settings
-        self.environ = environ
-        self.forward = list(forward)
-        self.output = output
-        self.on_world = on_world
-        self.prepare = prepare
-        self.start = start
-        self.check = check
+        self.say = say
+        self.fail = fail
+        self.timeout_error = timeout_error
+        self.catch_signals = catch_signals
         self.manager = hostmod.HostManager(settings.cooldown_range)
-        self.checked: set[str] = set()    # hosts that passed the ssh check
         self.signals: list[int] = []
+        self.world: Optional[WorldRecord] = None   # the world running now
         self._timestamp = 0
-        # Names this job's warm processes (one per host; see warm_start), or None: cold starts.
-        off = environ.get(warm_start.SWITCH_VARIABLE, "").strip().lower() in warm_start.OFF
-        self.warm_token = None if off else secrets.token_hex(8)
 
     # --- the job -----------------------------------------------------------------------------
-    def run(self) -> int:
-        try:
-            discoverer = _Discoverer(self.settings.discovery)
-        except hostmod.DiscoveryError as exc:
-            raise ElasticError(f"host discovery failed at its first run: {exc}") from None
-        bind = "127.0.0.1" if self._all_local(discoverer.latest) else "0.0.0.0"
-        server = Server(bind)
+    def run(self, server: Server, discoverer: Discoverer) -> Any:
+        """The job, with ``server`` and ``discoverer`` (started here) that the caller closes:
+        the provider's result of the world that finished, or ``128 + signal``."""
         discoverer.start()
         previous = self._install_handlers()
         try:
-            with tempfile.TemporaryDirectory(prefix="hvdlite-elastic-") as workdir:
-                return self._loop(server, discoverer, workdir)
+            return self._loop(server, discoverer)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            discoverer.stop()
-            server.close()
+            if self.world is not None:   # an exception (or Ctrl-C) left it running
+                self._end(self.world, server, failed=True)
 
-    def _loop(self, server: Server, discoverer: _Discoverer, workdir: str) -> int:
-        resets = 0
+    def _loop(self, server: Server, discoverer: Discoverer) -> Any:
+        resets = start_failures = 0
         index = 0
         while True:
             need = self.settings.start_np if index == 0 else self.settings.min_np
-            placement = self._wait_for_slots(discoverer, need)
+            placement = self.wait_for_slots(discoverer, need)
             if placement is None:
                 return 128 + self.signals[0]
-            world = self._launch(server, index, placement, workdir)
-            if world is None:   # a host failed the ssh check: it is blacklisted, try again
+            world = WorldRecord(index, placement, ranks_on(placement), time.monotonic())
+            try:
+                self.world = world
+                self.provider.start(world, worker_environment(server, world.index))
+            except HostsUnreachable as exc:   # blacklisted; the next wait says what is left
+                self.world = None
+                for host in exc.hosts:
+                    self.manager.blacklist(host)
                 continue
-            end = self._watch(server, discoverer, world)
-            server.forget(index)
-            if end.kind in ("done", "stopped"):
+            except WorldStartError as exc:
+                self._end(world, server, failed=True)
+                end = WorldEnd("reset", [], f"world {index} could not start: {exc}")
+            else:
+                end = self.watch(server, discoverer, world)
+                self._end(world, server, failed=end.kind != "done")
+            if end.kind == "done":
+                return self.provider.result(world)
+            if end.kind == "stopped":
                 return end.status
+            if end.kind == "error":   # the function's own exception, not retried
+                raise self.provider.error(world, end.culprits[0])
             if end.kind == "failed":
-                raise ElasticError(end.reason)
-            blamed = sorted({world.host_of[r] for r in end.culprits if r in world.host_of})
-            for host in blamed:
-                self.manager.blacklist(host)
-            note = f"; blacklisted {', '.join(blamed)}" if blamed else ""
-            _say(f"world {index} ended: {end.reason}{note}")
-            if all(self.manager.is_blacklisted(host) for host, _ in world.placement):
-                raise ElasticError(f"every host of world {index} ({world.describe()}) failed "
-                                   f"and is blacklisted: {end.reason}")
+                raise self.fail(end.reason)
+            start_failures = start_failures + 1 if not world.members else 0
+            if start_failures > START_ATTEMPTS:
+                raise self.fail(f"{start_failures} worlds in a row could not start; the last: "
+                                f"{end.reason}")
+            self._blame(world, end)
             if self.settings.reset_limit is not None and resets >= self.settings.reset_limit:
-                raise ElasticError(RESET_LIMIT_MESSAGE.format(self.settings.reset_limit))
+                raise self.fail(RESET_LIMIT_MESSAGE.format(self.settings.reset_limit))
             resets += 1
             index += 1
 
-    # --- hosts -------------------------------------------------------------------------------
-    @staticmethod
-    def _all_local(discovered: Mapping[str, int]) -> bool:
-        return all(addresses.is_local(host) for host in discovered)
+    def _blame(self, world: WorldRecord, end: WorldEnd) -> None:
+        blamed = sorted({world.host_of[r] for r in end.culprits if r in world.host_of})
+        note = ""
+        if self.provider.blacklists and blamed:
+            for host in blamed:
+                self.manager.blacklist(host)
+            note = f"; blacklisted {', '.join(self.provider.host_name(h) for h in blamed)}"
+        self.say(f"world {world.index} ended: {end.reason}{note}")
+        if self.provider.blacklists and all(self.manager.is_blacklisted(host)
+                                            for host, _ in world.placement):
+            raise self.fail(f"every {self.provider.host_word} of world {world.index} "
+                            f"({self.describe(world)}) failed and is blacklisted: {end.reason}")
 
-    def _refresh(self, discoverer: _Discoverer) -> int:
+    def _end(self, world: WorldRecord, server: Server, failed: bool) -> None:
+        self.world = None
+        self.provider.finish(world, failed)
+        server.forget(world.index)
+
+    def describe(self, world: WorldRecord) -> str:
+        return ",".join(f"{self.provider.host_name(h)}:{n}" for h, n in world.placement)
+
+    # --- hosts -------------------------------------------------------------------------------
+    def _refresh(self, discoverer: Discoverer) -> int:
         return int(self.manager.update(discoverer.latest))
 
-    def _wait_for_slots(self, discoverer: _Discoverer,
-                        need: int) -> list[tuple[str, int]] | None:
+    def wait_for_slots(self, discoverer: Discoverer,
+                       need: int) -> Optional[list[tuple[str, int]]]:
+        """The placement of the next world, once the hosts offer ``need`` slots; None when a
+        signal came first.  Raises ``timeout_error`` after ``elastic_timeout``."""
         deadline = time.monotonic() + self.settings.elastic_timeout
         said = False
         while not self.signals:
@@ -212,135 +191,57 @@ class Driver:
                 return hostmod.assign(available, self.settings.max_np)
             if time.monotonic() > deadline:
                 problem = f" (discovery: {discoverer.problem})" if discoverer.problem else ""
-                raise ElasticError(
-                    f"waited {self.settings.elastic_timeout:g} s (--elastic-timeout) for "
-                    f"{need} slots (-np/--min-np), but only "
-                    f"{sum(s for _, s in available)} are available from "
-                    f"{self.settings.discovery.describe()}: {self.manager.describe()}{problem}")
+                raise self.timeout_error(need, sum(s for _, s in available),
+                                         self.manager.describe() + problem)
             if not said:
-                _say(f"waiting up to {self.settings.elastic_timeout:g} s for {need} slots; "
-                     f"{self.manager.describe()}")
+                self.say(f"waiting up to {self.settings.elastic_timeout:g} s for {need} slots; "
+                         f"{self.manager.describe()}")
                 said = True
             time.sleep(0.2)
         return None
 
-    def _check(self, placement: list[tuple[str, int]]) -> list[str]:
-        """Log in to the placement's hosts not checked before, as the launcher will (the host
-        check of ``hvdlite run``); the ones that cannot be reached."""
-        if self.args.skip_host_check:
-            return []
-        names = [host for host, _ in placement if host not in self.checked]
-        failed = self.check(self.args, names, self.environ) if names else []
-        for host, why in failed:
-            _say(f"host {host} cannot be reached the way the MPI launcher reaches it ({why})")
-        bad = [host for host, _ in failed]
-        self.checked.update(host for host in names if host not in bad)
-        return bad
-
     # --- a world -----------------------------------------------------------------------------
-    def _launch(self, server: Server, index: int, placement: list[tuple[str, int]],
-                workdir: str) -> World | None:
-        bad = self._check(placement)
-        if bad:   # blacklisted; the next wait names what is left (and times out if nothing)
-            for host in bad:
-                self.manager.blacklist(host)
-            return None
-        args = copy.copy(self.args)
-        args.hosts = ",".join(f"{host}:{n}" for host, n in placement)
-        args.hostfile = None
-        args.np = sum(n for _, n in placement)
-        args.skip_host_check = True
-        args.min_np = args.max_np = args.host_discovery_script = None
-        args.command = [sys.executable, "-m", "hvdlite.runner.elastic.shield", "--",
-                        *self.args.command]
-        env = dict(self.environ)
-        env[wire.DRIVER_VARIABLE] = f"{self._advertised(placement, server)}:{server.port}"
-        env[wire.KEY_VARIABLE] = server.key.hex()
-        env[wire.WORLD_VARIABLE] = str(index)
-        forward = self.forward + [wire.DRIVER_VARIABLE, wire.KEY_VARIABLE, wire.WORLD_VARIABLE]
-        if self.warm_token is not None:
-            env[warm_start.WARM_VARIABLE] = self.warm_token
-            forward.append(warm_start.WARM_VARIABLE)
-        world_dir = os.path.join(workdir, f"world{index}")
-        os.makedirs(world_dir, exist_ok=True)
-        argv, child_env = self.prepare(args, env, forward, world_dir)
-        host_of = {}
-        rank = 0
-        for host, n in placement:
-            for _ in range(n):
-                host_of[rank] = host
-                rank += 1
-        _say(f"world {index}: {args.np} rank(s) on {args.hosts}")
-        if self.on_world is not None:
-            self.on_world(index, args.np)
-        proc, pumps = self.start(argv, child_env, self.output)
-        return World(index, list(placement), proc, pumps, time.monotonic(), host_of)
-
-    @staticmethod
-    def _advertised(placement: list[tuple[str, int]], server: Server) -> str:
-        if server.bind == "127.0.0.1":
-            return server.bind
-        return addresses.listen_address([mpi_flavor.Host(h, n) for h, n in placement])[1]
-
-    def _watch(self, server: Server, discoverer: _Discoverer, world: World) -> WorldEnd:
+    def watch(self, server: Server, discoverer: Discoverer, world: WorldRecord) -> WorldEnd:
+        """Follow ``world`` to its end; how it ended."""
         last_discovery = 0.0
-        while True:
-            self._handle_events(server, world, timeout=0.1)
+        while not self.provider.poll(world, POLL_SECONDS):
+            self.handle_events(server, world)
             if self.signals:
-                return self._stop_world(world)
-            if world.proc.poll() is not None:
-                break
+                return self._stop_for_signal(world)
             now = time.monotonic()
             if now - last_discovery >= DISCOVER_SECONDS / 2:
                 last_discovery = now
                 world.updates |= self._refresh(discoverer)
                 if world.failed_at is None and world.first_report_at is None:
                     self._maybe_notify(world)
-            self._maybe_tear_down(world, now)
-        # Workers the launcher left behind (see .shield) may still be reporting: wait for them.
-        deadline = time.monotonic() + REPORT_GRACE
+            self._maybe_stop(world, now)
+        # Workers the provider saw end may still be reporting (a failing world's survivors
+        # hand in their newest commit first): wait for them.
+        deadline = time.monotonic() + self.provider.report_grace
         while time.monotonic() < deadline and any(
-                m.ended_at is None for m in world.members.values()):
-            self._handle_events(server, world, timeout=0.05)
+                m.outcome is None and m.ended_at is None for m in world.members.values()):
+            self.handle_events(server, world, timeout=0.05)
             if self.signals:
                 break
-        self._handle_events(server, world, timeout=0)
-        for pump in world.pumps:
-            pump.join(KILL_GRACE)
-        return self._classify(world)
+        self.handle_events(server, world)
+        return classify(world, self.provider.host_name, self.provider.host_word,
+                        self.provider.retries_own_errors)
 
-    def _handle_events(self, server: Server, world: World, timeout: float) -> None:
+    def handle_events(self, server: Server, world: WorldRecord, timeout: float = 0) -> None:
+        """Take in what the workers said (hello, outcome, a connection that ended)."""
         try:
-            event = server.events.get(timeout=timeout)
+            event = server.events.get(timeout=timeout) if timeout else \
+                server.events.get_nowait()
         except queue.Empty:
             return
         while True:
-            self._handle(event, world)
+            record(event, world)
             try:
                 event = server.events.get_nowait()
             except queue.Empty:
                 return
 
-    def _handle(self, event: Event, world: World) -> None:
-        member = event.member
-        if member.world != world.index:
-            return   # a worker of an earlier world, ending late
-        if event.kind == "hello":
-            world.members[member.rank] = member
-            if member.rank == 0 and world.notified is not None:
-                world.notified = None   # rank 0 (re)connected: tell it again
-        elif event.kind == "outcome":
-            kind = member.outcome[0]
-            if kind in ("reset", "interrupt") and world.first_report_at is None:
-                world.first_report_at = event.at
-            if kind in ("reset", "error") and world.failed_at is None:
-                world.failed_at = event.at
-        elif event.kind == "ended" and member.outcome is None:
-            world.lost.append(member.rank)
-            if world.failed_at is None:
-                world.failed_at = event.at
-
-    def _maybe_notify(self, world: World) -> None:
+    def _maybe_notify(self, world: WorldRecord) -> None:
         """Tell rank 0 when the hosts available now would place the ranks differently."""
         desired = hostmod.desired_placement(self.manager.available(), self.settings.min_np,
                                             self.settings.max_np)
@@ -353,13 +254,13 @@ class Driver:
         update = world.updates or int(wire.HostUpdateResult.mixed)
         if coordinator.send(("hosts_updated", self._timestamp, update)):
             world.notified = desired
-            _say(f"world {world.index}: hosts changed (now {self.manager.describe()}); the "
-                 f"workers stop at their next commit")
+            self.say(f"world {world.index}: the {self.provider.host_word}s changed (now "
+                     f"{self.manager.describe()}); the workers stop at their next commit")
 
-    def _maybe_tear_down(self, world: World, now: float) -> None:
-        if world.terminated_at is not None:
-            if now - world.terminated_at > KILL_GRACE:
-                kill_group(world.proc.pid, signal.SIGKILL)
+    def _maybe_stop(self, world: WorldRecord, now: float) -> None:
+        if world.stopped_at is not None:
+            if now - world.stopped_at > KILL_GRACE:
+                self.provider.stop(world, hard=True)
             return
         started = world.failed_at
         if started is None and len(world.members) < world.size and (
@@ -372,73 +273,119 @@ class Driver:
         waited = now - started
         if waited > TEARDOWN_GRACE or (accounted and len(world.members) == world.size
                                        and waited > 1.0):
-            world.terminated_at = now
-            kill_group(world.proc.pid, signal.SIGTERM)
+            world.stopped_at = now
+            self.provider.stop(world, hard=False)
 
-    def _classify(self, world: World) -> WorldEnd:
-        status = exit_status(world.proc.returncode)
-        outcomes = {rank: m.outcome for rank, m in world.members.items() if m.outcome}
-        kinds = {o[0] for o in outcomes.values()}
-        if "done" in kinds or (status == 0 and not world.lost and "error" not in kinds
-                               and "reset" not in kinds and "interrupt" not in kinds):
-            return WorldEnd("done", status, [], "training finished")
-        missing = [r for r in range(world.size) if r not in world.members]
-        errors = [r for r, o in outcomes.items() if o[0] == "error"]
-        if len(missing) == world.size:
-            return WorldEnd("failed", status, list(range(world.size)),
-                            f"no worker of world {world.index} ({world.describe()}) reached "
-                            f"hvd.init(); the launcher exited with status {status} (its output "
-                            f"above says why)")
-        # Who failed on their own: the workers that raised, and the first one lost (those lost
-        # after it, on its host or elsewhere, went down with the world).  A world that lost
-        # workers before they all reported in blames the ones that never did.
-        if missing and (world.failed_at is None or not world.lost):
-            culprits = missing
-        else:
-            culprits = sorted(set(errors) | set(world.lost[:1]))
-        reason = self._reason(world, outcomes, culprits, missing)
-        if len(culprits) == world.size:
-            first = outcomes.get(errors[0], ("", ""))[1] if errors else ""
-            return WorldEnd("failed", status, culprits,
-                            f"every rank of world {world.index} failed ({reason})"
-                            + (f"; rank {errors[0]}: {first}" if first else ""))
-        return WorldEnd("reset", status, culprits, reason)
-
-    @staticmethod
-    def _reason(world: World, outcomes: dict, culprits: list[int], missing: list[int]) -> str:
-        if world.lost:
-            rank = world.lost[0]
-            return (f"rank {rank} on {world.host_of.get(rank, '?')} exited without a word "
-                    f"(killed, crashed, or its host lost)")
-        errors = [(r, o[1]) for r, o in outcomes.items() if o[0] == "error"]
-        if errors:
-            return f"rank {errors[0][0]} raised {errors[0][1].splitlines()[-1][:300]}"
-        resets = [(r, o[1]) for r, o in outcomes.items() if o[0] == "reset"]
-        if resets:
-            return f"rank {resets[0][0]}: {resets[0][1].splitlines()[-1][:300]}"
-        if any(o[0] == "interrupt" for o in outcomes.values()):
-            return "the hosts changed"
-        if missing:
-            return f"rank(s) {missing} never reached hvd.init()"
-        return f"the launcher exited with status {exit_status(world.proc.returncode)}"
-
-    def _stop_world(self, world: World) -> WorldEnd:
-        kill_group(world.proc.pid, self.signals[0])
+    def _stop_for_signal(self, world: WorldRecord) -> WorldEnd:
+        self.provider.stop(world, hard=False, signum=self.signals[0])
         deadline = time.monotonic() + KILL_GRACE + 2
-        while world.proc.poll() is None:
+        while not self.provider.poll(world, POLL_SECONDS):
             if time.monotonic() > deadline or len(self.signals) > 1:
-                kill_group(world.proc.pid, signal.SIGKILL)
-            time.sleep(0.1)
-        for pump in world.pumps:
-            pump.join(KILL_GRACE)
-        return WorldEnd("stopped", 128 + self.signals[0], [], "stopped by a signal")
+                self.provider.stop(world, hard=True)
+        return WorldEnd("stopped", [], "stopped by a signal", 128 + self.signals[0])
 
     # --- signals -----------------------------------------------------------------------------
     def _install_handlers(self) -> dict:
-        if threading.current_thread() is not threading.main_thread():
+        if not self.catch_signals or threading.current_thread() is not threading.main_thread():
             return {}
 
         def received(signum: int, _frame: object) -> None:
             self.signals.append(signum)
 
         return {sig: signal.signal(sig, received) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def worker_environment(server: Server, world: int, address: str = "") -> dict[str, str]:
+    """The variables that connect world ``world``'s workers to ``server`` at ``hvd.init()``
+    (the driver's address is the provider's to add when it is not ``address``)."""
+    env = {wire.KEY_VARIABLE: server.key.hex(), wire.WORLD_VARIABLE: str(world)}
+    if address:
+        env[wire.DRIVER_VARIABLE] = f"{address}:{server.port}"
+    return env
+
+
+def record(event: Event, world: WorldRecord) -> None:
+    """Take one of the commit server's events into ``world``."""
+    member = event.member
+    if member.world != world.index:
+        return   # a worker of an earlier world, ending late
+    if event.kind == "hello":
+        world.members[member.rank] = member
+        if member.rank == 0 and world.notified is not None:
+            world.notified = None   # rank 0 (re)connected: tell it again
+    elif event.kind == "outcome":
+        kind = member.outcome[0]
+        if kind in ("reset", "interrupt") and world.first_report_at is None:
+            world.first_report_at = event.at
+        if kind == "error":
+            world.raised.setdefault(member.rank, member.outcome[1])
+        if kind in ("reset", "error") and world.failed_at is None:
+            world.failed_at = event.at
+    elif event.kind == "ended" and member.outcome is None:
+        world.lost.append(member.rank)
+        if world.failed_at is None:
+            world.failed_at = event.at
+
+
+def last_line(text: Any) -> str:
+    """The last line of an error's text, at most 300 characters."""
+    lines = str(text).strip().splitlines()
+    return lines[-1][:300] if lines else ""
+
+
+def classify(world: WorldRecord, host_name: Callable[[str], str] = str,
+             host_word: str = "host", retries_own_errors: bool = True) -> WorldEnd:
+    """How ``world`` ended (see the module docstring).  Pure: every fact is in ``world``."""
+    outcomes = {rank: m.outcome for rank, m in world.members.items() if m.outcome}
+    kinds = {o[0] for o in outcomes.values()}
+    failing = {"error", "reset", "interrupt"}
+    if ("done" in kinds and (world.results or not world.died)) or (
+            len(world.results) == world.size and not world.lost and not kinds & failing):
+        return WorldEnd("done", [], "training finished", world.status)
+    own = sorted(world.raised)
+    if own and not retries_own_errors:
+        return WorldEnd("error", own[:1], f"rank {own[0]} on "
+                        f"{host_name(world.host_of.get(own[0], '?'))} raised "
+                        f"{last_line(world.raised[own[0]])}", world.status)
+    missing = [r for r in range(world.size) if r not in world.members]
+    if len(missing) == world.size and not world.died and world.formed:
+        return WorldEnd("failed", missing, f"no worker of world {world.index} reached "
+                        f"hvd.init(); the launcher exited with status {world.status} (its "
+                        f"output above says why)", world.status)
+    # Who failed on their own: the workers that raised, and the first one lost (those lost
+    # after it, on its host or elsewhere, went down with the world).  A world that lost
+    # workers before they all reported in blames the ones that never did.
+    lost = world.lost + [r for r in world.died if r not in outcomes and r not in world.lost]
+    if not world.formed:
+        culprits: list[int] = []
+    elif missing and (world.failed_at is None or not lost):
+        culprits = missing
+    else:
+        culprits = sorted(set(own) | set(lost[:1]))
+    reason = _reason(world, outcomes, lost, missing, host_name, host_word)
+    if culprits and len(culprits) == world.size:
+        first = f"; rank {own[0]}: {world.raised[own[0]]}" if own else ""
+        return WorldEnd("failed", culprits, f"every rank of world {world.index} failed "
+                        f"({reason}){first}", world.status)
+    return WorldEnd("reset", culprits, reason, world.status)
+
+
+def _reason(world: WorldRecord, outcomes: Mapping[int, tuple], lost: list[int],
+            missing: list[int], host_name: Callable[[str], str], host_word: str) -> str:
+    if not world.formed:
+        return "its workers did not all start and form the world within the start timeout"
+    if lost:
+        rank = lost[0]
+        return (f"rank {rank} on {host_name(world.host_of.get(rank, '?'))} exited without a "
+                f"word (killed, crashed, or its {host_word} lost)")
+    if world.raised:
+        rank = min(world.raised)
+        return f"rank {rank} raised {last_line(world.raised[rank])}"
+    resets = [(r, o[1]) for r, o in sorted(outcomes.items()) if o[0] == "reset"]
+    if resets:
+        return f"rank {resets[0][0]}: {last_line(resets[0][1])}"
+    if any(o[0] == "interrupt" for o in outcomes.values()):
+        return f"the {host_word}s changed"
+    if missing:
+        return f"rank(s) {missing} never reached hvd.init()"
+    return f"the world ended with status {world.status}"

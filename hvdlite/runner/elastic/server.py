@@ -80,11 +80,6 @@ class CommitStore:
         self._uploading: dict[Any, tuple[wire.CommitId, object]] = {}
         self.bytes_received = 0
 
-    def newest_id(self, key: Any) -> wire.CommitId | None:
-        with self._cond:
-            found = self.latest.get(key)
-            return None if found is None else found[0]
-
     def get(self, key: Any) -> tuple[wire.CommitId, list[bytearray]] | None:
         with self._cond:
             return self.latest.get(key)

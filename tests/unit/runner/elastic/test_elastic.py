@@ -21,7 +21,8 @@ from hvdlite.common.core import HostUpdateResult, elastic_wire
 from hvdlite.runner import launch
 from hvdlite.runner.elastic import hosts as hostmod
 from hvdlite.runner.elastic import options, shield
-from hvdlite.runner.elastic.driver import Driver, World
+from hvdlite.runner.elastic.driver import Discoverer, ElasticDriver, classify
+from hvdlite.runner.elastic.provider import WorldRecord, ranks_on
 from hvdlite.runner.elastic.server import CommitStore, Member
 from hvdlite.runner.launch_errors import UsageError
 
@@ -302,26 +303,19 @@ def test_shield_runs_the_worker_in_its_own_session_and_passes_its_status_on():
 
 
 # --- how the driver judges a world that ended ---------------------------------------------------
-class FakeProc:
-    def __init__(self, returncode: int) -> None:
-        self.returncode = returncode
-        self.pid = -1
-
-
 def world_of(placement, returncode, members, lost=()):
-    world = World(0, placement, FakeProc(returncode), [], 0.0,
-                  {r: h for r, h in enumerate(h for h, n in placement for _ in range(n))})
+    world = WorldRecord(0, placement, ranks_on(placement), 0.0, status=returncode)
+    if returncode == 0:   # as the launcher's provider records a launcher that exited cleanly
+        world.results = dict.fromkeys(range(world.size))
     for rank, outcome in members.items():
         world.members[rank] = Member(0, rank, world.size, world.host_of[rank], 1,
                                      outcome=outcome, ended_at=1.0)
+        if outcome and outcome[0] == "error":   # as the driver records the report
+            world.raised[rank] = outcome[1]
     world.lost = list(lost)
     world.failed_at = 1.0 if lost or any(o and o[0] in ("reset", "error")
                                          for o in members.values()) else None
     return world
-
-
-def classify(world):
-    return Driver._classify(types.SimpleNamespace(_reason=Driver._reason), world)
 
 
 def test_a_world_that_finished_training_ends_the_job():
@@ -498,18 +492,19 @@ def test_host_checks_cost_nothing_without_the_driver():
 
 
 def test_too_few_slots_wait_for_the_elastic_timeout_then_say_what_is_missing():
-    from hvdlite.runner.elastic.driver import ElasticError
+    from hvdlite.runner.elastic.launcher import (ElasticError, LauncherProvider, say,
+                                                 timeout_error)
     from hvdlite.runner.elastic.options import ElasticSettings
     discovery = hostmod.FixedHosts({"a": 1, "b": 2})
     settings = ElasticSettings(start_np=2, min_np=2, max_np=None, discovery=discovery,
                                reset_limit=None, cooldown_range=None, elastic_timeout=0.3)
-    driver = Driver(types.SimpleNamespace(), settings, {}, [], None, None, None, None, None)
-    discoverer = types.SimpleNamespace(latest=discovery.find_available_hosts_and_slots(),
-                                       problem=None)
-    assert driver._wait_for_slots(discoverer, 2) == [("a", 1), ("b", 2)]
+    provider = LauncherProvider.__new__(LauncherProvider)
+    driver = ElasticDriver(provider, settings, say, ElasticError, timeout_error(settings))
+    discoverer = Discoverer(discovery, say)   # not started: its first answer stays
+    assert driver.wait_for_slots(discoverer, 2) == [("a", 1), ("b", 2)]
     driver.manager.blacklist("b")
     with pytest.raises(ElasticError) as info:
-        driver._wait_for_slots(discoverer, 2)
+        driver.wait_for_slots(discoverer, 2)
     message = str(info.value)
     assert "waited 0.3 s (--elastic-timeout) for 2 slots" in message, message
     assert "only 1 are available from the hosts of -H/--hostfile" in message, message
