@@ -52,9 +52,9 @@ def main(argv: list[str]) -> int:
 
 def _warm_start(argv: list[str]):
     """The worker forked by this host's warm process (``(pid, connection)``), or None for a
-    cold start (see ``hvdlite.common.runtime.warm_start``)."""
-    from hvdlite.common.core import warm_start
-    found = warm_start.spawn(argv)
+    cold start (see :mod:`.warm_process`)."""
+    from .warm_process import spawn
+    found = spawn(argv)
     if isinstance(found, str):
         if os.environ.get("MPI_LOCALRANKID", "0") == "0":
             print(f"hvdlite: elastic: starting this worker cold: {found}", file=sys.stderr,
@@ -64,9 +64,9 @@ def _warm_start(argv: list[str]):
 
 
 def _follow_warm(pid: int, connection) -> int:
-    from hvdlite.common.core import warm_start
+    from .warm_process import follow
     _forward_signals(pid)
-    return warm_start.follow(pid, connection)
+    return follow(pid, connection)
 
 
 def _forward_signals(worker: int) -> None:

@@ -1,7 +1,7 @@
-"""Warm starts (hvdlite.common.runtime.warm_start) with real processes: the elastic driver's
-listener, the shield that the MPI launcher would start, the host's warm process and the workers
-it forks.  The whole elastic job with warm starts is tested in tests/elastic and
-tests/multihost/test_elastic.py."""
+"""Warm starts (hvdlite.common.runtime.warm_start, hvdlite.runner.elastic.warm_process) with
+real processes: the elastic driver's listener, the shield that the MPI launcher would start,
+the host's warm process and the workers it forks.  The whole elastic job with warm starts is
+tested in tests/elastic and tests/multihost/test_elastic.py."""
 from __future__ import annotations
 
 import os
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from hvdlite.common.runtime import elastic_wire, warm_start
+from hvdlite.runner.elastic import warm_process
 from hvdlite.runner.elastic.server import Server
 
 REPO = Path(__file__).resolve().parents[3]
@@ -58,7 +59,7 @@ def test_only_this_interpreter_running_a_script_or_module_is_taken(argv, takes):
         import shutil
         found = shutil.which(argv[0])
         takes = bool(found) and os.path.abspath(found) == os.path.abspath(sys.executable)
-    assert warm_start.python_command(argv) is takes
+    assert warm_process.python_command(argv) is takes
 
 
 def test_library_modules_leave_out_the_script_hvdlite_and_mpi(tmp_path, monkeypatch):
@@ -143,7 +144,7 @@ def warm_processes(token_path: str) -> list[int]:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if token.encode() in cmdline and any(b"warm_start.py" in part for part in cmdline):
+        if token.encode() in cmdline and any(b"warm_process.py" in part for part in cmdline):
             found.append(int(pid))
     return found
 
@@ -162,8 +163,8 @@ def test_the_first_worker_starts_cold_and_later_ones_are_forked_warm(job, tmp_pa
     assert lines(early)["warm"] == "False" and "cold" not in early.stderr, early.stderr
 
     # what a worker sends at hvd.init() and its first commit: the warm process imports it
-    with warm_start._connect(path) as sock:
-        warm_start._send(sock, {"op": "preload", "modules": ["decimal", "hvdlite.common",
+    with warm_start.connect(path) as sock:
+        warm_start.send_message(sock, {"op": "preload", "modules": ["decimal", "hvdlite.common",
                                                              "no_such_module_here"]})
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
