@@ -21,6 +21,8 @@ survive therefore lives outside the workers, in the driver:
   commit) ends the world cleanly after rank 0 has shipped its live state, so nothing is rolled
   back, as in Horovod.
 
+``check_host_updates()`` agrees across ranks through :mod:`.host_updates`.
+
 Without the driver (plain ``mpiexec``, ``hvdlite run -np N``) ``run`` syncs and calls the
 function; a failure is raised as usual (no new world can be made) and ``check_host_updates()``
 costs nothing (nothing can notify it).
@@ -33,14 +35,12 @@ import os
 import pickle
 import queue
 import sys
-import time
 import traceback
 from typing import Any, Callable
 
-import numpy as np
-
 from hvdlite.common.api import ops
-from hvdlite.common.errors import HorovodInternalError, HostsUpdatedInterrupt, RankExitedError
+from hvdlite.common.api.host_updates import HostUpdateAgreement
+from hvdlite.common.errors import HorovodInternalError, HostsUpdatedInterrupt
 from hvdlite.common.runtime import (elastic_channel, lifecycle, liveness, output_relay,
                                     state as _state, warm_start)
 from hvdlite.common.runtime.elastic_wire import (EXIT_RESET, HostUpdateResult, dumps, pack,
@@ -340,59 +340,11 @@ def _committed(state: State) -> None:
     warm_start.report_modules(last=True)   # (the first commit's report is the last)
 
 
-class _Agreement:
-    """The pipelined broadcast behind ``check_host_updates()``: each check posts rank 0's
-    newest host update (a non-blocking ``MPI_Ibcast`` of two integers on a communicator of its
-    own, so no negotiation round is spent on it) and takes the one posted at the previous
-    check, which the step in between has long completed.  A peer that died is noticed through
-    the watchdog while waiting, and nothing is posted once one has (``RankExitedError``)."""
-
-    def __init__(self) -> None:
-        process = _state.get("state.check_host_updates()")
-        self._raise_if_departed()
-        self._comm = process.world.Dup()   # collective: every rank checks at the same point
-        self._root = process.rank == 0
-        self._buffer = np.zeros(2, dtype=np.int64)
-        self._request = None
-
-    def exchange(self, offer: tuple[int, int]) -> tuple[int, int] | None:
-        agreed = None
-        if self._request is not None:
-            self._wait()
-            agreed = (int(self._buffer[0]), int(self._buffer[1]))
-        # Never post to a world that has lost a rank: MPICH (libfabric's TCP) retries the
-        # connection to a process that has exited, inside the call, for ever.
-        self._raise_if_departed()
-        self._buffer = np.array(offer if self._root else (0, 0), dtype=np.int64)
-        self._request = self._comm.Ibcast(self._buffer, root=0)
-        return agreed
-
-    def drain(self) -> None:
-        if self._request is not None:
-            self._wait()
-
-    def _wait(self) -> None:
-        pause = 0.0
-        while not self._request.Test():
-            self._raise_if_departed()
-            time.sleep(pause)
-            pause = min(pause * 2 or 1e-5, 1e-3)
-        self._request = None
-
-    def _raise_if_departed(self) -> None:
-        gone = liveness.departed_ranks()
-        if gone:
-            self._request = None
-            described = "; ".join(liveness.departed_among(gone)) or f"rank(s) {gone}"
-            raise RankExitedError(f"state.commit(): {described}, so the check for host "
-                                  f"updates cannot complete.")
-
-
 def _agree(state: State, offer: tuple[int, int]) -> tuple[int, int] | None:
     """The host update rank 0 offered at the previous check (None at the first), and this
     check's offer posted for the next."""
     if state._hvd_agreement is None:
-        state._hvd_agreement = _Agreement()
+        state._hvd_agreement = HostUpdateAgreement()
     return state._hvd_agreement.exchange(offer)
 
 

@@ -1,4 +1,4 @@
-"""``check_host_updates()``'s pipelined broadcast (hvdlite.common.api.elastic._Agreement) never
+"""``check_host_updates()``'s pipelined broadcast (hvdlite.common.api.host_updates) never
 posts an MPI call once the watchdog has reported a rank gone: MPICH's TCP transport retries the
 connection to an exited process inside the call, for ever (seen on the simulated hosts: rank 0
 hung until the elastic driver gave up on it).  Pure logic, with a communicator that records."""
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from hvdlite.common.api import elastic
+from hvdlite.common.api.host_updates import HostUpdateAgreement
 from hvdlite.common.errors import RankExitedError
 from hvdlite.common.runtime import liveness
 
@@ -25,8 +25,8 @@ class DoneRequest:
         return True
 
 
-def agreement(root: bool) -> elastic._Agreement:
-    made = elastic._Agreement.__new__(elastic._Agreement)
+def agreement(root: bool) -> HostUpdateAgreement:
+    made = HostUpdateAgreement.__new__(HostUpdateAgreement)
     made._comm = RecordingComm()
     made._root = root
     made._request = None
