@@ -22,7 +22,8 @@ except ImportError as _exc:   # say what to install instead of a bare "No module
 if TYPE_CHECKING:   # for type checkers and the API reference; loaded lazily below
     from .executor import RayExecutor
     from .train import HvdliteConfig, HvdliteTrainer
-    from .elastic import ElasticRayError, ElasticRayExecutor
+    from .elastic import ElasticRayError
+    from .elastic_executor import ElasticRayExecutor
     from hvdlite.common.core import WorldError
 
 __all__ = ["RayExecutor", "HvdliteTrainer", "HvdliteConfig", "WorldError", "ElasticRayError",
@@ -37,9 +38,12 @@ def __getattr__(name: str):
     if name in ("HvdliteTrainer", "HvdliteConfig"):
         from . import train
         return getattr(train, name)
-    if name in ("ElasticRayError", "ElasticRayExecutor"):
-        from . import elastic
-        return getattr(elastic, name)
+    if name == "ElasticRayError":
+        from .elastic import ElasticRayError
+        return ElasticRayError
+    if name == "ElasticRayExecutor":
+        from .elastic_executor import ElasticRayExecutor
+        return ElasticRayExecutor
     if name == "WorldError":
         from hvdlite.common.core import WorldError
         return WorldError

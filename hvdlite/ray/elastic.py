@@ -1,8 +1,8 @@
 """Horovod's elastic ``RayExecutor`` (``min_workers``/``max_workers``): an elastic job whose
 worlds are Ray actors.
 
-The same model as ``hvdlite run``'s elastic driver (:mod:`hvdlite.runner.elastic.driver`),
-with Ray in place of ``mpiexec`` and the discovery script:
+The elastic driver of ``hvdlite run`` (:mod:`hvdlite.runner.elastic.driver`: the same loop,
+rules and messages) with :class:`RayProvider` in place of ``mpiexec`` and the discovery script:
 
 * the hosts are the Ray cluster's nodes that are alive and not being drained, each offering
   ``CPU // cpus_per_worker`` workers (and ``GPU // gpus_per_worker`` with ``use_gpu``), as
@@ -17,7 +17,12 @@ with Ray in place of ``mpiexec`` and the discovery script:
 * a node that joins, leaves, or is being drained (Ray's notice of a preemption or a
   scale-down) changes the placement: rank 0 is told, every rank stops at its next
   ``state.commit()`` (``HostsUpdatedInterrupt``) with rank 0's state shipped, and the next world
-  starts from it, so a drained node's work is kept before the node goes.
+  starts from it, so a drained node's work is kept before the node goes;
+* the function raising on its own (not the collective failure a lost worker causes) ends the
+  job with its exception, as a failing train function ends a Ray Train run; a failing node is
+  blacklisted only with a ``cooldown_range``.
+
+Horovod's older ``ElasticRayExecutor`` is in :mod:`.elastic_executor`.
 """
 from __future__ import annotations
 
@@ -25,10 +30,8 @@ import dataclasses
 import ipaddress
 import logging
 import math
-import queue
 import threading
 import time
-import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import ray
@@ -38,8 +41,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from hvdlite.common.core import HorovodInternalError
 from hvdlite.common.core import elastic_wire as wire
 from hvdlite.runner.elastic import hosts as hostmod
-from hvdlite.runner.elastic.driver import RESET_LIMIT_MESSAGE
-from hvdlite.runner.elastic.server import Event, Member, Server
+from hvdlite.runner.elastic.driver import Discoverer, ElasticDriver, last_line
+from hvdlite.runner.elastic.driver import worker_environment as driver_environment
+from hvdlite.runner.elastic.options import ElasticSettings as DriverSettings
+from hvdlite.runner.elastic.provider import WorldRecord, WorldStartError, ranks_on
+from hvdlite.runner.elastic.server import Server
 
 from . import formation
 from .actors import Group, Worker, visible_devices
@@ -48,10 +54,8 @@ from hvdlite.common.core import MpiWorld, WorldError
 log = logging.getLogger("hvdlite.ray")
 
 DISCOVER_SECONDS = 1.0   # as hvdlite run's driver (and horovodrun)
-TEARDOWN_GRACE = 5.0     # after a failure, how long the other workers get to report and end
+REPORT_GRACE = 5.0       # after a world's actors ended, how long their reports may take
 ABANDON_SECONDS = 60.0   # after killing a world's actors, how long Ray may take to confirm it
-POLL_SECONDS = 0.1
-START_ATTEMPTS = 3       # worlds in a row that fail to start before the job gives up
 
 
 class ElasticRayError(RuntimeError):
@@ -91,8 +95,7 @@ def commit_server(report_events: bool = True) -> Server:
 
 def worker_environment(server: Server, world: int) -> Dict[str, str]:
     """The variables that connect world ``world``'s workers to ``server`` at ``hvd.init()``."""
-    return {wire.DRIVER_VARIABLE: f"{ray.util.get_node_ip_address()}:{server.port}",
-            wire.KEY_VARIABLE: server.key.hex(), wire.WORLD_VARIABLE: str(world)}
+    return driver_environment(server, world, ray.util.get_node_ip_address())
 
 
 def stop_at_next_commit(server: Server, world: int,
@@ -168,37 +171,156 @@ class RayHostDiscovery:
 
 
 @dataclasses.dataclass
-class _World:
-    index: int
-    placement: List[Tuple[str, int]]          # (node id, workers), in assignment order
+class RayWorld:
+    """What :class:`RayProvider` holds of one world (``WorldRecord.handle``)."""
     actors: list                              # in world-rank order
-    node_of: List[str]                        # each rank's node id
     mpi: Optional[MpiWorld] = None
     pending: Dict[Any, int] = dataclasses.field(default_factory=dict)   # ref -> rank
-    results: Dict[int, Any] = dataclasses.field(default_factory=dict)
-    died: Dict[int, Optional[RayError]] = dataclasses.field(default_factory=dict)   # ended
-    raised: Dict[int, RayTaskError] = dataclasses.field(default_factory=dict)
-    members: Dict[int, Member] = dataclasses.field(default_factory=dict)
-    lost: List[int] = dataclasses.field(default_factory=list)   # ended without a word
-    failed_at: Optional[float] = None
-    notified: Optional[list] = None
     killed_at: Optional[float] = None
 
-    @property
-    def size(self) -> int:
-        return len(self.actors)
 
-    def describe(self, addresses: Dict[str, str]) -> str:
-        return ",".join(f"{addresses.get(n, n[:8])}[{n[:8]}]:{k}" for n, k in self.placement)
+class RayProvider:
+    """Each world as new Ray actors, one MPI world (the elastic driver's provider; see the
+    module docstring)."""
+
+    host_word = "node"
+    retries_own_errors = False   # a bug would fail again in every world, as in Ray Train
+    report_grace = REPORT_GRACE
+
+    def __init__(self, adapter: "ElasticAdapter", worker_fn: Callable, server: Server) -> None:
+        self.adapter = adapter
+        self.worker_fn = worker_fn
+        self.server = server
+        # Without a cooldown a failing node is not set aside at all: on Ray a node that is
+        # gone is gone from discovery too, and one that is not would be lost for good.
+        self.blacklists = adapter.cooldown_range is not None
+
+    def host_name(self, node: str) -> str:
+        return f"node {node[:8]} ({self.address(node)})"
+
+    def address(self, node: str) -> str:
+        return getattr(self.adapter.discovery, "addresses", {}).get(node, node)
+
+    def start(self, world: WorldRecord, env: Dict[str, str]) -> None:
+        try:
+            self._start(world, env)
+        except (WorldError, RayError) as exc:   # nodes gone while starting, ...
+            raise WorldStartError(str(exc)) from exc
+
+    def _start(self, world: WorldRecord, env: Dict[str, str]) -> None:
+        adapter = self.adapter
+        # MPI numbers each host's ranks consecutively: order the nodes by address so that
+        # nodes sharing one (several Ray nodes on one machine) stay together.
+        ordered = sorted(world.placement, key=lambda p: self.address(p[0]))
+        world.host_of = ranks_on(ordered)
+        remote = ray.remote(Worker)
+        gpus = adapter.gpus_per_worker * int(adapter.use_gpu)
+        actors = [remote.options(
+            num_cpus=adapter.cpus_per_worker, num_gpus=gpus,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(world.host_of[rank], soft=False)
+        ).remote() for rank in range(world.size)]
+        world.handle = handle = RayWorld(actors)
+        timeout = adapter.settings.timeout_s
+        env = {**adapter.env, **env, **worker_environment(self.server, world.index)}
+        calls = [a.update_env_vars.remote(env) for a in actors]
+        node_of = [world.host_of[rank] for rank in range(world.size)]
+        if adapter.use_gpu:
+            ids = formation.get_bounded([a.get_gpu_ids.remote() for a in actors], timeout,
+                                        "report their GPUs")
+            calls += visible_devices(actors, node_of, ids)
+        formation.get_bounded(calls, timeout, "start and set their environment")
+        log.info("hvdlite.ray: elastic: world %d: %d worker(s) on %s", world.index, len(actors),
+                 ",".join(f"{self.host_name(n)}:{k}" for n, k in ordered))
+        handle.mpi = formation.form_world(Group(actors), len(actors), timeout)
+        formation.get_bounded([a.start_executable.remote(*adapter.executable) for a in actors],
+                              timeout, "create their executable")
+        handle.pending = {a.execute.remote(self.worker_fn): rank
+                          for rank, a in enumerate(actors)}
+
+    def poll(self, world: WorldRecord, timeout: float) -> bool:
+        handle: RayWorld = world.handle
+        if handle.pending:
+            ready, _ = ray.wait(list(handle.pending), num_returns=1, timeout=timeout)
+            for ref in ready:
+                self._collect(world, ref)
+        if handle.killed_at is not None and handle.pending and (
+                time.monotonic() - handle.killed_at > ABANDON_SECONDS):
+            # Ray has not confirmed these actors' end (their node unreachable but not yet
+            # declared dead): count them as lost rather than wait on.
+            log.warning("hvdlite.ray: elastic: world %d: Ray did not confirm the end of "
+                        "rank(s) %s within %g s; counting them as lost", world.index,
+                        sorted(handle.pending.values()), ABANDON_SECONDS)
+            world.died.extend(sorted(handle.pending.values()))
+            handle.pending.clear()
+        return not handle.pending
+
+    def _collect(self, world: WorldRecord, ref: Any) -> None:
+        handle: RayWorld = world.handle
+        rank = handle.pending.pop(ref)
+        try:
+            world.results[rank] = ray.get(ref)
+            return
+        except RayActorError:   # its process ended: a reset's exit, killed, node lost
+            world.died.append(rank)
+        except RayTaskError as exc:    # the function raised
+            if isinstance(getattr(exc, "cause", None), HorovodInternalError):
+                world.died.append(rank)   # the collective failure a lost worker causes
+            else:
+                world.raised[rank] = exc
+            # Its process lives on in a world that cannot go on: end it, so that the others
+            # notice (hvdlite's watchdog) and hand in their commits.
+            ray.kill(handle.actors[rank], no_restart=True)
+        if world.failed_at is None:
+            world.failed_at = time.monotonic()
+
+    def stop(self, world: WorldRecord, hard: bool, signum: Optional[int] = None) -> None:
+        handle: RayWorld = world.handle
+        if handle.killed_at is None:   # killed is as hard as it gets: once is enough
+            self._kill(handle)
+
+    @staticmethod
+    def _kill(handle: RayWorld) -> None:
+        if handle.killed_at is None:
+            handle.killed_at = time.monotonic()
+        for actor in handle.actors:   # the world's refs then end with errors
+            ray.kill(actor, no_restart=True)
+
+    def settle(self, world: WorldRecord) -> None:
+        pass   # nothing outlives the world's end but its workers' reports
+
+    def finish(self, world: WorldRecord, failed: bool) -> None:
+        """End the world's actors and launcher processes (after a clean end, the workers
+        release their proxies first)."""
+        handle: Optional[RayWorld] = world.handle
+        if handle is None:
+            return
+        if failed:
+            self._kill(handle)
+        if handle.mpi is not None:
+            formation.end_world(None if failed else Group(handle.actors), handle.mpi,
+                                self.adapter.settings.timeout_s)
+        if not failed:
+            self._kill(handle)
+
+    def error(self, world: WorldRecord, rank: int) -> BaseException:
+        exc = world.raised[rank]
+        cause = getattr(exc, "cause", None) or exc
+        if isinstance(cause, BaseException):
+            text = f"{type(cause).__name__}: {last_line(cause)}"
+        else:   # only its report: "Type: message"
+            text, cause = last_line(cause), None
+        error = ElasticRayError(f"rank {rank} on {self.host_name(world.host_of[rank])} "
+                                f"raised {text}")
+        error.__cause__ = cause
+        return error
+
+    def result(self, world: WorldRecord) -> List[Any]:
+        return [world.results[r] for r in sorted(world.results)]
 
 
-@dataclasses.dataclass
-class _End:
-    kind: str                  # "done", "reset" or "failed"
-    culprits: List[int]
-    reason: str
-    results: Optional[List[Any]] = None
-    error: Optional[BaseException] = None
+def say(message: str) -> None:
+    """What the elastic driver tells the user of a Ray job: the log's warnings."""
+    log.warning("hvdlite.ray: elastic: %s", message)
 
 
 class ElasticAdapter:
@@ -239,12 +361,21 @@ class ElasticAdapter:
                 raise ValueError("RayExecutor(override_discovery=False): the settings carry no "
                                  "discovery (settings.discovery with "
                                  "find_available_hosts_and_slots()).")
-        self.manager = hostmod.HostManager(self.cooldown_range)
+        # One driver for every run: its blacklist outlives a run, as the adapter's did.
+        self.driver = ElasticDriver(None, DriverSettings(
+            min_workers, min_workers, max_workers, self.discovery, reset_limit,
+            self.cooldown_range, elastic_timeout), say, ElasticRayError, self._timeout_error)
         self.started = False
-        self._world: Optional[_World] = None
-        self._timestamp = 0
-        self._executable: tuple = (None, None, None)
-        self._env: Dict[str, str] = {}
+        self.executable: tuple = (None, None, None)
+        self.env: Dict[str, str] = {}
+
+    def _timeout_error(self, need: int, have: int, hosts_text: str) -> ElasticRayError:
+        return ElasticRayError(
+            f"waited {self.elastic_timeout:g} s (elastic_timeout) for room for {need} "
+            f"workers (min_workers) of {self.cpus_per_worker} CPU"
+            + (f" and {self.gpus_per_worker} GPU" if self.use_gpu else "")
+            + f" each, but the Ray cluster's nodes hold only {have}: {hosts_text}. Add nodes "
+            f"(or let the autoscaler), or lower min_workers.")
 
     # --- the executor's calls --------------------------------------------------------------
     def start(self, executable_cls: Optional[type] = None,
@@ -253,9 +384,14 @@ class ElasticAdapter:
               extra_env_vars: Optional[Dict] = None) -> None:
         """Wait (up to ``elastic_timeout``) until the cluster can hold ``min_workers``
         workers, and keep what every world's workers are started with."""
-        self._wait_for_slots(self.min_workers)
-        self._executable = (executable_cls, executable_args, executable_kwargs)
-        self._env = {k: str(v) for k, v in (extra_env_vars or {}).items()}
+        discoverer = Discoverer(self.discovery, say)
+        discoverer.start()
+        try:
+            self.driver.wait_for_slots(discoverer, self.min_workers)
+        finally:
+            discoverer.stop()
+        self.executable = (executable_cls, executable_args, executable_kwargs)
+        self.env = {k: str(v) for k, v in (extra_env_vars or {}).items()}
         self.started = True
 
     def run(self, worker_fn: Callable[[Any], Any]) -> List[Any]:
@@ -265,345 +401,13 @@ class ElasticAdapter:
             raise RuntimeError("RayExecutor.run(): call start() first.")
         # One commit server per run: a run's commits never resume another run's function.
         server = commit_server()
+        discoverer = Discoverer(self.discovery, say)
         try:
-            return self._loop(server, worker_fn)
+            self.driver.provider = RayProvider(self, worker_fn, server)
+            return self.driver.run(server, discoverer)
         finally:
-            if self._world is not None:
-                self._end_world(self._world, server, failed=True)
+            discoverer.stop()
             server.close()
 
     def shutdown(self) -> None:
         self.started = False
-
-    # --- the worlds --------------------------------------------------------------------------
-    def _loop(self, server: Server, worker_fn: Callable) -> List[Any]:
-        resets = start_failures = 0
-        index = 0
-        while True:
-            placement = self._wait_for_slots(self.min_workers)
-            try:
-                world = self._start_world(server, index, placement, worker_fn)
-            except (WorldError, RayError) as exc:   # nodes gone while starting, ...
-                if self._world is not None:
-                    self._end_world(self._world, server, failed=True)
-                start_failures += 1
-                if start_failures > START_ATTEMPTS:
-                    raise ElasticRayError(f"{start_failures} worlds in a row could not start; "
-                                          f"the last: {exc}") from exc
-                end = _End("reset", [], f"world {index} could not start: {exc}")
-                world = None
-            else:
-                start_failures = 0
-                end = self._watch(server, world)
-                self._end_world(world, server, failed=end.kind != "done")
-            if end.kind == "done":
-                return end.results
-            if end.kind == "failed":
-                raise ElasticRayError(end.reason) from end.error
-            blamed = sorted({world.node_of[r] for r in end.culprits}) if world else []
-            note = ""
-            if self.cooldown_range is not None and blamed:
-                for node in blamed:
-                    self.manager.blacklist(node)
-                note = f"; set aside {', '.join(self._name(n) for n in blamed)} for a cooldown"
-            log.warning("hvdlite.ray: elastic: world %d ended: %s%s", index, end.reason, note)
-            if self.reset_limit is not None and resets >= self.reset_limit:
-                raise ElasticRayError(RESET_LIMIT_MESSAGE.format(self.reset_limit))
-            resets += 1
-            index += 1
-
-    def _name(self, node: str) -> str:
-        return f"node {node[:8]} ({self._address(node)})"
-
-    def _address(self, node: str) -> str:
-        return getattr(self.discovery, "addresses", {}).get(node, node)
-
-    def _refresh(self) -> int:
-        return int(self.manager.update(self.discovery.find_available_hosts_and_slots()))
-
-    def _wait_for_slots(self, need: int) -> List[Tuple[str, int]]:
-        deadline = time.monotonic() + self.elastic_timeout
-        said = False
-        while True:
-            self._refresh()
-            available = self.manager.available()
-            if sum(slots for _, slots in available) >= need:
-                return hostmod.assign(available, self.max_workers)
-            if time.monotonic() > deadline:
-                raise ElasticRayError(
-                    f"waited {self.elastic_timeout:g} s (elastic_timeout) for room for {need} "
-                    f"workers (min_workers) of {self.cpus_per_worker} CPU"
-                    + (f" and {self.gpus_per_worker} GPU" if self.use_gpu else "")
-                    + f" each, but the Ray cluster's nodes hold only "
-                    f"{sum(s for _, s in available)}: {self.manager.describe()}. Add nodes (or "
-                    f"let the autoscaler), or lower min_workers.")
-            if not said:
-                log.warning("hvdlite.ray: elastic: waiting up to %g s for room for %d "
-                            "workers; %s", self.elastic_timeout, need, self.manager.describe())
-                said = True
-            time.sleep(0.2)
-
-    def _start_world(self, server: Server, index: int, placement: List[Tuple[str, int]],
-                     worker_fn: Callable) -> _World:
-        # MPI numbers each host's ranks consecutively: order the nodes by address so that
-        # nodes sharing one (several Ray nodes on one machine) stay together.
-        ordered = sorted(placement, key=lambda p: self._address(p[0]))
-        remote = ray.remote(Worker)
-        gpus = self.gpus_per_worker * int(self.use_gpu)
-        actors, node_of = [], []
-        for node, count in ordered:
-            for _ in range(count):
-                node_of.append(node)
-                actors.append(remote.options(
-                    num_cpus=self.cpus_per_worker, num_gpus=gpus,
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
-                ).remote())
-        world = _World(index, list(placement), actors, node_of)
-        self._world = world
-        timeout = self.settings.timeout_s
-        env = {**self._env, **worker_environment(server, index)}
-        calls = [a.update_env_vars.remote(env) for a in actors]
-        if self.use_gpu:
-            ids = formation.get_bounded([a.get_gpu_ids.remote() for a in actors], timeout,
-                                        "report their GPUs")
-            calls += visible_devices(actors, node_of, ids)
-        formation.get_bounded(calls, timeout, "start and set their environment")
-        log.info("hvdlite.ray: elastic: world %d: %d worker(s) on %s", index, len(actors),
-                 world.describe(getattr(self.discovery, "addresses", {})))
-        world.mpi = formation.form_world(Group(actors), len(actors), timeout)
-        formation.get_bounded([a.start_executable.remote(*self._executable) for a in actors],
-                              timeout, "create their executable")
-        world.pending = {a.execute.remote(worker_fn): rank for rank, a in enumerate(actors)}
-        return world
-
-    def _watch(self, server: Server, world: _World) -> _End:
-        last_discovery = time.monotonic()
-        while world.pending:
-            ready, _ = ray.wait(list(world.pending), num_returns=1, timeout=POLL_SECONDS)
-            for ref in ready:
-                self._collect(world, ref)
-            self._handle_events(server, world)
-            now = time.monotonic()
-            if now - last_discovery >= DISCOVER_SECONDS and world.failed_at is None:
-                last_discovery = now
-                self._refresh()
-                self._maybe_notify(world)
-            if (world.failed_at is not None and world.killed_at is None
-                    and now - world.failed_at > TEARDOWN_GRACE):
-                self._kill(world)   # the rest of the world: its refs then end with errors
-            if world.killed_at is not None and now - world.killed_at > ABANDON_SECONDS:
-                # Ray has not confirmed these actors' end (their node unreachable but not yet
-                # declared dead): count them as lost rather than wait on.
-                log.warning("hvdlite.ray: elastic: world %d: Ray did not confirm the end of "
-                            "rank(s) %s within %g s; counting them as lost", world.index,
-                            sorted(world.pending.values()), ABANDON_SECONDS)
-                for rank in world.pending.values():
-                    world.died[rank] = None
-                world.pending.clear()
-        self._handle_events(server, world)
-        return self._classify(world)
-
-    def _collect(self, world: _World, ref) -> None:
-        rank = world.pending.pop(ref)
-        try:
-            world.results[rank] = ray.get(ref)
-            return
-        except RayActorError as exc:   # its process ended: a reset's exit, killed, node lost
-            world.died[rank] = exc
-        except RayTaskError as exc:    # the function raised
-            world.raised[rank] = exc
-            # Its process lives on in a world that cannot go on: end it, so that the others
-            # notice (hvdlite's watchdog) and hand in their commits.
-            ray.kill(world.actors[rank], no_restart=True)
-        if world.failed_at is None:
-            world.failed_at = time.monotonic()
-
-    def _handle_events(self, server: Server, world: _World) -> None:
-        while True:
-            try:
-                event: Event = server.events.get_nowait()
-            except queue.Empty:
-                return
-            member = event.member
-            if member.world != world.index:
-                continue   # a worker of an earlier world, ending late
-            if event.kind == "hello":
-                world.members[member.rank] = member
-                if member.rank == 0:
-                    world.notified = None   # (re)connected: tell it again if needed
-            elif event.kind == "outcome":
-                if member.outcome[0] in ("reset", "error") and world.failed_at is None:
-                    world.failed_at = event.at
-            elif event.kind == "ended" and member.outcome is None:
-                world.lost.append(member.rank)
-                if world.failed_at is None:
-                    world.failed_at = event.at
-
-    def _maybe_notify(self, world: _World) -> None:
-        """Tell rank 0 when the nodes available now would place the workers differently
-        (a node joined, left, or is being drained)."""
-        desired = hostmod.desired_placement(self.manager.available(), self.min_workers,
-                                            self.max_workers)
-        if desired == world.placement or desired == world.notified:
-            return
-        coordinator = world.members.get(0)
-        if coordinator is None:
-            return
-        self._timestamp += 1
-        update = int(wire.HostUpdateResult.mixed)
-        if coordinator.send(("hosts_updated", self._timestamp, update)):
-            world.notified = desired
-            drained = [self._name(n) for n, _ in world.placement
-                       if n in getattr(self.discovery, "drained", {})]
-            log.warning("hvdlite.ray: elastic: world %d: the nodes changed%s; the workers "
-                        "stop at their next commit", world.index,
-                        f" ({', '.join(drained)} being drained)" if drained else "")
-
-    def _classify(self, world: _World) -> _End:
-        outcomes = {r: m.outcome for r, m in world.members.items() if m.outcome}
-        kinds = {o[0] for o in outcomes.values()}
-        if len(world.results) == world.size or ("done" in kinds and world.results):
-            return _End("done", [], "training finished",
-                        results=[world.results[r] for r in sorted(world.results)])
-        # An exception from the function itself (not the collective failure a lost worker
-        # causes) ends the job with it, as a failing train function ends a Ray Train run: a
-        # bug would fail again in every world.
-        errors = [r for r, exc in sorted(world.raised.items())
-                  if not isinstance(getattr(exc, "cause", None), HorovodInternalError)]
-        if errors:
-            exc = world.raised[errors[0]]
-            cause = getattr(exc, "cause", None) or exc
-            text = str(cause).strip().splitlines()
-            return _End("failed", errors, f"rank {errors[0]} on "
-                        f"{self._name(world.node_of[errors[0]])} raised "
-                        f"{type(cause).__name__}: {text[-1][:300] if text else ''}",
-                        error=cause)
-        # Who failed on their own: the first worker whose process ended without a word
-        # (those after it went down with the world).
-        silent = [r for r in world.died if r not in outcomes]
-        lost = [r for r in world.lost if r in silent] + [r for r in silent
-                                                         if r not in world.lost]
-        resets = [(r, o[1]) for r, o in outcomes.items() if o[0] == "reset"]
-        if lost:
-            rank = lost[0]
-            return _End("reset", [rank], f"rank {rank} on {self._name(world.node_of[rank])} "
-                        f"ended without a word (killed, crashed, or its node lost)")
-        if resets:
-            return _End("reset", [], f"rank {resets[0][0]}: "
-                        f"{resets[0][1].splitlines()[-1][:300]}")
-        if "interrupt" in kinds:
-            return _End("reset", [], "the nodes changed")
-        rank = min(world.raised) if world.raised else 0
-        cause = getattr(world.raised.get(rank), "cause", None)
-        return _End("failed", [], f"world {world.index} failed with no worker lost: rank "
-                    f"{rank} raised {cause!r}", error=cause)
-
-    def _kill(self, world: _World) -> None:
-        if world.killed_at is None:
-            world.killed_at = time.monotonic()
-        for actor in world.actors:
-            ray.kill(actor, no_restart=True)
-
-    def _end_world(self, world: _World, server: Server, failed: bool) -> None:
-        """End the world's actors and launcher processes (after a clean end, the workers
-        release their proxies first)."""
-        self._world = None
-        if failed:
-            self._kill(world)
-        if world.mpi is not None:
-            formation.end_world(None if failed else Group(world.actors), world.mpi,
-                                self.settings.timeout_s)
-        if not failed:
-            self._kill(world)
-        server.forget(world.index)
-
-
-# --- Horovod's older API ---------------------------------------------------------------------
-@dataclasses.dataclass
-class ElasticSettings:
-    """What :meth:`ElasticRayExecutor.create_settings` returns: the fields of Horovod's
-    ``ElasticSettings`` that apply here (``discovery`` is set by the executor)."""
-    min_num_proc: int = 1
-    max_num_proc: Optional[int] = None
-    reset_limit: Optional[int] = None
-    elastic_timeout: float = 600
-    timeout_s: float = 30
-    ssh_identity_file: Optional[str] = None
-    nics: Optional[set] = None
-    cooldown_range: Optional[Tuple[float, float]] = None
-    verbose: int = 1
-    discovery: Any = None
-
-
-class ElasticRayExecutor:
-    """Horovod's ``horovod.ray.ElasticRayExecutor`` (deprecated there since 0.25 in favour of
-    ``RayExecutor(min_workers=...)``), for scripts that still use it: the same elastic job as
-    :class:`hvdlite.ray.RayExecutor` with ``min_workers``.
-
-    Args:
-        settings: from :meth:`create_settings`.
-        use_gpu: give each worker (slot) GPUs.
-        cpus_per_slot: each worker's CPUs.
-        gpus_per_slot: each worker's GPUs (``use_gpu`` only; default 1).
-        env_vars: environment variables set in every worker before it runs the function.
-        override_discovery: find the nodes through Ray (True), or use ``settings.discovery``.
-    """
-
-    @staticmethod
-    def create_settings(min_num_proc: int = 1, max_num_proc: Optional[int] = None,
-                        reset_limit: Optional[int] = None, elastic_timeout: float = 600,
-                        timeout_s: float = 30, ssh_identity_file: Optional[str] = None,
-                        nics: Optional[set] = None, min_np: Optional[int] = None,
-                        max_np: Optional[int] = None, **kwargs: Any) -> ElasticSettings:
-        """Horovod's settings; ``min_np``/``max_np`` are its deprecated spellings, and of its
-        other keyword arguments ``cooldown_range`` and ``verbose`` apply."""
-        if min_np is not None:
-            warnings.warn("min_np is deprecated, use min_num_proc instead", DeprecationWarning,
-                          stacklevel=2)
-            min_num_proc = min_np
-        if max_np is not None:
-            warnings.warn("max_np is deprecated, use max_num_proc instead", DeprecationWarning,
-                          stacklevel=2)
-            max_num_proc = max_np
-        unknown = sorted(set(kwargs) - {"cooldown_range", "verbose"})
-        if unknown:
-            raise TypeError(f"ElasticRayExecutor.create_settings(): unexpected keyword "
-                            f"argument(s) {unknown}")
-        return ElasticSettings(min_num_proc=min_num_proc, max_num_proc=max_num_proc,
-                               reset_limit=reset_limit, elastic_timeout=elastic_timeout,
-                               timeout_s=timeout_s, ssh_identity_file=ssh_identity_file,
-                               nics=nics, **kwargs)
-
-    def __init__(self, settings: ElasticSettings, use_gpu: bool = False,
-                 cpus_per_slot: float = 1, gpus_per_slot: Optional[float] = None,
-                 env_vars: Optional[Dict[str, Any]] = None,
-                 override_discovery: bool = True) -> None:
-        if gpus_per_slot and not use_gpu:   # Horovod's checks and messages
-            raise ValueError("gpus_per_slot is set, but use_gpu is False. use_gpu must be True "
-                             "if gpus_per_slot is set. ")
-        gpus_per_slot = gpus_per_slot or int(use_gpu)
-        if use_gpu and gpus_per_slot < 1:
-            raise ValueError(f"gpus_per_slot must be >= 1: Got {gpus_per_slot}.")
-        self.settings = settings
-        self.use_gpu = use_gpu
-        self.cpus_per_slot = cpus_per_slot
-        self.gpus_per_slot = gpus_per_slot
-        self.env_vars = env_vars or {}
-        self._adapter = ElasticAdapter(
-            settings, min_workers=settings.min_num_proc, max_workers=settings.max_num_proc,
-            use_gpu=use_gpu, cpus_per_worker=cpus_per_slot,
-            gpus_per_worker=gpus_per_slot or None, override_discovery=override_discovery,
-            reset_limit=settings.reset_limit, cooldown_range=settings.cooldown_range,
-            elastic_timeout=settings.elastic_timeout)
-
-    def start(self) -> None:
-        """Wait (up to ``elastic_timeout``) until the cluster has room for ``min_num_proc``
-        workers."""
-        self._adapter.start(extra_env_vars=self.env_vars)
-
-    def run(self, worker_fn: Callable[[], Any],
-            callbacks: Optional[List[Callable]] = None) -> List[Any]:
-        """``worker_fn()`` (an ``hvd.elastic.run`` training function) on every worker of a
-        sequence of worlds until one finishes; that world's return values in rank order.
-        ``callbacks`` are accepted and not called (see docs/deviations.md)."""
-        return self._adapter.run(lambda _: worker_fn())

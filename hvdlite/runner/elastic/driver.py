@@ -143,7 +143,8 @@ class ElasticDriver:
                 raise self.provider.error(world, end.culprits[0])
             if end.kind == "failed":
                 raise self.fail(end.reason)
-            start_failures = start_failures + 1 if not world.members else 0
+            # a world none of whose workers reported in never started
+            start_failures = start_failures + 1 if not (world.formed and world.members) else 0
             if start_failures > START_ATTEMPTS:
                 raise self.fail(f"{start_failures} worlds in a row could not start; the last: "
                                 f"{end.reason}")
@@ -224,6 +225,7 @@ class ElasticDriver:
             if self.signals:
                 break
         self.handle_events(server, world)
+        self.provider.settle(world)
         return classify(world, self.provider.host_name, self.provider.host_word,
                         self.provider.retries_own_errors)
 
@@ -282,6 +284,7 @@ class ElasticDriver:
         while not self.provider.poll(world, POLL_SECONDS):
             if time.monotonic() > deadline or len(self.signals) > 1:
                 self.provider.stop(world, hard=True)
+        self.provider.settle(world)
         return WorldEnd("stopped", [], "stopped by a signal", 128 + self.signals[0])
 
     # --- signals -----------------------------------------------------------------------------

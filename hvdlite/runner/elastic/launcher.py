@@ -126,6 +126,10 @@ class LauncherProvider:
             world.results = dict.fromkeys(range(world.size))
         return True
 
+    def settle(self, world: WorldRecord) -> None:
+        for pump in world.handle[1]:   # its output before the driver's word on how it ended
+            pump.join(KILL_GRACE)
+
     def stop(self, world: WorldRecord, hard: bool, signum: Optional[int] = None) -> None:
         proc: subprocess.Popen = world.handle[0]
         if proc.poll() is None:
@@ -134,12 +138,11 @@ class LauncherProvider:
     def finish(self, world: WorldRecord, failed: bool) -> None:
         if world.handle is None:
             return
-        proc, pumps = world.handle
+        proc = world.handle[0]
         if proc.poll() is None:   # the job ends with an exception: its world goes too
             kill_group(proc.pid, signal.SIGKILL)
             proc.wait()
-        for pump in pumps:
-            pump.join(KILL_GRACE)
+            self.settle(world)
 
     def error(self, world: WorldRecord, rank: int) -> BaseException:
         return ElasticError(f"rank {rank} raised {world.raised.get(rank)}")

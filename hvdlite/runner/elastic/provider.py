@@ -97,6 +97,10 @@ class Provider(Protocol):
         """Make ``world``'s workers end (``hard``: they did not after the first ask;
         ``signum``: the signal the driver received, to pass on)."""
 
+    def settle(self, world: WorldRecord) -> None:
+        """``world`` has ended and its workers have reported: take in what is left of it (the
+        launcher's output) before the driver says how it ended."""
+
     def finish(self, world: WorldRecord, failed: bool) -> None:
         """``world`` has ended: release what is left of it."""
 

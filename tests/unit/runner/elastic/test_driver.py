@@ -123,6 +123,9 @@ class FakeProvider:
         self.stopped.append((world.index, hard))
         world.handle["ended"] = True
 
+    def settle(self, world: WorldRecord) -> None:
+        pass   # nothing outlives the world's end but its workers' reports
+
     def finish(self, world: WorldRecord, failed: bool) -> None:
         self.finished.append((world.index, failed))
 

@@ -11,7 +11,6 @@ import random
 import subprocess
 import sys
 import time
-import types
 
 import numpy as np
 import pytest
