@@ -217,8 +217,9 @@ class ElasticDriver:
                     self._maybe_notify(world)
             self._maybe_stop(world, now)
         # Workers the provider saw end may still be reporting (a failing world's survivors
-        # hand in their newest commit first): wait for them.
-        deadline = time.monotonic() + self.provider.report_grace
+        # hand in their newest commit first): wait for them, unless every rank returned.
+        clean = len(world.results) == world.size and world.failed_at is None
+        deadline = time.monotonic() + (0 if clean else self.provider.report_grace)
         while time.monotonic() < deadline and any(
                 m.outcome is None and m.ended_at is None for m in world.members.values()):
             self.handle_events(server, world, timeout=0.05)
