@@ -40,7 +40,7 @@ from hvdlite.common.dtypes import dtype_info
 from hvdlite.common.engine.handle import GroupHandle, Handle
 from hvdlite.common.engine.messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST,
                                             REDUCESCATTER, split_rows)
-from hvdlite.common.engine.thread import FUSE_BELOW_BYTES
+from hvdlite.common.engine.execution import FUSE_BELOW_BYTES
 from hvdlite.common.errors import (DuplicateNameError, FailedOnRankError, GpuUnavailableError,
                                    HorovodInternalError, HostsUpdatedInterrupt, HvdliteError,
                                    LaunchError, NotInitializedError, RankChildProcessError, RankExitedError,

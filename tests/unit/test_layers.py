@@ -157,7 +157,7 @@ def test_no_import_cycles():
 def test_the_checker_sees_a_planted_violation(tmp_path):
     """The checker itself: an upward import and a side door are found."""
     planted = tmp_path / "x.py"
-    planted.write_text("import os\nfrom hvdlite.common.engine import thread\n"
+    planted.write_text("import os\nfrom hvdlite.common.engine import engine\n"
                        "def f():\n    from hvdlite.common.api import ops\n")
     found = _imports(planted, "hvdlite.common.runtime.x")
-    assert {"hvdlite.common.engine.thread", "hvdlite.common.api.ops"} <= found
+    assert {"hvdlite.common.engine.engine", "hvdlite.common.api.ops"} <= found

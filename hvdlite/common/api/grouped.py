@@ -45,7 +45,7 @@ def submit_group(kind: str, arrays: Sequence[np.ndarray], *, name: str | None = 
     # Every member's name is taken before any is checked: if one fails in an unnamed group, all
     # are announced as failed, so the other ranks' group fails too and later names stay paired.
     group, names = _group_names(kind, name, set_id, n)
-    packed = kind == ALLREDUCE   # negotiated as one request (see _packed_request)
+    packed = kind == ALLREDUCE   # negotiated as one request (see packed_request)
     template = None
     try:
         entries = None
@@ -66,7 +66,7 @@ def submit_group(kind: str, arrays: Sequence[np.ndarray], *, name: str | None = 
                 if (entries is not None and not auto_named
                         and (outputs is None or all(map(operator.is_, outputs, arrays)))):
                     template = GroupTemplate(group, entries,
-                                             _packed_request(group, entries, True),
+                                             packed_request(group, entries, True),
                                              outputs is not None, reduce_op, prescale, postscale)
         if entries is None:
             entries = [make_entry(engine, members, kind, array, name=names[i],
@@ -86,7 +86,7 @@ def submit_group(kind: str, arrays: Sequence[np.ndarray], *, name: str | None = 
     if not packed:
         return GroupHandle(group, engine.submit_group(entries))
     request = (template.request if template is not None
-               else _packed_request(group, entries, not auto_named))
+               else packed_request(group, entries, not auto_named))
     entry = Entry(request, None, None, None, engine.new_handle(group))
     entry.members = entries
     handle = GroupHandle(group, [engine.submit_packed(entry)], whole=True)
@@ -110,11 +110,13 @@ def _give_back(template: GroupTemplate, results: list) -> list:
 lifecycle.on_shutdown(_templates.clear)
 
 
-_layout_fields = operator.itemgetter(0, 2, 3, 6)   # a request's name, dtype, shape, device
-assert tuple(Request._fields[i] for i in (0, 2, 3, 6)) == ("name", "dtype", "shape", "device")
+# A member's entry in its group's layout: an itemgetter over the named fields (as fast as
+# indexing, and it follows the fields if Request changes).
+LAYOUT_FIELDS = ("name", "dtype", "shape", "device")
+_layout_fields = operator.itemgetter(*(Request._fields.index(f) for f in LAYOUT_FIELDS))
 
 
-def _packed_request(group: str, entries: list[Entry], cacheable: bool) -> Request:
+def packed_request(group: str, entries: list[Entry], cacheable: bool) -> Request:
     """The one request a grouped allreduce is negotiated as: named after the group, with a
     layout that lists every member (name, dtype, shape, device), validated across ranks member
     by member; one response cache slot, one handle.  The members' own entries travel with it

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hvdlite.common.backends.registry import standard_paths
 from hvdlite.common.config import Config
-from hvdlite.common.engine.thread import Engine
+from hvdlite.common.engine.engine import Engine
 from hvdlite.common.runtime import lifecycle
 
 

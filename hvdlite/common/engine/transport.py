@@ -1,8 +1,9 @@
-"""How the negotiation talks to the other ranks of its process set: the three exchanges a round
-needs, behind a small interface, so that the round protocol runs over MPI in a job and over an
+"""How the engine talks to the other ranks of its process set: the three exchanges a negotiation
+round needs (the engine's only other collective, the agreement before a GPU batch, is an
+allgather too), behind a small interface, so that the engine runs over MPI in a job and over an
 in-process fake in unit tests (tests/unit/engine/fake_transport.py drives N simulated ranks).
 
-Every method is non-blocking; the controller waits on the returned test function (politely, see
+Every method is non-blocking; the caller waits on the returned test function (politely, see
 ``waiting``), which keeps a dead or stuck peer visible to the stall checks.
 """
 from __future__ import annotations

@@ -355,7 +355,7 @@ def params_bad_input(case):
         assert "'bad' is a float" in str(exc), str(exc)
     else:
         raise AssertionError("a float among the parameters did not raise")
-    assert not state.engine()._in_flight, list(state.engine()._in_flight)
+    assert not state.engine().in_flight.entries, list(state.engine().in_flight.entries)
     t = torch.full((3,), float(RANK))
     hvd.broadcast_parameters({"ok": t, "first": t + 1}, root_rank=SIZE - 1)
     assert t.tolist() == [float(SIZE - 1)] * 3

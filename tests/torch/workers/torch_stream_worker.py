@@ -40,7 +40,7 @@ def train_and_count():
         opt.zero_grad()
         model(x).square().mean().backward()
         opt.step()
-        assert engine._streams == 0, f"a gradient stream stayed open after step {step}"
+        assert engine.open_streams == 0, f"a gradient stream stayed open after step {step}"
     return model, (engine.rounds_with_work - before) / STEPS
 
 
@@ -67,9 +67,9 @@ def zero_grad_closes_an_unfinished_stream():
                                    named_parameters=named, backward_passes_per_step=2)
     engine = state.engine()
     model(torch.ones(2, 8)).sum().backward()
-    assert engine._streams == 1, engine._streams
+    assert engine.open_streams == 1, engine.open_streams
     opt.zero_grad()
-    assert engine._streams == 0, "zero_grad() left the gradient stream open"
+    assert engine.open_streams == 0, "zero_grad() left the gradient stream open"
 
 
 r = Reporter(RANK)

@@ -230,18 +230,20 @@ def test_a_cached_group_with_one_changed_member_is_negotiated_again_as_one():
 
 
 def test_duplicate_names_within_one_group_are_refused_before_anything_is_in_flight():
-    """Engine._admit: a group naming one tensor twice raises DuplicateNameError naming it, and
+    """Admission.admit: a group naming one tensor twice raises DuplicateNameError naming it, and
     none of the group's members stays registered (all or nothing)."""
-    from hvdlite.common.engine.thread import Engine
+    from hvdlite.common.engine.admission import Admission
+    from hvdlite.common.engine.completion import Completion
+    from hvdlite.common.engine.in_flight import InFlight
     from hvdlite.common.errors import DuplicateNameError
-    engine = Engine.__new__(Engine)   # only the admission state: no communicator, no thread
-    engine._stopped, engine._shutdown_requested, engine._in_flight, engine.rank = None, False, {}, 0
+    table = InFlight()   # only the admission stage: no communicator, no thread
+    admission = Admission(table, 0, lambda: False, Config(), Completion(table, 0))
     members = [entry(f"m.{i}") for i in range(200)] + [entry("m.7")]
     with pytest.raises(DuplicateNameError, match="'m.7'"):
-        engine._admit(members)
-    assert engine._in_flight == {}
-    engine._admit(members[:200])
-    assert len(engine._in_flight) == 200
+        admission.admit(members)
+    assert table.entries == {}
+    admission.admit(members[:200])
+    assert len(table.entries) == 200
 
 
 def test_joined_rank_stands_in_for_reductions_and_join_ends_when_all_joined():

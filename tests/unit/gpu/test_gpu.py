@@ -331,7 +331,7 @@ def test_importing_hvdlite_does_not_import_cupy(tmp_path):
         "import hvdlite as hvd\n"
         "import hvdlite.common.gpu.cuda, hvdlite.common.backends.nccl\n"
         "import hvdlite.common.backends.staged, hvdlite.common.gpu.completion\n"
-        "import hvdlite.common.engine.thread, hvdlite.common.api.ops\n"
+        "import hvdlite.common.engine.engine, hvdlite.common.api.ops\n"
         "import importlib.util\n"
         "if importlib.util.find_spec('torch') is not None:\n"
         "    import hvdlite.torch\n"

@@ -163,7 +163,7 @@ def test_errors_without_a_message_constructor_get_a_note():
 def test_large_host_gradients_stay_alone_and_gpu_ones_join_up_to_the_cap():
     """On the host a gradient the engine reduces in place (FUSE_BELOW_BYTES or more) would only
     gain two copies in a bucket; on a GPU every gradient under the cap joins one."""
-    from hvdlite.common.engine.thread import FUSE_BELOW_BYTES
+    from hvdlite.common.engine.execution import FUSE_BELOW_BYTES
     from hvdlite.torch.buckets import alone_from
     cap = 25 * 2**20
     assert alone_from(torch.device("cpu"), cap) == FUSE_BELOW_BYTES
