@@ -3,22 +3,25 @@
 An elastic Spark job is a sequence of worlds, each one barrier stage (as in
 :func:`hvdlite.spark.run`) sized to the task slots the cluster offers when it starts (between
 ``min_num_proc`` and ``max_num_proc``).  ``fn`` wraps its training in ``hvd.elastic.run``; its
-ranks connect at ``hvd.init()`` to the commit server of ``hvdlite run``'s elastic driver
-(:class:`~hvdlite.runner.elastic.server.Server`), which this process runs, and rank 0 ships its
-commits there.
+ranks connect at ``hvd.init()`` to the commit server
+(:class:`~hvdlite.runner.elastic.server.Server`) of the elastic driver this process runs
+(:mod:`hvdlite.runner.elastic.driver`, ``hvdlite run``'s, with :class:`SparkProvider` starting
+the worlds), and rank 0 ships its commits there.
 
 * A lost executor (or a rank that dies) fails the stage; Spark kills the other tasks, whose
   ranks have by then, or do at their watchdog's notice, handed in their newest commit.  The next
   world starts on the slots that remain, and its rank 0 resumes from the newest commit: the loss
   is the work since the last commit.
-* When the cluster offers more slots than the running world uses (an executor came back or
-  joined) and the world is below ``max_num_proc``, rank 0 is told that the hosts changed: every
-  rank stops at its next ``state.commit()``, and the next world starts larger from that commit.
+* When the cluster's task slots would size the world differently (an executor came back or
+  joined, and the world is below ``max_num_proc``; or one left), rank 0 is told that the hosts
+  changed: every rank stops at its next ``state.commit()``, and the next world starts at the new
+  size from that commit.
 * ``fn`` raising on its own (not the collective failure a lost rank causes) ends the job with
   that rank's error, as in :func:`run`: a bug would fail again in every world.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shlex
@@ -28,9 +31,10 @@ import time
 from typing import Any, Callable, Optional, Sequence, TextIO
 
 from hvdlite.common.core import HorovodInternalError
-from hvdlite.common.core import elastic_wire as wire
 from hvdlite.runner.elastic import options
-from hvdlite.runner.elastic.driver import RESET_LIMIT_MESSAGE
+from hvdlite.runner.elastic.driver import Discoverer, ElasticDriver, worker_environment
+from hvdlite.runner.elastic.options import ElasticSettings
+from hvdlite.runner.elastic.provider import WorldRecord
 from hvdlite.runner.elastic.server import Server
 from hvdlite.runner.launch_errors import UsageError
 from hvdlite.runner.function_runner import (FunctionDriver, cloudpickle_module,
@@ -43,9 +47,7 @@ from .task import TaskSpec
 
 log = logging.getLogger("hvdlite.spark")
 
-DISCOVER_S = 1.0       # how often the cluster's slots are counted while a world runs
 REPORT_GRACE_S = 5.0   # after a world failed, how long its ranks get to hand in their commits
-START_ATTEMPTS = 3     # worlds in a row that fail to start before the job gives up
 
 
 class ElasticSparkError(RuntimeError):
@@ -63,10 +65,120 @@ def task_slots(context) -> int:
         return int(context.defaultParallelism)
 
 
-def world_size(slots: int, min_np: int, max_np: int) -> Optional[int]:
-    """The size of a world on ``slots`` free slots, or None when below ``min_np``.  Pure."""
-    size = min(slots, max_np)
-    return size if size >= min_np else None
+class SparkSlots:
+    """The driver's discovery for Spark: the cluster's task slots, as one host (Spark places
+    the tasks; a lost executor is blamed on nobody, see :class:`SparkProvider`)."""
+
+    HOST = "the cluster"
+
+    def __init__(self, context) -> None:
+        self.context = context
+
+    def describe(self) -> str:
+        return "the Spark cluster's task slots"
+
+    def find_available_hosts_and_slots(self) -> dict[str, int]:
+        slots = task_slots(self.context)
+        return {self.HOST: slots} if slots > 0 else {}
+
+
+@dataclasses.dataclass
+class SparkWorld:
+    """What :class:`SparkProvider` holds of one world (``WorldRecord.handle``)."""
+    job: SparkJob
+    progress: Progress
+    driver: FunctionDriver
+    deadline: float                             # to form the world
+    raw: dict = dataclasses.field(default_factory=dict)   # rank -> (ok, data), as returned
+
+
+class SparkProvider:
+    """Each world as one barrier stage (the elastic driver's provider; see the module
+    docstring)."""
+
+    host_word = "executor"
+    blacklists = False           # Spark places the tasks: there is no host to set aside
+    retries_own_errors = False   # a bug would fail again in every world, as in :func:`run`
+    report_grace = REPORT_GRACE_S
+
+    def __init__(self, job: "ElasticJob") -> None:
+        self.job = job
+
+    def host_name(self, host: str) -> str:
+        return host
+
+    def start(self, world: WorldRecord, env: dict[str, str]) -> None:
+        job = self.job
+        progress = Progress(world.size, *job.streams)
+        driver = FunctionDriver(job.payload, job.bind, handlers=progress.handlers())
+        env = {**job.env, **env, **worker_environment(job.server, world.index, job.advertised)}
+        spec = TaskSpec((job.advertised, driver.port), driver.key, job.start_s, env,
+                        job.extra_mpi_args)
+        stage = SparkJob(job.context, world.size, spec)
+        world.handle = SparkWorld(stage, progress, driver, time.monotonic() + job.start_s)
+        log.info("hvdlite.spark: elastic: world %d: %d rank(s)", world.index, world.size)
+        stage.start()
+
+    def poll(self, world: WorldRecord, timeout: float) -> bool:
+        handle: SparkWorld = world.handle
+        if handle.job.running:
+            if world.formed and not handle.progress.all_formed() and \
+                    time.monotonic() > handle.deadline:
+                log.warning("%s", handle.progress.describe_start(self.job.start_s,
+                                                                 task_slots(self.job.context)))
+                world.formed = False
+                handle.job.cancel()
+            else:
+                time.sleep(min(timeout, POLL_S))
+            if handle.job.running:
+                return False
+        world.formed = world.formed and handle.progress.all_formed()
+        handle.raw = {rank: r for (w, rank), r in handle.driver.results.items()
+                      if w == world.index}
+        for rank, (ok, data) in handle.raw.items():
+            if ok:
+                world.results[rank] = data
+                continue
+            exc = unpickled_exception(data[1])
+            if isinstance(exc, HorovodInternalError):   # what a lost rank makes the others
+                world.died.append(rank)
+            else:
+                world.raised[rank] = exc
+        if handle.job.error is not None:
+            log.warning("hvdlite.spark: elastic: world %d: Spark: %s", world.index,
+                        spark_error_summary(handle.job.error).splitlines()[0][:300])
+            if world.failed_at is None:
+                world.failed_at = time.monotonic()
+        return True
+
+    def stop(self, world: WorldRecord, hard: bool, signum: Optional[int] = None) -> None:
+        if world.handle.job.running:
+            world.handle.job.cancel()
+
+    def settle(self, world: WorldRecord) -> None:
+        pass   # nothing outlives the world's end but its workers' reports
+
+    def finish(self, world: WorldRecord, failed: bool) -> None:
+        handle: Optional[SparkWorld] = world.handle
+        if handle is not None:
+            if handle.job.running:
+                handle.job.cancel()
+            handle.driver.close()
+
+    def error(self, world: WorldRecord, rank: int) -> BaseException:
+        try:   # raises rank's error as run() does
+            collect_results(world.handle.raw, world.size, 1, "hvdlite.spark.run_elastic()")
+        except BaseException as exc:  # noqa: BLE001 - returned for the driver to raise
+            return exc
+        return ElasticSparkError(f"rank {rank} raised {world.raised[rank]}")
+
+    def result(self, world: WorldRecord) -> list:
+        return collect_results(world.handle.raw, world.size, 0, "hvdlite.spark.run_elastic()")
+
+
+def say(message: str) -> None:
+    """What the elastic driver tells the user of a Spark job: the log's warnings."""
+    log.warning("hvdlite.spark: elastic: %s", message)
 
 
 class ElasticJob:
@@ -78,136 +190,30 @@ class ElasticJob:
                  timestamps: bool) -> None:
         self.context = context
         self.payload = payload
-        self.min_np, self.max_np = min_np, max_np
         self.start_s, self.elastic_s = start_s, elastic_s
-        self.reset_limit = reset_limit
         self.env, self.extra_mpi_args = env, extra_mpi_args
         self.streams = (stdout, stderr, timestamps)
         self.bind, self.advertised = driver_addresses(context.getConf())
-        self.timestamp = 0
+        self.settings = ElasticSettings(min_np, min_np, max_np, SparkSlots(context),
+                                        reset_limit, None, elastic_s)
+        self.server: Optional[Server] = None
+
+    def timeout_error(self, need: int, have: int, _hosts_text: str) -> ElasticSparkError:
+        return ElasticSparkError(
+            f"hvdlite.spark.run_elastic(): waited {self.elastic_s:g} s (elastic_timeout) for "
+            f"{need} task slots (min_num_proc), but the cluster offers {have}. Add executors, "
+            f"or lower min_num_proc.")
 
     def run(self) -> list:
-        server = Server(self.bind)
+        self.server = Server(self.bind)
+        discoverer = Discoverer(self.settings.discovery, say)
         try:
-            return self._loop(server)
+            driver = ElasticDriver(SparkProvider(self), self.settings, say, ElasticSparkError,
+                                   self.timeout_error)
+            return driver.run(self.server, discoverer)
         finally:
-            server.close()
-
-    def _loop(self, server: Server) -> list:
-        resets = start_failures = 0
-        index = 0
-        while True:
-            size = self._wait_for_slots()
-            progress = Progress(size, *self.streams)
-            driver = FunctionDriver(self.payload, self.bind, handlers=progress.handlers())
-            env = {**self.env, wire.DRIVER_VARIABLE: f"{self.advertised}:{server.port}",
-                   wire.KEY_VARIABLE: server.key.hex(), wire.WORLD_VARIABLE: str(index)}
-            spec = TaskSpec((self.advertised, driver.port), driver.key, self.start_s, env,
-                            self.extra_mpi_args)
-            job = SparkJob(self.context, size, spec)
-            log.info("hvdlite.spark: elastic: world %d: %d rank(s)", index, size)
-            try:
-                job.start()
-                started = self._watch(server, index, job, progress, size)
-            except BaseException:
-                if job.running:
-                    job.cancel()
-                raise
-            finally:
-                driver.close()
-            results = {rank: r for (w, rank), r in driver.results.items() if w == index}
-            if job.error is None and len(results) == size:
-                return collect_results(results, size, 0, "hvdlite.spark.run_elastic()")
-            server.wait_for_reports(index, REPORT_GRACE_S)
-            reason = self._classify(server, index, results, size, job, started)
-            server.forget(index)
-            if not started:
-                start_failures += 1
-                if start_failures > START_ATTEMPTS:
-                    raise ElasticSparkError(f"{start_failures} worlds in a row could not "
-                                            f"start; the last: {reason}")
-            else:
-                start_failures = 0
-            log.warning("hvdlite.spark: elastic: world %d ended: %s", index, reason)
-            if self.reset_limit is not None and resets >= self.reset_limit:
-                raise ElasticSparkError(RESET_LIMIT_MESSAGE.format(self.reset_limit))
-            resets += 1
-            index += 1
-
-    def _wait_for_slots(self) -> int:
-        deadline = time.monotonic() + self.elastic_s
-        while True:
-            slots = task_slots(self.context)
-            size = world_size(slots, self.min_np, self.max_np)
-            if size is not None:
-                return size
-            if time.monotonic() > deadline:
-                raise ElasticSparkError(
-                    f"hvdlite.spark.run_elastic(): waited {self.elastic_s:g} s "
-                    f"(elastic_timeout) for {self.min_np} task slots (min_num_proc), but the "
-                    f"cluster offers {slots}. Add executors, or lower min_num_proc.")
-            time.sleep(POLL_S)
-
-    def _watch(self, server: Server, index: int, job: SparkJob, progress: Progress,
-               size: int) -> bool:
-        """Wait for the world's end; tell rank 0 when the cluster offers more slots.  Whether
-        the world formed (False: it did not within the start timeout, and was cancelled)."""
-        deadline = time.monotonic() + self.start_s
-        notified = False
-        last = time.monotonic()
-        while job.running:
-            now = time.monotonic()
-            if not progress.all_formed() and now > deadline:
-                log.warning("%s", progress.describe_start(self.start_s,
-                                                          task_slots(self.context)))
-                job.cancel()
-                return False
-            if progress.all_formed() and not notified and now - last >= DISCOVER_S:
-                last = now
-                if world_size(task_slots(self.context), self.min_np, self.max_np) > size:
-                    notified = self._notify(server, index)
-            time.sleep(POLL_S)
-        return progress.all_formed()
-
-    def _notify(self, server: Server, index: int) -> bool:
-        coordinator = server.world_members(index).get(0)
-        if coordinator is None or not coordinator.in_session or coordinator.outcome:
-            return False
-        self.timestamp += 1
-        told = coordinator.send(("hosts_updated", self.timestamp,
-                                 int(wire.HostUpdateResult.added)))
-        if told:
-            log.warning("hvdlite.spark: elastic: world %d: the cluster offers more task "
-                        "slots; the ranks stop at their next commit", index)
-        return told
-
-    @staticmethod
-    def _classify(server: Server, index: int, results: dict, size: int, job: SparkJob,
-                  started: bool) -> str:
-        """Why world ``index`` ended, for the log; raises when the job cannot go on (``fn``
-        raised on its own on some rank)."""
-        failed = {rank: unpickled_exception(data[1]) for rank, (ok, data) in results.items()
-                  if not ok}
-        own = [rank for rank, exc in sorted(failed.items())
-               if not isinstance(exc, HorovodInternalError)]
-        if own:
-            collect_results(results, size, 1, "hvdlite.spark.run_elastic()")   # raises
-        if not started:
-            return "its tasks did not all start and form the world within the start timeout"
-        members = server.world_members(index)
-        outcomes = {r: m.outcome for r, m in members.items() if m.outcome}
-        lost = sorted(r for r in range(size) if r not in outcomes and r not in results)
-        if any(o[0] == "interrupt" for o in outcomes.values()) and not lost:
-            return "the cluster's task slots changed"
-        if lost:
-            return (f"rank(s) {lost} ended without a word (their task, executor or host was "
-                    f"lost); Spark: {spark_error_summary(job.error).splitlines()[0][:300]}"
-                    if job.error else f"rank(s) {lost} ended without a word")
-        resets = [(r, o[1]) for r, o in sorted(outcomes.items()) if o[0] == "reset"]
-        if resets:
-            return f"rank {resets[0][0]}: {str(resets[0][1]).splitlines()[-1][:300]}"
-        return "the world ended early" + (f" ({spark_error_summary(job.error)[:300]})"
-                                          if job.error else "")
+            discoverer.stop()
+            self.server.close()
 
 
 def run_elastic(fn: Callable[..., Any], args: Sequence[Any] = (),

@@ -12,7 +12,8 @@ pytest.importorskip("pyspark", reason="pip install hvdlite[spark]")
 from hvdlite.spark import runner  # noqa: E402
 from hvdlite.spark.common import data  # noqa: E402
 from hvdlite.spark.common.store import LocalStore, Store  # noqa: E402
-from hvdlite.spark.elastic import world_size  # noqa: E402
+from hvdlite.runner.elastic.hosts import desired_placement  # noqa: E402
+from hvdlite.spark.elastic import SparkSlots  # noqa: E402
 from hvdlite.spark.torch.remote import shaped  # noqa: E402
 
 
@@ -28,10 +29,17 @@ def test_start_timeout_comes_from_the_argument_then_hvdlite_then_horovod_then_60
         runner.start_timeout_s(-1, {})
 
 
-def test_world_sizes_follow_the_slots_within_the_bounds():
-    assert world_size(slots=5, min_np=2, max_np=4) == 4
-    assert world_size(slots=3, min_np=2, max_np=4) == 3
-    assert world_size(slots=1, min_np=2, max_np=4) is None
+def test_world_sizes_follow_the_slots_within_the_bounds(monkeypatch):
+    # run_elastic's worlds: the cluster's task slots as one host, placed by the elastic driver
+    def size(slots: int):
+        monkeypatch.setattr("hvdlite.spark.elastic.task_slots", lambda context: slots)
+        placement = desired_placement(list(SparkSlots(None).find_available_hosts_and_slots()
+                                           .items()), min_np=2, max_np=4)
+        return sum(n for _, n in placement) or None
+    assert size(5) == 4
+    assert size(3) == 3
+    assert size(1) is None
+    assert size(0) is None
 
 
 def test_the_driver_listens_where_spark_reaches_it():
