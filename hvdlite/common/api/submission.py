@@ -1,10 +1,14 @@
 """Submitting one collective to the engine: local checks, the entry, the fast paths.
 
 :func:`submit` is what the public operations (:mod:`hvdlite.common.api.ops`) and the framework
-adapters call with contiguous numpy (or CuPy) views of their tensors; :func:`make_entry` checks
-an operation locally and builds its engine entry; :func:`fast_host_allreduce` and
-:class:`PreparedAllreduce` skip those checks for allreduces validated before (every gradient
-of every step goes through one of them).
+adapters call with contiguous numpy (or CuPy) views of their tensors.  :func:`make_entry` is the
+entry builder: it checks an operation locally and builds its engine entry.  The fast paths are
+thin specializations of it for allreduces whose dtype and op it validated before (every gradient
+of every step takes one): :func:`host_allreduce_entry` builds the entry make_entry would build,
+without the checks (for :func:`fast_host_allreduce`, one tensor, and
+:func:`fast_host_allreduce_group`, a group's members); :class:`GroupTemplate` reuses a named
+group's entries from one step to the next; :class:`PreparedAllreduce` reuses the request
+make_entry built for a bucket's flat buffer.
 """
 from __future__ import annotations
 
@@ -45,6 +49,24 @@ def _default_allocate(shape: tuple, dtype: np.dtype) -> np.ndarray:
 _checked_host_allreduce: dict[ReduceOp, dict[np.dtype, tuple[str, int]]] = {}
 _NONE_CHECKED: dict = {}
 _new_request = tuple.__new__   # builds a Request without NamedTuple.__new__'s Python frame
+# host_allreduce_entry fills the request's fields by position, in this order.
+assert Request._fields == ("name", "kind", "dtype", "shape", "reduce_op", "root", "device",
+                           "prescale", "postscale", "splits", "group", "group_size", "layout",
+                           "cacheable", "failure")
+
+
+def host_allreduce_entry(name: str, array: np.ndarray, output: np.ndarray,
+                         checked: tuple[str, int], prescale_factor: float,
+                         postscale_factor: float, cacheable: bool,
+                         handle: Handle | None) -> Entry:
+    """The entry of an allreduce of a contiguous host array on the global set whose dtype and
+    op passed :func:`make_entry`'s checks before (``checked``: what its request carries for
+    them, see ``_checked_host_allreduce``): what make_entry would build, without its checks.
+    The one place the fast paths build an entry (every gradient of every step comes here)."""
+    return Entry(_new_request(Request, (name, ALLREDUCE, checked[0], array.shape, checked[1],
+                                        -1, -1, prescale_factor, postscale_factor, (), "", 0,
+                                        (), cacheable, "")),
+                 array, output, _default_allocate, handle)
 
 
 def fast_host_allreduce(array, output, name, reduce_op, prescale_factor, postscale_factor,
@@ -65,13 +87,11 @@ def fast_host_allreduce(array, output, name, reduce_op, prescale_factor, postsca
     if not flags.c_contiguous or (output is array and not flags.writeable):
         return None
     engine = state.engine()
-    shape = array.shape
     if output is None:
-        output = result_empty(shape, array.dtype)
-    request = _new_request(Request, (name, ALLREDUCE, checked[0], shape, checked[1], -1, -1,
-                                     prescale_factor, postscale_factor, (), "", 0, (), True, ""))
-    return engine.submit(Entry(request, array, output, _default_allocate,
-                               engine.new_handle(name)))
+        output = result_empty(array.shape, array.dtype)
+    return engine.submit(host_allreduce_entry(name, array, output, checked, prescale_factor,
+                                              postscale_factor, True,
+                                              Handle(name, engine.alive)))
 
 
 def fast_host_allreduce_group(arrays, outputs, names: list[str], reduce_op, prescale_factor,
@@ -101,16 +121,12 @@ def fast_host_allreduce_group(arrays, outputs, names: list[str], reduce_op, pres
                 return None
             if not output.flags.writeable:
                 return None
-    entries = []
-    for i, (array, name) in enumerate(zip(arrays, names)):
-        dtype, shape = array.dtype, array.shape
-        checked = checked_dtypes[dtype]
-        request = _new_request(Request, (name, ALLREDUCE, checked[0], shape, checked[1], -1, -1,
-                                         prescale_factor, postscale_factor, (), "", 0, (),
-                                         False, ""))
-        output = result_empty(shape, dtype) if outputs is None else outputs[i]
-        entries.append(Entry(request, array, output, _default_allocate, None))
-    return entries
+    if outputs is None:
+        outputs = [result_empty(array.shape, array.dtype) for array in arrays]
+    entry = host_allreduce_entry
+    return [entry(name, array, output, checked_dtypes[array.dtype], prescale_factor,
+                  postscale_factor, False, None)
+            for name, array, output in zip(names, arrays, outputs)]
 
 
 class GroupTemplate:
@@ -129,7 +145,7 @@ class GroupTemplate:
                  reduce_op, prescale: float, postscale: float) -> None:
         self.group = group
         self.entries = entries
-        self.request = request   # the group's own request (see grouped._packed_request)
+        self.request = request   # the group's own request (see grouped.packed_request)
         self.dtypes = [entry.array.dtype for entry in entries]
         self.shapes = [entry.array.shape for entry in entries]
         self.in_place = in_place

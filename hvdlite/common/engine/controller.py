@@ -41,7 +41,7 @@ from hvdlite.common.config import Config
 from hvdlite.common.engine.coordinator import Coordinator
 from hvdlite.common.engine.handle import Entry
 from hvdlite.common.engine.join import last_to_join, reducible_slots, route_unjoinable, stand_in
-from hvdlite.common.engine.messages import JOIN, SIGNATURE, Response, runs_while_joined
+from hvdlite.common.engine.messages import JOIN, Response, runs_while_joined
 from hvdlite.common.engine.response_cache import ResponseCache
 from hvdlite.common.engine.stall import NEVER, first_due, next_due
 from hvdlite.common.engine.transport import Transport
@@ -179,27 +179,17 @@ class Controller:
         then ignored) and returns its test.  ``early_on``: this rank has early reductions
         switched on; the outcome's ``early_allowed`` says whether every rank has (a switch
         flipped on one rank thus takes effect on every rank at the same round)."""
-        invalid_here: set[int] = set()
         cfg = self.config
-        pending, cached_slot, cached = self.pending, self.cache.slot_of, self.cache.slots
-        signature = SIGNATURE
+        pending, cached = self.pending, self.cache.slots
         grouped = False
         due_after = first_due(0.0, cfg)   # a stall report is due this long after submission
-        # Runs for every tensor of every step: the cache lookup is inlined (ResponseCache.lookup
-        # has the same logic).
+        invalid_here = self.cache.match(new_entries)   # cached slots to announce, stale ones
         for entry in new_entries:
             request = entry.request
-            name = request[0]
-            if request[1] == JOIN:
+            if request.kind == JOIN:
                 self.join_entry, self._join_round, self._join_unsent = entry, self.rounds, True
                 continue
-            pending[name] = entry
-            slot = cached_slot.get(name)
-            if slot is not None:
-                if cached[slot][1] == request[signature]:   # Request.signature()
-                    entry.slot = slot
-                else:
-                    invalid_here.add(slot)
+            pending[request.name] = entry
             entry.next_stall_report = entry.submitted_at + due_after
             if entry.group is not None:
                 grouped = True

@@ -7,7 +7,8 @@ request/response messages at all.
 """
 from __future__ import annotations
 
-from hvdlite.common.engine.messages import Request, Response
+from hvdlite.common.engine.handle import Entry
+from hvdlite.common.engine.messages import JOIN, SIGNATURE, Request, Response
 
 
 class ResponseCache:
@@ -27,16 +28,22 @@ class ResponseCache:
         """64-bit words needed for one bit per slot (identical on every rank)."""
         return (len(self.slots) + 63) // 64
 
-    def lookup(self, request: Request) -> tuple[int | None, int | None]:
-        """(slot to announce, slot to invalidate): a hit, a stale entry under the same name,
-        or neither."""
-        slot = self.slot_of.get(request.name)
-        if slot is None:
-            return None, None
-        _response, signature = self.slots[slot]
-        if signature == request.signature():
-            return slot, None
-        return None, slot
+    def match(self, entries: list[Entry]) -> set[int]:
+        """Match new entries against the cache (the negotiation does this for every tensor of
+        every step): an entry whose request has the signature cached under its name gets that
+        slot (``entry.slot``, announced as ready); the slots cached under an entry's name with
+        another signature are returned (stale: every rank erases them after the round)."""
+        stale: set[int] = set()
+        slot_of, slots, signature = self.slot_of, self.slots, SIGNATURE
+        for entry in entries:
+            request = entry.request
+            slot = slot_of.get(request.name)
+            if slot is not None:
+                if slots[slot][1] == request[signature]:   # Request.signature()
+                    entry.slot = slot
+                elif request.kind != JOIN:   # never cached: a name it shares is not stale
+                    stale.add(slot)
+        return stale
 
     def items(self):
         """(slot, response) of every cached response."""

@@ -3,6 +3,7 @@ import pytest
 
 from hvdlite.common.engine.messages import (ALLGATHER, ALLREDUCE, ERROR_MISMATCH, Request,
                                             build_response)
+from hvdlite.common.engine.handle import Entry
 from hvdlite.common.reduce_ops import ReduceOp
 from hvdlite.common.engine.response_cache import ResponseCache
 
@@ -15,6 +16,15 @@ def negotiated(request):
     return build_response({0: request, 1: request})
 
 
+def lookup(cache, request):
+    """(slot announced, slot found stale) for one new entry of ``request``, through
+    ResponseCache.match, which the controller runs on every round's new entries."""
+    entry = Entry(request, None, None, None, None)
+    stale = cache.match([entry])
+    assert len(stale) <= 1
+    return entry.slot, next(iter(stale), None)
+
+
 def put(cache, request):
     return cache.put(negotiated(request), request)
 
@@ -22,7 +32,7 @@ def put(cache, request):
 def test_empty_cache():
     cache = ResponseCache(8)
     assert len(cache) == 0 and cache.num_words == 0
-    assert cache.lookup(req("a")) == (None, None)
+    assert lookup(cache, req("a")) == (None, None)
 
 
 def test_hit_returns_slot_and_response():
@@ -30,7 +40,7 @@ def test_hit_returns_slot_and_response():
     a = req("a")
     slot = put(cache, a)
     assert slot == 0
-    assert cache.lookup(a) == (0, None)
+    assert lookup(cache, a) == (0, None)
     assert cache.response(0) == negotiated(a)
     assert len(cache) == 1
 
@@ -38,7 +48,7 @@ def test_hit_returns_slot_and_response():
 def test_hit_for_an_equal_request_object():
     cache = ResponseCache(8)
     put(cache, req("a", shape=(2, 2)))
-    assert cache.lookup(req("a", shape=(2, 2))) == (0, None)
+    assert lookup(cache, req("a", shape=(2, 2))) == (0, None)
 
 
 @pytest.mark.parametrize("change", [dict(shape=(4,)), dict(dtype="float64"),
@@ -47,14 +57,14 @@ def test_stale_signature_reports_slot_to_invalidate(change):
     cache = ResponseCache(8)
     put(cache, req("b"))
     put(cache, req("a"))
-    assert cache.lookup(req("a", **change)) == (None, 1)
-    assert cache.lookup(req("b")) == (0, None)
+    assert lookup(cache, req("a", **change)) == (None, 1)
+    assert lookup(cache, req("b")) == (0, None)
 
 
-def test_lookup_other_name_misses():
+def test_other_name_misses():
     cache = ResponseCache(8)
     put(cache, req("a"))
-    assert cache.lookup(req("z")) == (None, None)
+    assert lookup(cache, req("z")) == (None, None)
 
 
 def test_error_and_uncacheable_responses_not_stored():
@@ -64,14 +74,14 @@ def test_error_and_uncacheable_responses_not_stored():
     assert cache.put(bad, req("e", shape=(1,))) is None
     auto = req("auto", cacheable=False)
     assert cache.put(negotiated(auto), auto) is None
-    assert len(cache) == 0 and cache.lookup(req("e", shape=(1,))) == (None, None)
+    assert len(cache) == 0 and lookup(cache, req("e", shape=(1,))) == (None, None)
 
 
 def test_capacity_zero_disables():
     cache = ResponseCache(0)
     assert put(cache, req("a")) is None
     assert len(cache) == 0 and cache.num_words == 0
-    assert cache.lookup(req("a")) == (None, None)
+    assert lookup(cache, req("a")) == (None, None)
 
 
 def test_capacity_full_no_eviction():
@@ -80,8 +90,8 @@ def test_capacity_full_no_eviction():
     assert put(cache, req("b")) == 1
     assert put(cache, req("c")) is None
     assert len(cache) == 2
-    assert cache.lookup(req("c")) == (None, None)
-    assert cache.lookup(req("a")) == (0, None) and cache.lookup(req("b")) == (1, None)
+    assert lookup(cache, req("c")) == (None, None)
+    assert lookup(cache, req("a")) == (0, None) and lookup(cache, req("b")) == (1, None)
 
 
 def test_erase_then_reuse_lowest_free_slot():
@@ -91,11 +101,11 @@ def test_erase_then_reuse_lowest_free_slot():
     cache.erase(2)
     cache.erase(0)
     assert len(cache) == 2
-    assert cache.lookup(req("a")) == (None, None) and cache.lookup(req("c")) == (None, None)
+    assert lookup(cache, req("a")) == (None, None) and lookup(cache, req("c")) == (None, None)
     assert put(cache, req("x")) == 0
     assert put(cache, req("y")) == 2
     assert put(cache, req("z")) == 4
-    assert cache.lookup(req("y")) == (2, None)
+    assert lookup(cache, req("y")) == (2, None)
     assert cache.response(2).name == "y"
 
 
@@ -126,8 +136,8 @@ def test_reput_same_name_replaces_entry():
     slot = put(cache, req("a", shape=(5,)))
     assert slot == 0, "the old entry's slot is freed first and is the lowest"
     assert len(cache) == 2
-    assert cache.lookup(req("a", shape=(5,))) == (0, None)
-    assert cache.lookup(req("a", shape=(3,))) == (None, 0)
+    assert lookup(cache, req("a", shape=(5,))) == (0, None)
+    assert lookup(cache, req("a", shape=(3,))) == (None, 0)
     assert cache.response(0).shape == (5,)
 
 
@@ -137,8 +147,8 @@ def test_signature_is_the_own_request_not_the_response():
     response = build_response({0: Request("g", ALLGATHER, "int32", (1, 2)), 1: mine})
     cache = ResponseCache(4)
     slot = cache.put(response, mine)
-    assert cache.lookup(mine) == (slot, None)
-    assert cache.lookup(Request("g", ALLGATHER, "int32", (1, 2))) == (None, slot)
+    assert lookup(cache, mine) == (slot, None)
+    assert lookup(cache, Request("g", ALLGATHER, "int32", (1, 2))) == (None, slot)
 
 
 @pytest.mark.parametrize("n,words", [(1, 1), (63, 1), (64, 1), (65, 2), (128, 2), (129, 3)])
@@ -171,3 +181,17 @@ def test_held_is_the_slot_s_response_or_none():
     assert cache.held(slot) is cache.response(slot)
     cache.erase(slot)
     assert cache.held(slot) is None
+
+
+def test_match_takes_a_whole_round_and_never_marks_a_join_stale():
+    """One call per round: hits get their slots, stale names are collected once, and a join
+    (never cached) sharing a cached tensor's name leaves that tensor's slot alone."""
+    from hvdlite.common.engine.messages import JOIN
+    cache = ResponseCache(8)
+    put(cache, req("a"))
+    put(cache, req("b"))
+    entries = [Entry(r, None, None, None, None)
+               for r in (req("a"), req("b", shape=(9,)), req("new"),
+                         Request("a", JOIN, "uint8", (), cacheable=False))]
+    assert cache.match(entries) == {1}
+    assert [e.slot for e in entries] == [0, None, None, None]
