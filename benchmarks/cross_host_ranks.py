@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import allreduce_benchmark as ab  # noqa: E402  (sets OMP_NUM_THREADS, imports this hvdlite)
 from allreduce_benchmark import MPI, Case, KIB, hvd, np  # noqa: E402
 
-from hvdlite.common.backends.hier_plan import SMALL_BYTES  # noqa: E402
+from hvdlite.common.data_paths.hier_plan import SMALL_BYTES  # noqa: E402
 from hvdlite.common.runtime import state  # noqa: E402
 
 VARIANTS = ("raw", "flat", "hierarchical")

@@ -8,7 +8,7 @@ Layers below (imports run one way only; ``tests/unit/test_layers.py`` checks it)
 vocabulary (errors, reduce ops, dtypes, config, memory) -> gpu (CUDA runtime binding) ->
 runtime (process state, init/shutdown, topology, process sets, liveness, waiting) ->
 intranode (shared-memory window, direct copies) -> engine (background thread, negotiation,
-handles, fusion planning) -> backends (the data paths) -> api (the numpy API, and what the
+handles, fusion planning) -> data_paths (the data paths) -> api (the numpy API, and what the
 adapters share about gradients: scale factors, SyncBN moments, the layout vote) -> this door.
 """
 from hvdlite.common.api import ops as _ops
@@ -34,7 +34,7 @@ from hvdlite.common.api.ops import (allgather, allgather_async, allreduce, allre
                                     broadcast_async_, join, on_join, poll, reducescatter,
                                     reducescatter_async, synchronize)
 from hvdlite.common.api.submission import fast_host_allreduce, prepare_allreduce, submit
-from hvdlite.common.backends.adasum import check_adasum_size
+from hvdlite.common.data_paths.adasum import check_adasum_size
 from hvdlite.common.config import KNOBS, Flag, Knob
 from hvdlite.common.dtypes import dtype_info
 from hvdlite.common.engine.handle import GroupHandle, Handle

@@ -6,7 +6,7 @@ count; each case is its own test here.
 import numpy as np
 import pytest
 
-from hvdlite.common.backends.adasum import adasum_allreduce_, check_adasum_size
+from hvdlite.common.data_paths.adasum import adasum_allreduce_, check_adasum_size
 from tests.mpi_harness import assert_case_passed
 from tests.core.workers.core_adasum_kernel_worker import (NP_BAD, NP_POW2, adasum_pair,
                                                           adasum_reference, adasum_tree, cases_for)

@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("runtime", ("hvdlite.common.runtime",)),
     ("intranode", ("hvdlite.common.intranode",)),
     ("engine", ("hvdlite.common.engine",)),
-    ("backends", ("hvdlite.common.backends",)),
+    ("data_paths", ("hvdlite.common.data_paths",)),
     ("api", ("hvdlite.common.api",)),
     ("door", ("hvdlite.common.core",)),
     ("adapters", ("hvdlite.torch", "hvdlite.tensorflow", "hvdlite.keras", "hvdlite.runner",

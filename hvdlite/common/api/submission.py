@@ -304,7 +304,7 @@ def make_entry(engine, members: list[int] | None, kind: str, array: np.ndarray |
             _checked_host_allreduce.setdefault(reduce_op, {})[array_dtype] = (info.name,
                                                                               int(reduce_op))
         if reduce_op == ReduceOp.Adasum:
-            from hvdlite.common.backends.adasum import check_adasum_size
+            from hvdlite.common.data_paths.adasum import check_adasum_size
             if kind == REDUCESCATTER:
                 raise UnsupportedOperationError(f"reducescatter of {name!r}: op=Adasum is not "
                                                 f"supported; use Sum or Average.")
@@ -357,7 +357,7 @@ def _check_gpu(engine, kind: str, info, reduce_op: ReduceOp, array, what: str) -
     if engine.config.gpu_operations == "nccl":
         runtime.require_nccl(what)
         if kind == ALLREDUCE:
-            from hvdlite.common.backends.nccl import nccl_reduce_check
+            from hvdlite.common.data_paths.nccl import nccl_reduce_check
             nccl_reduce_check(info.name, reduce_op, what)
     return device
 

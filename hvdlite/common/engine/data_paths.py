@@ -1,6 +1,6 @@
 """What the engine hands its data paths and what it gets back; choosing the path for a batch.
 
-A data path (see :mod:`hvdlite.common.backends`) moves one negotiated batch's bytes: MPI, the
+A data path (see :mod:`hvdlite.common.data_paths`) moves one negotiated batch's bytes: MPI, the
 intra-node shared-memory window, direct copies, host staging of GPU tensors, NCCL.  The engine
 asks the paths it was given, in order, which one serves a batch (Horovod's ``Enabled()``), and
 runs it there.  The engine knows only this interface; the paths are built by the factory the

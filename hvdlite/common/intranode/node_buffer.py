@@ -1,6 +1,6 @@
 """One buffer per node in shared memory, read and written by every rank of the node (the
 hierarchical allgather gathers its result there once per node, see
-:mod:`hvdlite.common.backends.hierarchical`).
+:mod:`hvdlite.common.data_paths.hierarchical`).
 
 The buffer belongs to the node's first rank (an MPI shared-memory window whose other ranks
 contribute no memory) and holds two slots that alternate between consecutive operations: a

@@ -1,4 +1,4 @@
-"""The Adasum kernel (hvdlite.common.backends.adasum) against a numpy tree reference, on every rank.
+"""The Adasum kernel (hvdlite.common.data_paths.adasum) against a numpy tree reference, on every rank.
 
 Uses mpi4py's COMM_WORLD directly (the kernel does not need the engine, so no hvd.init()).  Each
 rank regenerates every rank's input from the case name, computes the reference tree locally, runs
@@ -15,7 +15,7 @@ import zlib
 
 import numpy as np
 
-from hvdlite.common.backends.adasum import adasum_allreduce_
+from hvdlite.common.data_paths.adasum import adasum_allreduce_
 
 NP_POW2 = (2, 4, 8)  # rank counts on which the kernel runs
 NP_BAD = (3,)      # rank counts on which every rank must get the clear ValueError

@@ -89,7 +89,7 @@ def elements(kind: str, dtype: str) -> list[int]:
 
 if __name__ == "__main__":
     import hvdlite as hvd
-    from hvdlite.common.backends.hier_plan import SMALL_BYTES
+    from hvdlite.common.data_paths.hier_plan import SMALL_BYTES
     from hvdlite.common.runtime import registry
     from tests.workers._report import Reporter
 

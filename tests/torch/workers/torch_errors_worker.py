@@ -96,7 +96,7 @@ def h_unsupported_tensor_is_value_error(case):
 def h_adasum_ranks(case):
     """Horovod: NotImplementedError for Adasum on a number of ranks that is not a power of
     two (raised before anything is sent)."""
-    from hvdlite.common.backends.adasum import check_adasum_size
+    from hvdlite.common.data_paths.adasum import check_adasum_size
     exc = expect(NotImplementedError, check_adasum_size, 3, "allreduce of 'x'")
     assert isinstance(exc, ValueError) and "power-of-two" in str(exc), str(exc)
     x = torch.ones(4)

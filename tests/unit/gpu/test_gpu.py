@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from hvdlite.common.gpu import cuda
-from hvdlite.common.backends.nccl import NCCL_TYPES, nccl_reduce_check
-from hvdlite.common.backends.staged import StagedPath
+from hvdlite.common.data_paths.nccl import NCCL_TYPES, nccl_reduce_check
+from hvdlite.common.data_paths.staged import StagedPath
 from hvdlite.common.config import Config
 from hvdlite.common.errors import GpuUnavailableError, HvdliteError
 from hvdlite.common.gpu.completion import GpuCompletions
@@ -329,8 +329,8 @@ def test_importing_hvdlite_does_not_import_cupy(tmp_path):
         "import os, sys\n"
         "import numpy as np\n"
         "import hvdlite as hvd\n"
-        "import hvdlite.common.gpu.cuda, hvdlite.common.backends.nccl\n"
-        "import hvdlite.common.backends.staged, hvdlite.common.gpu.completion\n"
+        "import hvdlite.common.gpu.cuda, hvdlite.common.data_paths.nccl\n"
+        "import hvdlite.common.data_paths.staged, hvdlite.common.gpu.completion\n"
         "import hvdlite.common.engine.engine, hvdlite.common.api.ops\n"
         "import importlib.util\n"
         "if importlib.util.find_spec('torch') is not None:\n"
@@ -710,7 +710,7 @@ def test_handle_with_an_error_skips_the_handover():
 
 
 # --- NCCL's unique id and the communicator's bootstrap (MPI.COMM_SELF, fake binding) -------------
-from hvdlite.common.backends.nccl import (  # noqa: E402 - grouped with the tests that use them
+from hvdlite.common.data_paths.nccl import (  # noqa: E402 - grouped with the tests that use them
     NCCLPath, unique_id_for_binding, unique_id_to_array)
 
 UID_BYTES = bytes((i * 37 + 11) % 256 for i in range(128))   # covers bytes >= 128

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from hvdlite.common.backends.adasum import AdasumPath
-from hvdlite.common.backends.base import DataPath
-from hvdlite.common.backends.mpi import MPIPath
+from hvdlite.common.data_paths.adasum import AdasumPath
+from hvdlite.common.data_paths.base import DataPath
+from hvdlite.common.data_paths.mpi import MPIPath
 from hvdlite.common.dtypes import dtype_info
 from hvdlite.common.engine.data_paths import Batch, DeviceWork, PathContext, select
 from hvdlite.common.engine.handle import Entry

@@ -1,8 +1,8 @@
 """Who exchanges what across hosts in the hierarchical allreduce and allgather
-(hvdlite/common/backends/hier_plan.py): pure logic, expectations written down by hand."""
+(hvdlite/common/data_paths/hier_plan.py): pure logic, expectations written down by hand."""
 import pytest
 
-from hvdlite.common.backends.hier_plan import (SMALL_BYTES, GatherGroup, Hosts, Segment,
+from hvdlite.common.data_paths.hier_plan import (SMALL_BYTES, GatherGroup, Hosts, Segment,
                                                gather_groups, my_segments, reduce_segments,
                                                share_bounds)
 

@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from hvdlite.common.backends.base import DataPath
+from hvdlite.common.data_paths.base import DataPath
 from hvdlite.common.dtypes import (dtype_info, mpi_datatype, mpi_reduce_op, scale_in_place,
                                    scale_into)
 from hvdlite.common.engine.data_paths import Batch, PathContext

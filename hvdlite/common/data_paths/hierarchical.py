@@ -37,10 +37,10 @@ import logging
 
 import numpy as np
 
-from hvdlite.common.backends.base import DataPath
-from hvdlite.common.backends.hier_plan import (SMALL_BYTES, Hosts, gather_groups, my_segments,
+from hvdlite.common.data_paths.base import DataPath
+from hvdlite.common.data_paths.hier_plan import (SMALL_BYTES, Hosts, gather_groups, my_segments,
                                                reduce_segments, share_bounds)
-from hvdlite.common.backends.mpi import (POLITE_MAX_BYTES, copy_out_pieces, displacements, flat,
+from hvdlite.common.data_paths.mpi import (POLITE_MAX_BYTES, copy_out_pieces, displacements, flat,
                                          pack, phase, postscale_factor, row_layout)
 from hvdlite.common.dtypes import (dtype_info, mpi_datatype, mpi_reduce_op, numpy_reduce_ufunc,
                                    scale_in_place, scale_into)

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from hvdlite.common.backends.base import DataPath
-from hvdlite.common.backends.mpi import postscale_factor
+from hvdlite.common.data_paths.base import DataPath
+from hvdlite.common.data_paths.mpi import postscale_factor
 from hvdlite.common.dtypes import dtype_info
 from hvdlite.common.engine.data_paths import Batch, DeviceWork, PathContext
 from hvdlite.common.engine.handle import Entry

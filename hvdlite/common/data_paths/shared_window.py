@@ -3,8 +3,8 @@
 direct copies."""
 from __future__ import annotations
 
-from hvdlite.common.backends.base import DataPath
-from hvdlite.common.backends.mpi import copy_out_pieces, flat, pack, phase, postscale_factor
+from hvdlite.common.data_paths.base import DataPath
+from hvdlite.common.data_paths.mpi import copy_out_pieces, flat, pack, phase, postscale_factor
 from hvdlite.common.dtypes import dtype_info, numpy_reduce_ufunc
 from hvdlite.common.engine.data_paths import Batch, PathContext
 from hvdlite.common.engine.messages import ALLREDUCE
