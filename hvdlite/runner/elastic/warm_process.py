@@ -26,7 +26,7 @@ if __name__ == "__main__":   # the warm process: the protocol by its path, not h
     protocol = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(protocol)
 else:
-    from hvdlite.common.runtime import warm_start as protocol
+    from hvdlite.common.core import warm_start as protocol
 
 
 def python_command(argv: list[str]) -> bool:
