@@ -49,10 +49,10 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
 def _legacy_optimizer(optimizer, name, use_locking, compression, sparse_as_dense,
                       backward_passes_per_step, op, gradient_predivide_factor, num_groups,
                       groups, process_set, scale_local_gradients):
-    from .gradient_tape import _check_groups, _check_process_set, make_allreduce_grads_fn
+    from .gradient_tape import check_groups, check_process_set, make_allreduce_grads_fn
     from .legacy_optimizer import DistributedLegacyOptimizer
-    _check_groups(num_groups, groups)
-    _check_process_set(process_set)
+    check_groups(num_groups, groups)
+    check_process_set(process_set)
     if resolve_op(op) == Adasum:
         raise NotImplementedError("hvdlite: op=Adasum with a tf.compat.v1.train.Optimizer "
                                   "(Horovod's delta-based Adasum optimizer) is not supported; "

@@ -7,11 +7,11 @@ import tensorflow as tf
 
 from hvdlite.common.core import ALLTOALL, global_process_set, ProcessSet
 
-from .autodiff import _alltoall_grad_wrapper, _differentiable
-from .errors import _public
-from .graph import _label, _node, _op_name, _set_shapes, _sub_name
-from .membership import _members, _set_size
-from .tensor_bridge import _core_dtype, _execute, _gathered_shape
+from .autodiff import alltoall_with_gradient, is_differentiable
+from .errors import public_op
+from .graph import graph_node, node_label, op_name, set_static_shapes, sub_name
+from .membership import members_of, size_of
+from .tensor_bridge import core_dtype, execute_each, gathered_shape
 
 
 def _splits_tensor(splits, set_size: int, rows: int | None, what: str):
@@ -43,21 +43,21 @@ def _splits_tensor(splits, set_size: int, rows: int | None, what: str):
 def _alltoall_raw(x, splits, name, process_set, members):
     """(output, received_splits) of one alltoall; ``splits`` is a tensor or None."""
     what = f"alltoall of {name or 'unnamed tensor'}"
-    dtype = _core_dtype(x, what)
+    dtype = core_dtype(x, what)
     inputs = [x] if splits is None else [x, splits]
     kwargs = {"process_set": process_set}
 
     def fn(array, split_array=None):
-        received, counts = _execute(ALLTOALL, [array], [name], [dtype],
-                                    dict(kwargs, splits=split_array))[0]
+        received, counts = execute_each(ALLTOALL, [array], [name], [dtype],
+                                        dict(kwargs, splits=split_array))[0]
         return [received, np.asarray(counts, dtype=np.int32)]
 
-    out, counts = _node(_label(ALLTOALL, name), fn, inputs, [x.dtype, tf.int32])
-    _set_shapes([out, counts], [_gathered_shape(x), tf.TensorShape([_set_size(members)])])
+    out, counts = graph_node(node_label(ALLTOALL, name), fn, inputs, [x.dtype, tf.int32])
+    set_static_shapes([out, counts], [gathered_shape(x), tf.TensorShape([size_of(members)])])
     return out, counts
 
 
-@_public(kind=ALLTOALL)
+@public_op(kind=ALLTOALL)
 def alltoall(tensor, splits=None, name: str | None = None, ignore_name_scope: bool = False,
              process_set: ProcessSet | None = global_process_set):
     """Scatter slices of ``tensor`` to every rank of ``process_set`` and gather the slices the
@@ -75,13 +75,13 @@ def alltoall(tensor, splits=None, name: str | None = None, ignore_name_scope: bo
     ``tf.errors.InvalidArgumentError``.
     """
     what = f"alltoall of {name or 'a tensor'}"
-    members = _members(process_set, what)
+    members = members_of(process_set, what)
     tensor = tf.convert_to_tensor(tensor)
     if tensor.shape.rank == 0:
         raise ValueError(f"{what}: a scalar cannot be split; pass a tensor with at least one "
                          f"dimension.")
     rows = tensor.shape[0] if tensor.shape.rank else None
-    set_size = _set_size(members)
+    set_size = size_of(members)
     splits_t = _splits_tensor(splits, set_size, rows, what)
     if splits_t is None and rows is not None and rows % set_size:
         raise ValueError(f"{what}: without splits the first dimension ({rows}) must be "
@@ -94,17 +94,17 @@ def alltoall(tensor, splits=None, name: str | None = None, ignore_name_scope: bo
             tensor = tensor[:tf.cast(tf.reduce_sum(splits_t), tf.int32)]
         elif int(np.sum(splits)) < rows:
             tensor = tensor[:int(np.sum(splits))]
-    nm = _op_name("alltoall", name, process_set)
+    nm = op_name("alltoall", name, process_set)
 
     def forward(xs):
         return list(_alltoall_raw(xs[0], splits_t, nm, process_set, members))
 
     def backward(xs, ys, dys):
-        grad, _ = _alltoall_raw(dys[0], ys[1], _sub_name(nm, "grad"), process_set, members)
+        grad, _ = _alltoall_raw(dys[0], ys[1], sub_name(nm, "grad"), process_set, members)
         return [tf.reshape(grad, tf.shape(xs[0]))]
 
-    if _differentiable(tensor):
-        out, received = _alltoall_grad_wrapper(forward, backward, tensor)
+    if is_differentiable(tensor):
+        out, received = alltoall_with_gradient(forward, backward, tensor)
     else:
         out, received = forward([tensor])
     return out if splits is None else (out, received)

@@ -13,10 +13,10 @@ import tensorflow as tf
 
 from hvdlite.common.core import ALLGATHER, ALLREDUCE, REDUCESCATTER, ReduceOp
 
-from .graph import _label, _last_node, _node, _set_shapes, _sub_name
-from .membership import _set_rank, _set_size
-from .tensor_bridge import (_collective, _core_dtype, _execute, _gathered_shape, _group,
-                            _scattered_shape)
+from .graph import graph_node, last_node, node_label, set_static_shapes, sub_name
+from .membership import rank_in, size_of
+from .tensor_bridge import (collective_per_tensor, core_dtype, execute_each, gathered_shape,
+                            grouped_collective, scattered_shape)
 
 
 try:   # TensorFlow internals: whether any gradient tape or forward accumulator is active
@@ -26,7 +26,8 @@ except ImportError:   # moved in some release: always record, as before
         return True
 
 
-def _differentiable(t) -> bool:
+def is_differentiable(t) -> bool:
+    """Whether a gradient can flow through ``t`` (a floating or complex dtype)."""
     return t.dtype.is_floating or t.dtype.is_complex
 
 
@@ -47,19 +48,19 @@ def _backward(backward_fn, xs, ys, dys) -> list:
     if tf.executing_eagerly():
         return backward_fn(xs, ys, dys)
     graph = tf.compat.v1.get_default_graph()
-    before = _last_node(graph)
+    before = last_node(graph)
     grads = backward_fn(xs, ys, dys)
-    last = _last_node(graph)
+    last = last_node(graph)
     if last is None or last is before:
         return grads
     with tf.control_dependencies([last]):
         return [None if g is None else tf.identity(g) for g in grads]
 
 
-def _custom_gradient(forward_fn, backward_fn, tensors: list) -> list:
+def with_custom_gradient(forward_fn, backward_fn, tensors: list) -> list:
     """``forward_fn(list) -> list`` with gradient ``backward_fn(xs, ys, dys) -> list`` over the
     differentiable members of ``tensors`` (the others get no gradient)."""
-    diff = [i for i, t in enumerate(tensors) if _differentiable(t)]
+    diff = [i for i, t in enumerate(tensors) if is_differentiable(t)]
     if not diff or (tf.executing_eagerly() and not _could_record()):
         # Eagerly with no gradient tape or forward accumulator active nothing can ask for a
         # gradient, and tf.custom_gradient's eager wrapper costs ~0.3 ms per call.
@@ -79,7 +80,10 @@ def _custom_gradient(forward_fn, backward_fn, tensors: list) -> list:
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
-def _alltoall_grad_wrapper(forward_fn, backward_fn, tensor):
+def alltoall_with_gradient(forward_fn, backward_fn, tensor):
+    """``forward_fn([x]) -> (y, received_splits)`` with gradient ``backward_fn`` for ``y``
+    only (the received splits are integers): alltoall's two outputs, which
+    :func:`with_custom_gradient` (one list of outputs) does not fit."""
     @tf.custom_gradient
     def forward(x):
         y, received = forward_fn([x])
@@ -99,29 +103,29 @@ def _allreduce_kwargs(op, prescale, postscale) -> dict:
     return {"reduce_op": op, "prescale_factor": prescale, "postscale_factor": postscale}
 
 
-def _allreduce_raw(tensors: list, name, op: ReduceOp, prescale: float, postscale: float,
-                   process_set, grouped: bool, mismatch_hint: str | None = None) -> list:
+def differentiable_allreduce(tensors: list, name, op: ReduceOp, prescale: float, postscale: float,
+                             process_set, grouped: bool, mismatch_hint: str | None = None) -> list:
     """Differentiable allreduce of ``tensors``: one op (``grouped=False``, one tensor) or one
     core group named ``name``."""
     kwargs = _allreduce_kwargs(op, prescale, postscale)
 
     def forward(xs):
         if grouped:
-            return _group(ALLREDUCE, xs, name, kwargs, process_set,
-                          mismatch_hint=mismatch_hint)
-        return _collective(ALLREDUCE, xs, [name], kwargs, process_set)
+            return grouped_collective(ALLREDUCE, xs, name, kwargs, process_set,
+                                      mismatch_hint=mismatch_hint)
+        return collective_per_tensor(ALLREDUCE, xs, [name], kwargs, process_set)
 
     def backward(xs, ys, dys):
         _check_grad_op(op, "grouped_allreduce" if grouped else "allreduce")
-        idx = [i for i, x in enumerate(xs) if _differentiable(x)]
-        reduced = _allreduce_raw([dys[i] for i in idx], _sub_name(name, "grad"), op, prescale,
-                                 postscale, process_set, grouped)
+        idx = [i for i, x in enumerate(xs) if is_differentiable(x)]
+        reduced = differentiable_allreduce([dys[i] for i in idx], sub_name(name, "grad"), op,
+                                           prescale, postscale, process_set, grouped)
         out = [None] * len(xs)
         for i, r in zip(idx, reduced):
             out[i] = r
         return out
 
-    return _custom_gradient(forward, backward, [tf.convert_to_tensor(t) for t in tensors])
+    return with_custom_gradient(forward, backward, [tf.convert_to_tensor(t) for t in tensors])
 
 
 # --- allgather -------------------------------------------------------------------------------
@@ -130,54 +134,54 @@ def _rows(x):
                               tf.int64), [1])
 
 
-def _allgather_raw(tensors: list, name, process_set, members, grouped: bool) -> list:
+def differentiable_allgather(tensors: list, name, process_set, members, grouped: bool) -> list:
     """Differentiable allgather of ``tensors`` (one op, or one core group)."""
     def forward(xs):
         if grouped:
-            return _group(ALLGATHER, xs, name, {}, process_set,
-                          [_gathered_shape(x) for x in xs])
-        return _collective(ALLGATHER, xs, [name], {}, process_set)
+            return grouped_collective(ALLGATHER, xs, name, {}, process_set,
+                                      [gathered_shape(x) for x in xs])
+        return collective_per_tensor(ALLGATHER, xs, [name], {}, process_set)
 
     def backward(xs, ys, dys):
         # Horovod's gradient: this rank's rows of the average over the set of the upstream
         # gradients.
-        idx = [i for i, x in enumerate(xs) if _differentiable(x)]
-        gname = _sub_name(name, "grad")
-        averaged = _allreduce_raw([dys[i] for i in idx], gname, ReduceOp.Average, 1.0, 1.0,
-                                  process_set, grouped)
+        idx = [i for i, x in enumerate(xs) if is_differentiable(x)]
+        gname = sub_name(name, "grad")
+        averaged = differentiable_allreduce([dys[i] for i in idx], gname, ReduceOp.Average, 1.0,
+                                            1.0, process_set, grouped)
         rows = [_rows(xs[i]) for i in idx]
         if grouped:
-            all_rows = _group(ALLGATHER, rows, _sub_name(gname, "rows"), {}, process_set,
-                              [tf.TensorShape([_set_size(members)])] * len(rows))
+            all_rows = grouped_collective(ALLGATHER, rows, sub_name(gname, "rows"), {}, process_set,
+                                          [tf.TensorShape([size_of(members)])] * len(rows))
         else:
-            all_rows = _collective(ALLGATHER, rows, [_sub_name(gname, "rows")], {},
-                                   process_set)
-        me = _set_rank(members)
+            all_rows = collective_per_tensor(ALLGATHER, rows, [sub_name(gname, "rows")], {},
+                                             process_set)
+        me = rank_in(members)
         out = [None] * len(xs)
         for i, a, r, ar in zip(idx, averaged, rows, all_rows):
             offset = tf.reduce_sum(ar[:me])
             out[i] = tf.reshape(a[offset:offset + r[0]], tf.shape(xs[i]))
         return out
 
-    return _custom_gradient(forward, backward, [tf.convert_to_tensor(t) for t in tensors])
+    return with_custom_gradient(forward, backward, [tf.convert_to_tensor(t) for t in tensors])
 
 
 # --- reducescatter ---------------------------------------------------------------------------
-def _reducescatter_raw(tensors: list, name, op: ReduceOp, prescale: float, postscale: float,
-                       process_set, members, grouped: bool) -> list:
+def differentiable_reducescatter(tensors: list, name, op: ReduceOp, prescale: float,
+                                 postscale: float, process_set, members, grouped: bool) -> list:
     """Differentiable reducescatter of ``tensors`` (one op, or one core group)."""
     kwargs = _allreduce_kwargs(op, prescale, postscale)
 
     def forward(xs):
-        shapes = [_scattered_shape(x, members) for x in xs]
+        shapes = [scattered_shape(x, members) for x in xs]
         if grouped:
-            return _group(REDUCESCATTER, xs, name, kwargs, process_set, shapes)
-        dtypes = [_core_dtype(xs[0], f"reducescatter of {name or 'unnamed tensor'}")]
+            return grouped_collective(REDUCESCATTER, xs, name, kwargs, process_set, shapes)
+        dtypes = [core_dtype(xs[0], f"reducescatter of {name or 'unnamed tensor'}")]
         all_kwargs = dict(kwargs, process_set=process_set)
-        outs = _node(_label(REDUCESCATTER, name),
-                     lambda a: _execute(REDUCESCATTER, [a], [name], dtypes, all_kwargs),
-                     xs, [xs[0].dtype])
-        _set_shapes(outs, shapes)
+        outs = graph_node(node_label(REDUCESCATTER, name),
+                          lambda a: execute_each(REDUCESCATTER, [a], [name], dtypes, all_kwargs),
+                          xs, [xs[0].dtype])
+        set_static_shapes(outs, shapes)
         return outs
 
     def backward(xs, ys, dys):
@@ -185,21 +189,22 @@ def _reducescatter_raw(tensors: list, name, op: ReduceOp, prescale: float, posts
         # this order) by the set's size for Sum, by prescale_factor and by postscale_factor.
         # Horovod does not divide by the size for Average.
         _check_grad_op(op, "grouped_reducescatter" if grouped else "reducescatter")
-        idx = [i for i, x in enumerate(xs) if _differentiable(x)]
+        idx = [i for i, x in enumerate(xs) if is_differentiable(x)]
         scaled = []
         for i in idx:
             g = dys[i]
             if op == ReduceOp.Sum:
-                g = g * _set_size(members)
+                g = g * size_of(members)
             if prescale != 1.0:
                 g = g * prescale
             if postscale != 1.0:
                 g = g * postscale
             scaled.append(g)
-        gathered = _allgather_raw(scaled, _sub_name(name, "grad"), process_set, members, grouped)
+        gathered = differentiable_allgather(scaled, sub_name(name, "grad"), process_set, members,
+                                            grouped)
         out = [None] * len(xs)
         for i, g in zip(idx, gathered):
             out[i] = tf.reshape(g, tf.shape(xs[i]))
         return out
 
-    return _custom_gradient(forward, backward, tensors)
+    return with_custom_gradient(forward, backward, tensors)

@@ -9,11 +9,11 @@ import tensorflow as tf
 from hvdlite.common import core
 from hvdlite.common.core import BROADCAST, global_process_set, ProcessSet, ReduceOp
 
-from .autodiff import _allreduce_raw, _custom_gradient
-from .errors import _public
-from .graph import _chained, _op_name, _sub_name
-from .membership import _members
-from .tensor_bridge import _collective
+from .autodiff import differentiable_allreduce, with_custom_gradient
+from .errors import public_op
+from .graph import broadcast_joins_chain, op_name, sub_name
+from .membership import members_of
+from .tensor_bridge import collective_per_tensor
 
 
 def _check_root(root_rank, members, what: str) -> int:
@@ -31,29 +31,29 @@ def _check_root(root_rank, members, what: str) -> int:
     return root
 
 
-@_public(kind=BROADCAST)
+@public_op(kind=BROADCAST)
 def broadcast(tensor, root_rank: int, name: str | None = None, ignore_name_scope: bool = False,
               process_set: ProcessSet | None = global_process_set):
     """Return ``root_rank``'s ``tensor`` on every rank of ``process_set`` (``root_rank`` is a
     global rank, a member of the set).  Differentiable, as in Horovod: the root receives the
     average over the set of the upstream gradients, the other ranks that average times 0."""
     what = f"broadcast of {name or 'a tensor'}"
-    members = _members(process_set, what)
+    members = members_of(process_set, what)
     root_rank = _check_root(root_rank, members, what)
     tensor = tf.convert_to_tensor(tensor)
-    nm = _op_name("broadcast", name, process_set)
+    nm = op_name("broadcast", name, process_set)
     kwargs = {"root_rank": root_rank}
 
     def forward(xs):
-        return _collective(BROADCAST, xs, [nm], kwargs, process_set)
+        return collective_per_tensor(BROADCAST, xs, [nm], kwargs, process_set)
 
     def backward(xs, ys, dys):
-        averaged = _allreduce_raw(dys, _sub_name(nm, "grad"), ReduceOp.Average, 1.0, 1.0,
-                                  process_set, grouped=False)[0]
+        averaged = differentiable_allreduce(dys, sub_name(nm, "grad"), ReduceOp.Average, 1.0, 1.0,
+                                            process_set, grouped=False)[0]
         # "* 0", not zeros: Horovod's numbers (a non-finite average stays NaN).
         return [averaged if core.rank() == root_rank else averaged * 0]
 
-    return _custom_gradient(forward, backward, [tensor])[0]
+    return with_custom_gradient(forward, backward, [tensor])[0]
 
 
 def _var_label(v, i: int) -> str:
@@ -64,16 +64,16 @@ def _var_label(v, i: int) -> str:
 def _broadcast_assign(variables: list, root_rank, base: str, process_set, what: str) -> list:
     """Broadcast every variable's value from ``root_rank`` (submitted together) and assign it;
     returns the assign ops (None where the variable type returns none)."""
-    members = _members(process_set, what)
+    members = members_of(process_set, what)
     root_rank = _check_root(root_rank, members, what)
     names = [f"{base}.{_var_label(v, i)}" for i, v in enumerate(variables)]
-    chained = tf.executing_eagerly() or _chained(tf.compat.v1.get_default_graph())
-    values = _collective(BROADCAST, [_read(v) for v in variables], names,
-                         {"root_rank": root_rank}, process_set, chained)
+    chained = tf.executing_eagerly() or broadcast_joins_chain(tf.compat.v1.get_default_graph())
+    values = collective_per_tensor(BROADCAST, [_read(v) for v in variables], names,
+                                   {"root_rank": root_rank}, process_set, chained)
     return [v.assign(x) for v, x in zip(variables, values)]
 
 
-@_public
+@public_op
 def broadcast_variables(variables, root_rank: int,
                         process_set: ProcessSet | None = global_process_set,
                         inplace: bool = False):
@@ -85,14 +85,14 @@ def broadcast_variables(variables, root_rank: int,
     variables = list(variables)
     if not variables:
         return None
-    base = _op_name("broadcast_variables", None, process_set) or "broadcast_variables"
+    base = op_name("broadcast_variables", None, process_set) or "broadcast_variables"
     assigns = _broadcast_assign(variables, root_rank, base, process_set, "broadcast_variables")
     if tf.executing_eagerly():
         return None
     return tf.group(*[a for a in assigns if a is not None])
 
 
-@_public
+@public_op
 def broadcast_(variables, root_rank: int, name: str | None = None,
                process_set: ProcessSet | None = global_process_set) -> list:
     """In-place broadcast (Horovod's ``hvd.broadcast_``): assign ``root_rank``'s value of every
@@ -104,7 +104,7 @@ def broadcast_(variables, root_rank: int, name: str | None = None,
     variables = list(variables) if isinstance(variables, (list, tuple)) else [variables]
     if not variables:
         return []
-    base = _op_name("broadcast_", name, process_set) or "broadcast_"
+    base = op_name("broadcast_", name, process_set) or "broadcast_"
     assigns = _broadcast_assign(variables, root_rank, base, process_set, f"broadcast_ {base}")
     if tf.executing_eagerly():
         return [_read(v) for v in variables]

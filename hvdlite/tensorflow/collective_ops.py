@@ -11,11 +11,12 @@ from hvdlite.common.core import (ALLGATHER, ALLREDUCE, REDUCESCATTER, ProcessSet
                                  global_process_set, resolve_op)
 
 from . import errors as tf_errors
-from .autodiff import _allgather_raw, _allreduce_raw, _reducescatter_raw
+from .autodiff import (differentiable_allgather, differentiable_allreduce,
+                       differentiable_reducescatter)
 from .compression import Compression
-from .errors import _public
-from .graph import _op_name, _sub_name
-from .membership import _members, _set_size
+from .errors import public_op
+from .graph import op_name, sub_name
+from .membership import members_of, size_of
 
 
 # --- allreduce -------------------------------------------------------------------------------
@@ -37,19 +38,19 @@ def _sparse_allreduce(slices: tf.IndexedSlices, name, op: ReduceOp, prescale, po
                                   f"{prescale} and postscale_factor={postscale} are not "
                                   f"supported with sparse tensors (as in Horovod); scale the "
                                   f"values yourself or convert with tf.convert_to_tensor.")
-    base = _op_name("allreduce", name, process_set)
-    values = allgather(slices.values, name=_sub_name(base, "values"), process_set=process_set)
-    indices = allgather(slices.indices, name=_sub_name(base, "indices"),
+    base = op_name("allreduce", name, process_set)
+    values = allgather(slices.values, name=sub_name(base, "values"), process_set=process_set)
+    indices = allgather(slices.indices, name=sub_name(base, "indices"),
                         process_set=process_set)
     if op == ReduceOp.Average:
-        values = values / tf.cast(_set_size(members), values.dtype)
+        values = values / tf.cast(size_of(members), values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
 def _check_adasum(op: ReduceOp, members, what: str) -> None:
     """Horovod raises NotImplementedError for Adasum on a number of ranks that is not a power
     of two (hvdlite's Adasum also runs on process sets of such a size)."""
-    size = _set_size(members)
+    size = size_of(members)
     if op == ReduceOp.Adasum and size & (size - 1):
         raise NotImplementedError(
             f"{what}: op=Adasum needs a power-of-two number of ranks (1, 2, 4, 8, ...), but "
@@ -57,7 +58,7 @@ def _check_adasum(op: ReduceOp, members, what: str) -> None:
             f"op=Average.")
 
 
-@_public(kind=ALLREDUCE)
+@public_op(kind=ALLREDUCE)
 def allreduce(tensor, average: bool | None = None, device_dense: str = "",
               device_sparse: str = "", compression=Compression.none,
               op: ReduceOp | int | None = None, prescale_factor: float = 1.0,
@@ -77,7 +78,7 @@ def allreduce(tensor, average: bool | None = None, device_dense: str = "",
     ``device_dense``/``device_sparse`` and ``ignore_name_scope`` are accepted for compatibility
     (CPU only; names ignore scopes).
     """
-    members = _members(process_set, f"allreduce of {name or 'a tensor'}")
+    members = members_of(process_set, f"allreduce of {name or 'a tensor'}")
     op = resolve_op(op, average)
     if isinstance(tensor, tf.IndexedSlices):
         return _sparse_allreduce(tensor, name, op, prescale_factor, postscale_factor,
@@ -85,12 +86,13 @@ def allreduce(tensor, average: bool | None = None, device_dense: str = "",
     _check_adasum(op, members, f"allreduce of {name or 'a tensor'}")
     tensor = tf.convert_to_tensor(tensor)
     compressed, ctx = compression.compress(tensor)
-    reduced = _allreduce_raw([compressed], _op_name("allreduce", name, process_set), op,
-                             prescale_factor, postscale_factor, process_set, grouped=False)[0]
+    reduced = differentiable_allreduce([compressed], op_name("allreduce", name, process_set), op,
+                                       prescale_factor, postscale_factor, process_set,
+                                       grouped=False)[0]
     return compression.decompress(reduced, ctx)
 
 
-@_public(kind=ALLREDUCE, items="tensors")
+@public_op(kind=ALLREDUCE, items="tensors")
 def grouped_allreduce(tensors: Sequence, average: bool | None = None, device_dense: str = "",
                       device_sparse: str = "", compression=Compression.none,
                       op: ReduceOp | int | None = None, prescale_factor: float = 1.0,
@@ -104,42 +106,43 @@ def grouped_allreduce(tensors: Sequence, average: bool | None = None, device_den
     tensors = list(tensors)
     if not tensors:
         return tensors
-    members = _members(process_set, f"grouped_allreduce of {name or 'tensors'}")
+    members = members_of(process_set, f"grouped_allreduce of {name or 'tensors'}")
     op = resolve_op(op, average)
     out: list = [None] * len(tensors)
     dense_idx = []
     for i, t in enumerate(tensors):
         if isinstance(t, tf.IndexedSlices):
-            out[i] = _sparse_allreduce(t, _sub_name(name, f"sparse.{i}"), op, prescale_factor,
+            out[i] = _sparse_allreduce(t, sub_name(name, f"sparse.{i}"), op, prescale_factor,
                                        postscale_factor, process_set, members)
         else:
             dense_idx.append(i)
     if dense_idx:
         _check_adasum(op, members, f"grouped_allreduce of {name or 'tensors'}")
         compressed = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense_idx]
-        reduced = _allreduce_raw([c for c, _ in compressed],
-                                 _op_name("grouped_allreduce", name, process_set), op,
-                                 prescale_factor, postscale_factor, process_set, grouped=True)
+        reduced = differentiable_allreduce([c for c, _ in compressed],
+                                           op_name("grouped_allreduce", name, process_set), op,
+                                           prescale_factor, postscale_factor, process_set,
+                                           grouped=True)
         for i, r, (_, ctx) in zip(dense_idx, reduced, compressed):
             out[i] = compression.decompress(r, ctx)
     return out
 
 
 # --- allgather -------------------------------------------------------------------------------
-@_public(kind=ALLGATHER)
+@public_op(kind=ALLGATHER)
 def allgather(tensor, name: str | None = None, ignore_name_scope: bool = False,
               process_set: ProcessSet | None = global_process_set):
     """Concatenation of every rank's ``tensor`` along dimension 0, in rank order (the first
     dimension may differ between ranks; a scalar counts as one row).  Inside ``tf.function``
     the output's first dimension is unknown.  Differentiable, as in Horovod: the upstream
     gradient is averaged over the set, and each rank takes the rows that match its input."""
-    members = _members(process_set, f"allgather of {name or 'a tensor'}")
+    members = members_of(process_set, f"allgather of {name or 'a tensor'}")
     tensor = tf.convert_to_tensor(tensor)
-    return _allgather_raw([tensor], _op_name("allgather", name, process_set), process_set,
-                          members, grouped=False)[0]
+    return differentiable_allgather([tensor], op_name("allgather", name, process_set), process_set,
+                                    members, grouped=False)[0]
 
 
-@_public(kind=ALLGATHER, items="tensors")
+@public_op(kind=ALLGATHER, items="tensors")
 def grouped_allgather(tensors: Sequence, name: str | None = None,
                       ignore_name_scope: bool = False,
                       process_set: ProcessSet | None = global_process_set) -> list:
@@ -148,9 +151,9 @@ def grouped_allgather(tensors: Sequence, name: str | None = None,
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
         return []
-    members = _members(process_set, f"grouped_allgather of {name or 'tensors'}")
-    return _allgather_raw(tensors, _op_name("grouped_allgather", name, process_set),
-                          process_set, members, grouped=True)
+    members = members_of(process_set, f"grouped_allgather of {name or 'tensors'}")
+    return differentiable_allgather(tensors, op_name("grouped_allgather", name, process_set),
+                                    process_set, members, grouped=True)
 
 
 # --- reducescatter ---------------------------------------------------------------------------
@@ -164,7 +167,7 @@ def _check_scatter_args(tensors: list, op: ReduceOp, what: str) -> None:
                              f"least one dimension (its rows are split across ranks).")
 
 
-@_public(kind=REDUCESCATTER)
+@public_op(kind=REDUCESCATTER)
 def reducescatter(tensor, device_dense: str = "", compression=Compression.none,
                   op: ReduceOp | int | None = ReduceOp.Average, name: str | None = None,
                   process_set: ProcessSet | None = global_process_set,
@@ -182,18 +185,18 @@ def reducescatter(tensor, device_dense: str = "", compression=Compression.none,
     Average).  ``op=Adasum`` raises ``tf.errors.AbortedError`` (Horovod's class).
     """
     what = f"reducescatter of {name or 'a tensor'}"
-    members = _members(process_set, what)
+    members = members_of(process_set, what)
     op = resolve_op(op)
     tensor = tf.convert_to_tensor(tensor)
     _check_scatter_args([tensor], op, what)
     compressed, ctx = compression.compress(tensor)
-    out = _reducescatter_raw([compressed], _op_name("reducescatter", name, process_set), op,
-                             prescale_factor, postscale_factor, process_set, members,
-                             grouped=False)[0]
+    out = differentiable_reducescatter([compressed], op_name("reducescatter", name, process_set),
+                                       op, prescale_factor, postscale_factor, process_set,
+                                       members, grouped=False)[0]
     return compression.decompress(out, ctx)
 
 
-@_public(kind=REDUCESCATTER, items="tensors")
+@public_op(kind=REDUCESCATTER, items="tensors")
 def grouped_reducescatter(tensors: Sequence, device_dense: str = "",
                           compression=Compression.none,
                           op: ReduceOp | int | None = ReduceOp.Average,
@@ -207,12 +210,12 @@ def grouped_reducescatter(tensors: Sequence, device_dense: str = "",
     if not tensors:
         return []
     what = f"grouped_reducescatter of {name or 'tensors'}"
-    members = _members(process_set, what)
+    members = members_of(process_set, what)
     op = resolve_op(op)
     _check_scatter_args(tensors, op, what)
     compressed = [compression.compress(t) for t in tensors]
-    outs = _reducescatter_raw([c for c, _ in compressed],
-                              _op_name("grouped_reducescatter", name, process_set), op,
-                              prescale_factor, postscale_factor, process_set, members,
-                              grouped=True)
+    outs = differentiable_reducescatter([c for c, _ in compressed],
+                                        op_name("grouped_reducescatter", name, process_set), op,
+                                        prescale_factor, postscale_factor, process_set, members,
+                                        grouped=True)
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, compressed)]

@@ -10,23 +10,23 @@ import tensorflow as tf
 from hvdlite.common import core
 from hvdlite.common.core import global_process_set, ProcessSet
 
-from .errors import _public
-from .graph import _node, _set_shapes
-from .membership import _members
+from .errors import public_op
+from .graph import graph_node, set_static_shapes
+from .membership import members_of
 
 
 def _control_op(label: str, fn: Callable[[], int]):
     """Eager: run ``fn`` now; graph: one chained node.  Returns an int32 scalar tensor."""
-    out = _node(label, lambda: [np.int32(fn())], [], [tf.int32])[0]
-    _set_shapes([out], [tf.TensorShape([])])
+    out = graph_node(label, lambda: [np.int32(fn())], [], [tf.int32])[0]
+    set_static_shapes([out], [tf.TensorShape([])])
     return out
 
 
-@_public
+@public_op
 def barrier(process_set: ProcessSet | None = global_process_set):
     """Block until every rank of ``process_set`` reaches the barrier.  Eagerly returns None;
     inside ``tf.function`` it is a graph node (returned, an int32 scalar)."""
-    _members(process_set, "barrier")
+    members_of(process_set, "barrier")
     if tf.executing_eagerly():
         core.barrier(process_set)
         return None
@@ -38,7 +38,7 @@ def barrier(process_set: ProcessSet | None = global_process_set):
     return _control_op("hvdlite_barrier", run)
 
 
-@_public
+@public_op
 def join(process_set: ProcessSet | None = global_process_set):
     """Declare that this rank has run out of data and block until every rank (of
     ``process_set``) has joined.
@@ -48,5 +48,5 @@ def join(process_set: ProcessSet | None = global_process_set):
     cannot run while a rank is joined.  Returns an int32 scalar tensor: the global rank of the
     last rank to join (eagerly and inside ``tf.function``).
     """
-    _members(process_set, "join")
+    members_of(process_set, "join")
     return _control_op("hvdlite_join", lambda: core.join(process_set))

@@ -44,11 +44,6 @@ def _both(tf_class: type, py_class: type) -> type:
     return cls
 
 
-def invalid_argument(message: str) -> Exception:
-    """Horovod's class for a bad argument (``tf.errors.InvalidArgumentError``, a ValueError)."""
-    return _both(tf.errors.InvalidArgumentError, ValueError)(None, None, message)
-
-
 def aborted(message: str) -> Exception:
     """Horovod's class for an operation its backend refuses (``tf.errors.AbortedError``), also
     an ``HvdliteError``."""
@@ -79,7 +74,7 @@ def to_tf_error(exc: BaseException) -> BaseException:
     return converted
 
 
-def _public(fn=None, *, kind: str | None = None, items: str | None = None):
+def public_op(fn=None, *, kind: str | None = None, items: str | None = None):
     """Decorator for the public ops: never converted by AutoGraph (they are plain Python that
     builds graph nodes); errors reach the caller as Horovod's TensorFlow error classes (see
     :func:`to_tf_error`), raised directly (AutoGraph would otherwise re-wrap some of them as
@@ -89,7 +84,7 @@ def _public(fn=None, *, kind: str | None = None, items: str | None = None):
     fails it everywhere instead of shifting the automatic names.  (Inside a graph the names
     are fixed when it is traced, alike on every rank.)"""
     if fn is None:
-        return lambda f: _public(f, kind=kind, items=items)
+        return lambda f: public_op(f, kind=kind, items=items)
     signature = inspect.signature(fn) if kind is not None else None
 
     @functools.wraps(fn)

@@ -11,10 +11,11 @@ from hvdlite.common.core import (global_process_set, predivide_factors, ProcessS
 
 from . import grad_layouts as layouts
 from .compression import Compression
-from .mpi_ops import _allreduce_raw, allreduce
+from .autodiff import differentiable_allreduce
+from .mpi_ops import allreduce
 
 
-def _check_groups(num_groups, groups):
+def check_groups(num_groups, groups):
     """Horovod's checks: ``num_groups`` is deprecated (a warning; it stands in for a missing
     ``groups``); ``groups`` is a positive int or a list of variable lists."""
     if num_groups:
@@ -27,7 +28,7 @@ def _check_groups(num_groups, groups):
                          "tf.Variable.")
 
 
-def _check_process_set(process_set) -> tuple[bool, int]:
+def check_process_set(process_set) -> tuple[bool, int]:
     """(is this rank a member, the set's size) of ``process_set`` (None = all ranks)."""
     if process_set is None or (isinstance(process_set, ProcessSet)
                                and process_set.process_set_id == 0):
@@ -111,13 +112,13 @@ def make_allreduce_grads_fn(name: str, compression=Compression.none, sparse_as_d
                                            [variables[i] for i in shared])):
             grads[i] = g
         if scale_local_gradients:
-            set_size = _check_process_set(process_set)[1]
+            set_size = check_process_set(process_set)[1]
             grads = [_divided(g, set_size) if mine and g is not None else g
                      for g, mine in zip(grads, is_local)]
         return grads
 
     def reduce_all(grads, variables):
-        member, set_size = _check_process_set(process_set)
+        member, set_size = check_process_set(process_set)
         if not member or (set_size == 1 and op in (ReduceOp.Average, ReduceOp.Sum)
                           and prescale * postscale == 1.0):
             return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) and sparse_as_dense
@@ -144,8 +145,9 @@ def make_allreduce_grads_fn(name: str, compression=Compression.none, sparse_as_d
             # group goes first: inside tf.function a mismatch then stops the step before any
             # sparse reduction starts.
             compressed = [compression.compress(m) for m in members]
-            reduced = _allreduce_raw([c for c, _ in compressed], name, op, prescale, postscale,
-                                     process_set, grouped=True, mismatch_hint=hint)
+            reduced = differentiable_allreduce([c for c, _ in compressed], name, op, prescale,
+                                               postscale, process_set, grouped=True,
+                                               mismatch_hint=hint)
             for i, r, (_, ctx) in zip(dense_idx, reduced, compressed):
                 if kinds[i] == layouts.DENSE:
                     out[i] = compression.decompress(r, ctx)
@@ -231,8 +233,8 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
     :func:`PartialDistributedGradientTape`); ``scale_local_gradients`` (default True) divides
     such gradients by the process set's size, as Horovod does.
     """
-    _check_groups(num_groups, groups)
-    _check_process_set(process_set)
+    check_groups(num_groups, groups)
+    check_process_set(process_set)
     cls = type(gradtape.__class__.__name__, (_DistributedGradientTape, gradtape.__class__), {})
     tape = cls.__new__(cls)
     tape.__dict__.update(gradtape.__dict__)

@@ -1,12 +1,12 @@
 """Graph-mode plumbing of the TensorFlow ops: the graph node each collective becomes, the chain
 that orders those nodes, and the names fixed when a graph is traced.
 
-Eagerly :func:`_node` runs its function at once.  In a graph (``tf.function``, a TF1 graph) it
+Eagerly :func:`graph_node` runs its function at once.  In a graph (``tf.function``, a TF1 graph) it
 builds one stateful ``tf.numpy_function`` node, labelled ``hvdlite_<kind>_<name>`` (cut to 60
 characters), with a control dependency on the graph's previous hvdlite node (see the ordering
-note below).  :func:`_op_name` gives an unnamed op its trace-time name,
+note below).  :func:`op_name` gives an unnamed op its trace-time name,
 ``<kind>.tf.<function>.<k>`` (``<kind>.tf.set<id>.<function>.<k>`` on another process set), and
-:func:`_sub_name` the names of its parts and its gradient (``<name>.grad``); the scheme is
+:func:`sub_name` the names of its parts and its gradient (``<name>.grad``); the scheme is
 described in :mod:`hvdlite.tensorflow.mpi_ops`.  Each graph keeps its counters and its last node
 in a :class:`_GraphState`, dropped with the graph.
 """
@@ -27,7 +27,7 @@ except ImportError:   # moved in some release: XLA then reports it itself
 
 from . import errors as tf_errors
 from .eager_arrays import as_tensor, host_array
-from .membership import _set_id
+from .membership import id_of
 
 _graph_state: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -37,7 +37,7 @@ class _GraphState:
 
     def __init__(self) -> None:
         self.counters: dict[int, itertools.count] = {}   # process set id -> op counter
-        self.last = None       # last chained hvdlite node of this graph (see _chained)
+        self.last = None       # last chained hvdlite node of this graph (see broadcast_joins_chain)
 
     def next_index(self, set_id: int) -> int:
         counter = self.counters.get(set_id)
@@ -68,16 +68,17 @@ def _graph_label(graph) -> str:
 # The broadcasts of variables (broadcast_variables, broadcast_global_variables, broadcast_) stay
 # out of a TF1 graph's chain: they are run on their own, typically once after the training step
 # is built, and must not run (or need the feeds of) that step's collectives.
-def _chained(graph) -> bool:
+def broadcast_joins_chain(graph) -> bool:
     """Whether a variables broadcast built now joins the chain (see above)."""
     return getattr(graph, "building_function", False)
 
 
-def _last_node(graph):
+def last_node(graph):
+    """The last hvdlite node chained in ``graph`` (None before the first)."""
     return _state_of(graph).last
 
 
-def _op_name(kind: str, name, process_set=None) -> str | None:
+def op_name(kind: str, name, process_set=None) -> str | None:
     """The name the core sees: the user's, or (inside tf.function) a trace-time derived one."""
     if name is not None:
         if not isinstance(name, str):
@@ -86,25 +87,27 @@ def _op_name(kind: str, name, process_set=None) -> str | None:
     if tf.executing_eagerly():
         return None
     graph = tf.compat.v1.get_default_graph()
-    set_id = _set_id(process_set)
+    set_id = id_of(process_set)
     scope = "" if set_id == 0 else f"set{set_id}."
     return f"{kind}.tf.{scope}{_graph_label(graph)}.{_state_of(graph).next_index(set_id)}"
 
 
-def _sub_name(name: str | None, suffix: str) -> str | None:
+def sub_name(name: str | None, suffix: str) -> str | None:
+    """The name of a part of op ``name`` (``<name>.<suffix>``), None for an unnamed op."""
     return None if name is None else f"{name}.{suffix}"
 
 
-def _label(kind: str, name) -> str:
+def node_label(kind: str, name) -> str:
+    """The graph node's label, ``hvdlite_<kind>_<name>`` as a TF op name (60 characters)."""
     return re.sub(r"[^A-Za-z0-9_.]", "_", f"hvdlite_{kind}_{name or ''}")[:60]
 
 
-def _node(label: str, fn: Callable[..., list], inputs: list, touts: list,
-          chained: bool = True) -> list:
+def graph_node(label: str, fn: Callable[..., list], inputs: list, touts: list,
+               chained: bool = True) -> list:
     """Run ``fn(*numpy inputs) -> list of numpy outputs`` now (eagerly) or as one stateful
     ``tf.numpy_function`` node, chained after the graph's previous hvdlite node unless
-    ``chained`` is False (see _chained).  Eager failures are raised as Horovod's TF error
-    classes."""
+    ``chained`` is False (see broadcast_joins_chain).  Eager failures are raised as Horovod's TF
+    error classes."""
     if tf.executing_eagerly():
         try:
             outs = fn(*[host_array(t) for t in inputs])
@@ -142,7 +145,8 @@ def _refuse_xla(graph, label: str) -> None:
             f"jit_compile=\"auto\" may pick XLA on a GPU).")
 
 
-def _set_shapes(outs, shapes) -> None:
+def set_static_shapes(outs, shapes) -> None:
+    """In a graph, give each output its promised static shape (None: leave it unknown)."""
     if tf.executing_eagerly():
         return
     for out, shape in zip(outs, shapes):

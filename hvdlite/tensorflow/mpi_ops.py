@@ -8,7 +8,7 @@ becomes one stateful ``tf.numpy_function`` node that submits its tensor(s) and w
 is one node that submits the whole group). Each node has a control dependency on the graph's
 previous one, so that every rank starts them in the same order (a ``tf.function`` runs them all; in
 a TF1 graph, fetching a node also runs the nodes built before it, except the broadcasts of
-variables, which stay out of that chain: see ``_chained``).
+variables, which stay out of that chain: see ``broadcast_joins_chain``).
 
 Names.  Ranks match collectives by name.  ``name=None`` means:
   * eagerly: the core's per-kind call counter (``allreduce.noname.N``): unnamed ops must be
@@ -40,13 +40,12 @@ to numpy and back without copies), :mod:`.membership` (process-set
 members), :mod:`.autodiff` (custom gradients; the differentiable allreduce, allgather and
 reducescatter), the public ops in :mod:`.collective_ops` (allreduce, allgather, reducescatter
 and their grouped forms), :mod:`.broadcast_ops`, :mod:`.alltoall_ops`, :mod:`.control_ops`
-(barrier, join) and :mod:`.topology_ops` (size_op, rank_op, ...); :func:`.errors._public` is
+(barrier, join) and :mod:`.topology_ops` (size_op, rank_op, ...); :func:`.errors.public_op` is
 the decorator every public op wears.
 """
 from hvdlite.common.core import global_process_set, ProcessSet, ReduceOp  # noqa: F401
 
 from .alltoall_ops import alltoall  # noqa: F401
-from .autodiff import _allreduce_raw  # noqa: F401 - DistributedGradientTape's grouped allreduce
 from .broadcast_ops import broadcast, broadcast_, broadcast_variables  # noqa: F401
 from .collective_ops import (allgather, allreduce, grouped_allgather,  # noqa: F401
                              grouped_allreduce, grouped_reducescatter, reducescatter)

@@ -1,7 +1,7 @@
 """TensorFlow tensors to the core and back: each collective's inputs go to the core as numpy
-arrays (views of CPU tensors' buffers), one core op per tensor
-(:func:`_collective`) or one core group (:func:`_group`), all in one graph node; the results come
-back as tensors with the static shapes the op promises."""
+arrays (views of CPU tensors' buffers), one core op per tensor (:func:`collective_per_tensor`)
+or one core group (:func:`grouped_collective`), all in one graph node; the results come back as
+tensors with the static shapes the op promises."""
 from __future__ import annotations
 
 import contextlib
@@ -16,11 +16,11 @@ from hvdlite.common import core
 from hvdlite.common.core import (ALLGATHER, ALLREDUCE, dtype_info, split_rows,
                                  TensorMismatchError)
 
-from .graph import _label, _node, _set_shapes
-from .membership import _set_rank, _set_size
+from .graph import graph_node, node_label, set_static_shapes
+from .membership import rank_in, size_of
 
 
-def _core_dtype(tensor, what: str) -> str | None:
+def core_dtype(tensor, what: str) -> str | None:
     """Check that the core supports ``tensor``'s dtype (raising its UnsupportedDtypeError if
     not); return the dtype name to tell the core when the numpy view carries a stand-in
     (bfloat16), else None: the view's own dtype, which lets the core's fast submission paths
@@ -43,7 +43,7 @@ def _contiguous(array) -> np.ndarray:
     return array
 
 
-def _execute(kind: str, arrays, names, dtypes, kwargs: dict) -> list:
+def execute_each(kind: str, arrays, names, dtypes, kwargs: dict) -> list:
     """Submit every array as its own op, then wait for all; raise the first error after all
     finished."""
     handles, error = [], None
@@ -72,50 +72,50 @@ def _execute_group(kind: str, arrays, name, dtypes, kwargs: dict) -> list:
                                      dtypes=list(dtypes), **kwargs).wait()
 
 
-def _gathered_shape(t) -> tf.TensorShape | None:
+def gathered_shape(t) -> tf.TensorShape | None:
     """Static shape of an allgather/alltoall output: first dimension unknown."""
     if t.shape.rank is None:
         return None
     return tf.TensorShape([None] + (t.shape.as_list()[1:] if t.shape.rank else []))
 
 
-def _scattered_shape(t, members) -> tf.TensorShape | None:
+def scattered_shape(t, members) -> tf.TensorShape | None:
     """Static shape of this rank's reducescatter output."""
     if t.shape.rank is None or t.shape.rank == 0:
         return None
     dims = t.shape.as_list()
     rows = dims[0]
     if rows is not None:
-        rows = split_rows(rows, _set_size(members))[_set_rank(members)]
+        rows = split_rows(rows, size_of(members))[rank_in(members)]
     return tf.TensorShape([rows] + dims[1:])
 
 
-def _collective(kind: str, tensors: list, names: list, kwargs: dict,
-                process_set=None, chained: bool = True) -> list:
+def collective_per_tensor(kind: str, tensors: list, names: list, kwargs: dict,
+                          process_set=None, chained: bool = True) -> list:
     """One ``kind`` op per tensor (submitted together, waited together, one graph node)."""
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
         return []
-    dtypes = [_core_dtype(t, f"{kind} of {n or 'unnamed tensor'}")
+    dtypes = [core_dtype(t, f"{kind} of {n or 'unnamed tensor'}")
               for t, n in zip(tensors, names)]
     kwargs = dict(kwargs, process_set=process_set)
 
     def fn(*arrays):
-        return _execute(kind, arrays, names, dtypes, kwargs)
+        return execute_each(kind, arrays, names, dtypes, kwargs)
 
-    outs = _node(_label(kind, names[0]), fn, tensors, [t.dtype for t in tensors], chained)
-    _set_shapes(outs, [_gathered_shape(t) if kind == ALLGATHER else t.shape for t in tensors])
+    outs = graph_node(node_label(kind, names[0]), fn, tensors, [t.dtype for t in tensors], chained)
+    set_static_shapes(outs, [gathered_shape(t) if kind == ALLGATHER else t.shape for t in tensors])
     return outs
 
 
-def _group(kind: str, tensors: list, name, kwargs: dict, process_set=None,
-           shapes=None, mismatch_hint: str | None = None) -> list:
+def grouped_collective(kind: str, tensors: list, name, kwargs: dict, process_set=None,
+                       shapes=None, mismatch_hint: str | None = None) -> list:
     """One grouped ``kind`` op over ``tensors`` (one graph node).  ``mismatch_hint`` is added
     to the message of a TensorMismatchError (what this rank knows about the likely cause)."""
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
         return []
-    dtypes = [_core_dtype(t, f"grouped {kind} of {name or 'unnamed tensors'}.{i}")
+    dtypes = [core_dtype(t, f"grouped {kind} of {name or 'unnamed tensors'}.{i}")
               for i, t in enumerate(tensors)]
     kwargs = dict(kwargs, process_set=process_set)
     small = _flat_members(tensors, dtypes) if kind == ALLREDUCE else []
@@ -126,8 +126,8 @@ def _group(kind: str, tensors: list, name, kwargs: dict, process_set=None,
         with _hinted(mismatch_hint):
             return _execute_group(kind, arrays, name, dtypes, kwargs)
 
-    outs = _node(_label(f"grouped_{kind}", name), fn, tensors, [t.dtype for t in tensors])
-    _set_shapes(outs, shapes if shapes is not None else [t.shape for t in tensors])
+    outs = graph_node(node_label(f"grouped_{kind}", name), fn, tensors, [t.dtype for t in tensors])
+    set_static_shapes(outs, shapes if shapes is not None else [t.shape for t in tensors])
     return outs
 
 
@@ -192,11 +192,12 @@ def _flat_group(tensors: list, small: list[int], name, kwargs: dict,
         return [result] + large_results
 
     flat_in = tf.concat([tf.reshape(tensors[i], [-1]) for i in small], 0)
-    outs = _node(_label("grouped_allreduce", name), fn, [flat_in] + [tensors[i] for i in large],
-                 [dtype] + [tensors[i].dtype for i in large])
+    outs = graph_node(node_label("grouped_allreduce", name), fn,
+                      [flat_in] + [tensors[i] for i in large],
+                      [dtype] + [tensors[i].dtype for i in large])
     flat_out, large_outs = outs[0], outs[1:]
     flat_out.set_shape([starts[-1]])
-    _set_shapes(large_outs, [tensors[i].shape for i in large])
+    set_static_shapes(large_outs, [tensors[i].shape for i in large])
     reduced: list = [None] * len(tensors)
     for i, part, shape in zip(small, tf.split(flat_out, sizes), shapes):
         reduced[i] = tf.reshape(part, shape)

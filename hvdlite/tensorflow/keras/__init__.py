@@ -24,7 +24,7 @@ import tensorflow as tf
 from hvdlite.common.core import *  # noqa: F401,F403 - the shared API
 
 from ..compression import Compression
-from ..gradient_tape import (_check_groups, _check_process_set, local_layer_variables,
+from ..gradient_tape import (check_groups, check_process_set, local_layer_variables,
                              make_allreduce_grads_fn)
 from ..mpi_ops import (allreduce as _tf_allreduce, allgather as _tf_allgather,
                        broadcast as _tf_broadcast, reducescatter as _tf_reducescatter,
@@ -45,7 +45,7 @@ class _DistributedOptimizer(DistributedSetup):
     def _hvd_all_finite(self, finite):
         """True on every rank iff ``finite`` is True on every rank of the process set (a
         LossScaleOptimizer around this one asks; see :mod:`.loss_scale`)."""
-        member, set_size = _check_process_set(self._hvd_process_set)
+        member, set_size = check_process_set(self._hvd_process_set)
         if not member or set_size == 1:
             return finite
         flags = _tf_allreduce(tf.cast(finite, tf.int32), op=Min, name=f"{self._hvd_name}.finite",
@@ -136,12 +136,12 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     parallelism; see :func:`PartialDistributedOptimizer`); ``scale_local_gradients`` (default
     True) divides such gradients by the process set's size, as Horovod does.
     """
-    _check_process_set(process_set)
+    check_process_set(process_set)
     if backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be >= 1")
     if isinstance(optimizer, DistributedSetup):
         raise ValueError("the optimizer is already a DistributedOptimizer")
-    _check_groups(num_groups, groups)
+    check_groups(num_groups, groups)
     base = optimizer.__class__
     cls = _distributed_class(base)
     try:
