@@ -27,10 +27,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hvdlite.common.data_paths.base import DataPath
-from hvdlite.common.data_paths.mpi import copy_out_pieces, flat, pack, phase, postscale_factor
+from hvdlite.common.data_paths.helpers import copy_out_pieces, flat, pack, phase, postscale_factor
 from hvdlite.common.dtypes import dtype_info, scale_in_place
-from hvdlite.common.engine.data_paths import Batch
+from hvdlite.common.engine.data_path import Batch, DataPath
 from hvdlite.common.engine.fusion import FusionBuffer
 from hvdlite.common.engine.messages import ALLREDUCE
 from hvdlite.common.errors import UnsupportedOperationError

@@ -2,10 +2,9 @@
 (see :mod:`hvdlite.common.intranode.direct`; ``HVDLITE_CMA``)."""
 from __future__ import annotations
 
-from hvdlite.common.data_paths.base import DataPath
-from hvdlite.common.data_paths.mpi import phase, postscale_factor
+from hvdlite.common.data_paths.helpers import phase, postscale_factor
 from hvdlite.common.dtypes import dtype_info, numpy_reduce_ufunc
-from hvdlite.common.engine.data_paths import Batch, PathContext
+from hvdlite.common.engine.data_path import Batch, DataPath, PathContext
 from hvdlite.common.engine.messages import ALLREDUCE
 from hvdlite.common.intranode.direct import MIN_BYTES, DirectAllreduce
 from hvdlite.common.reduce_ops import ReduceOp

@@ -37,14 +37,13 @@ import logging
 
 import numpy as np
 
-from hvdlite.common.data_paths.base import DataPath
 from hvdlite.common.data_paths.hier_plan import (SMALL_BYTES, Hosts, gather_groups, my_segments,
                                                reduce_segments, share_bounds)
-from hvdlite.common.data_paths.mpi import (POLITE_MAX_BYTES, copy_out_pieces, displacements, flat,
-                                         pack, phase, postscale_factor, row_layout)
+from hvdlite.common.data_paths.helpers import (POLITE_MAX_BYTES, copy_out_pieces, displacements,
+                                              flat, pack, phase, postscale_factor, row_layout)
 from hvdlite.common.dtypes import (dtype_info, mpi_datatype, mpi_reduce_op, numpy_reduce_ufunc,
                                    scale_in_place, scale_into)
-from hvdlite.common.engine.data_paths import Batch, PathContext
+from hvdlite.common.engine.data_path import Batch, DataPath, PathContext
 from hvdlite.common.engine.fusion import FusionBuffer
 from hvdlite.common.engine.handle import Entry
 from hvdlite.common.engine.messages import ALLGATHER, ALLREDUCE, Response

@@ -17,10 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from hvdlite.common.data_paths.base import DataPath
-from hvdlite.common.data_paths.mpi import postscale_factor
+from hvdlite.common.data_paths.helpers import postscale_factor
 from hvdlite.common.dtypes import dtype_info
-from hvdlite.common.engine.data_paths import Batch, DeviceWork, PathContext
+from hvdlite.common.engine.data_path import Batch, DataPath, DeviceWork, PathContext
 from hvdlite.common.engine.handle import Entry
 from hvdlite.common.engine.messages import ALLGATHER, ALLREDUCE, BARRIER, BROADCAST, Response
 from hvdlite.common.errors import GpuUnavailableError, HvdliteError

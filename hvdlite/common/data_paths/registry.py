@@ -1,17 +1,16 @@
 """The data paths an engine asks, in order, which one serves a batch.  Adding a path: write
-its class (a :class:`~hvdlite.common.data_paths.base.DataPath`) and put it in this list where it
+its class (a :class:`~hvdlite.common.engine.data_path.DataPath`) and put it in this list where it
 should be preferred."""
 from __future__ import annotations
 
 from hvdlite.common.data_paths.adasum import AdasumPath
-from hvdlite.common.data_paths.base import DataPath
 from hvdlite.common.data_paths.direct import DirectCopyPath
 from hvdlite.common.data_paths.hierarchical import HierarchicalPath
 from hvdlite.common.data_paths.mpi import MPIPath
 from hvdlite.common.data_paths.nccl import NCCLPath
 from hvdlite.common.data_paths.shared_window import SharedWindowPath
 from hvdlite.common.data_paths.staged import StagedPath
-from hvdlite.common.engine.data_paths import PathContext
+from hvdlite.common.engine.data_path import DataPath, PathContext
 
 # GPU batches: NCCL where it can, else through host memory.  Host batches: the intra-node
 # paths first (direct copies for one large tensor, then the shared-memory window; sets within

@@ -3,10 +3,9 @@
 direct copies."""
 from __future__ import annotations
 
-from hvdlite.common.data_paths.base import DataPath
-from hvdlite.common.data_paths.mpi import copy_out_pieces, flat, pack, phase, postscale_factor
+from hvdlite.common.data_paths.helpers import copy_out_pieces, flat, pack, phase, postscale_factor
 from hvdlite.common.dtypes import dtype_info, numpy_reduce_ufunc
-from hvdlite.common.engine.data_paths import Batch, PathContext
+from hvdlite.common.engine.data_path import Batch, DataPath, PathContext
 from hvdlite.common.engine.messages import ALLREDUCE
 from hvdlite.common.intranode.shm_window import MIN_SINGLE_BYTES, SharedFusion
 from hvdlite.common.reduce_ops import ReduceOp

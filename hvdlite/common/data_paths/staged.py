@@ -11,10 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from hvdlite.common.data_paths.adasum import AdasumPath
-from hvdlite.common.data_paths.base import DataPath
 from hvdlite.common.data_paths.mpi import MPIPath
 from hvdlite.common.dtypes import dtype_info
-from hvdlite.common.engine.data_paths import Batch, DeviceWork, PathContext, select
+from hvdlite.common.engine.data_path import Batch, DataPath, DeviceWork, PathContext, select
 from hvdlite.common.engine.handle import Entry
 from hvdlite.common.gpu import cuda
 

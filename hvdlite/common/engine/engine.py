@@ -22,7 +22,7 @@ from hvdlite.common.config import Config
 from hvdlite.common.engine.admission import Admission
 from hvdlite.common.engine.completion import Completion
 from hvdlite.common.engine.controller import Controller
-from hvdlite.common.engine.data_paths import PathContext
+from hvdlite.common.engine.data_path import PathContext
 from hvdlite.common.engine.execution import Execution
 from hvdlite.common.engine.handle import Handle
 from hvdlite.common.engine.in_flight import InFlight

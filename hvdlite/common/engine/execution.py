@@ -20,7 +20,7 @@ import numpy as np
 from hvdlite.common.config import Config
 from hvdlite.common.engine.completion import Completion
 from hvdlite.common.engine.controller import Controller, RoundOutcome
-from hvdlite.common.engine.data_paths import PathContext, select
+from hvdlite.common.engine.data_path import PathContext, select
 from hvdlite.common.engine.early import EARLY_MAX_BYTES, EarlyPlan
 from hvdlite.common.engine.fusion import plan_batches
 from hvdlite.common.engine.handle import Entry

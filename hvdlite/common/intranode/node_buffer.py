@@ -14,8 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from hvdlite.common.intranode.shm_window import (_ALIGN, _MIN_SLOT, _SHM_MARGIN, _next_pow2,
-                                                 _shm_space)
+from hvdlite.common.intranode.shm_window import ALIGN, MIN_SLOT, SHM_MARGIN, next_pow2, shm_space
 from hvdlite.common.runtime.waiting import PEER_SPIN_SECONDS, wait_until
 
 
@@ -39,8 +38,8 @@ class NodeBuffer:
         """The slot size a buffer of ``nbytes`` is given (0: more than ``max_bytes``)."""
         if nbytes > max_bytes:
             return 0
-        slot = min(max(_next_pow2(nbytes), _MIN_SLOT), max_bytes)
-        return -(-slot // _ALIGN) * _ALIGN
+        slot = min(max(next_pow2(nbytes), MIN_SLOT), max_bytes)
+        return -(-slot // ALIGN) * ALIGN
 
     def slot_for(self, nbytes: int) -> int:
         return self.slot_size(nbytes, self.max_bytes)
@@ -51,9 +50,9 @@ class NodeBuffer:
         slot = self.slot_for(nbytes)
         if slot == 0:
             return False
-        space = _shm_space()   # the old buffer's space comes back when it is freed
+        space = shm_space()   # the old buffer's space comes back when it is freed
         held = 2 * self.slot_bytes if self._win is not None else 0
-        return space is None or space + held >= 2 * slot + _SHM_MARGIN
+        return space is None or space + held >= 2 * slot + SHM_MARGIN
 
     def grow(self, nbytes: int) -> None:
         """Make each slot hold ``nbytes`` (collective over the node's ranks)."""

@@ -48,13 +48,15 @@ Between = Callable[[int, np.ndarray], None]
 MIN_BYTES = 64 * 1024
 MIN_SINGLE_BYTES = 1 << 20
 _CHUNK_BYTES = 256 * 1024   # one step of the single-tensor reduction: stays in L2
-_ALIGN = 64                 # bytes: each rank's share starts on a cache line
-_MIN_SLOT = 1 << 20
-_SHM_DIR = "/dev/shm"       # where MPICH and Open MPI place shared segments on Linux
-_SHM_MARGIN = 16 << 20      # left free for MPI's own segments and everything else
+# Sizing rules shared with intranode/node_buffer.py (the other shared-memory segment):
+ALIGN = 64                 # bytes: each rank's share starts on a cache line
+MIN_SLOT = 1 << 20         # smallest segment allocated: growing is collective, so start roomy
+SHM_DIR = "/dev/shm"       # where MPICH and Open MPI place shared segments on Linux
+SHM_MARGIN = 16 << 20      # left free for MPI's own segments and everything else
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (segments grow by doubling, so few regrowths)."""
     return 1 << max(0, n - 1).bit_length()
 
 
@@ -97,18 +99,18 @@ class SharedFusion:
 
     def _grow(self, nbytes: int) -> None:
         from mpi4py import MPI
-        slot = min(max(_next_pow2(nbytes), _MIN_SLOT), self.max_batch_bytes)
-        slot = -(-slot // _ALIGN) * _ALIGN
+        slot = min(max(next_pow2(nbytes), MIN_SLOT), self.max_batch_bytes)
+        slot = -(-slot // ALIGN) * ALIGN
         need = 2 * slot * self.size   # every rank's two slots live in the node's shared memory
-        space = _shm_space()   # the old window's space comes back when it is freed
-        fits = space is None or space + self._window_bytes() >= need + _SHM_MARGIN
+        space = shm_space()   # the old window's space comes back when it is freed
+        fits = space is None or space + self._window_bytes() >= need + SHM_MARGIN
         if not self.comm.allreduce(fits, op=MPI.LAND):
             self._disabled = True
             self.close(collective=True)   # every rank is here: a window never used again goes
             log.warning("hvdlite: %s has too little free space for a %d MiB shared fusion "
                         "window; fused allreduces use MPI instead. Enlarge it (docker run "
                         "--shm-size) or set HVDLITE_SHM_FUSION_MB=0 to silence this.",
-                        _SHM_DIR, need >> 20)
+                        SHM_DIR, need >> 20)
             return
         self.close(collective=True)
         info = MPI.Info.Create()
@@ -246,7 +248,7 @@ class SharedFusion:
     def shares(count: int, itemsize: int, size: int) -> list[int]:
         """Element boundaries of each rank's share: nearly equal, each starting on a cache
         line (pure logic, unit-tested)."""
-        unit = max(1, _ALIGN // itemsize)
+        unit = max(1, ALIGN // itemsize)
         bounds = [(count * p // size) // unit * unit for p in range(size)]
         return bounds + [count]
 
@@ -270,10 +272,10 @@ class SharedFusion:
             win.Free()
 
 
-def _shm_space() -> int | None:
+def shm_space() -> int | None:
     """Free bytes where shared segments live, or None if that cannot be known here."""
     try:
-        st = os.statvfs(_SHM_DIR)
+        st = os.statvfs(SHM_DIR)
     except OSError:
         return None
     return st.f_bavail * st.f_frsize

@@ -779,7 +779,7 @@ def _backend(binding, cupy_version="14.2.0"):
     from mpi4py import MPI
 
     from hvdlite.common.config import Config
-    from hvdlite.common.engine.data_paths import PathContext
+    from hvdlite.common.engine.data_path import PathContext
     context = PathContext(comm=MPI.COMM_SELF, global_ranks=[0], config=Config(), rank=0,
                           max_sleep=1e-3, on_slow=lambda waited: None, agree=lambda error: None)
     return NCCLPath(context, _BootstrapRuntime(binding, cupy_version))

@@ -5,7 +5,7 @@ tests/core/test_ops.py (steady.shared_fusion)."""
 import numpy as np
 import pytest
 
-from hvdlite.common.data_paths.mpi import copy_out_pieces as _copy_out_pieces
+from hvdlite.common.data_paths.helpers import copy_out_pieces as _copy_out_pieces
 from hvdlite.common.dtypes import dtype_info, numpy_reduce_ufunc
 from hvdlite.common.reduce_ops import ReduceOp
 from hvdlite.common.intranode.shm_window import SharedFusion
