@@ -72,8 +72,11 @@ def spawn(argv: list[str]) -> tuple[int, socket.socket] | str | None:
         pmi = os.environ.get("PMI_FD", "")
         if pmi.isdigit() and int(pmi) not in targets:
             targets.append(int(pmi))
-        protocol.send_message(sock, {"op": "spawn", "argv": argv, "env": dict(os.environ), "cwd": os.getcwd(),
-                     "targets": targets}, targets)
+        protocol.send_message(sock, {"op": "spawn", "argv": argv, "env": dict(os.environ),
+                                     "cwd": os.getcwd(), "targets": targets}, targets)
+        # The warm process may first probe whether a fork is safe (up to PROBE_SECONDS): a
+        # shield that gave up sooner would start the worker cold while it forks one too.
+        sock.settimeout(protocol.REQUEST_SECONDS + protocol.PROBE_SECONDS)
         reply, _ = protocol.recv_message(sock)
     except (OSError, EOFError) as exc:
         sock.close()
@@ -252,6 +255,11 @@ class WarmProcess:
             for fd in fds:
                 os.close(fd)
             return None
+        if _gone(conn):   # the shield gave up waiting and started its worker cold
+            conn.close()
+            for fd in fds:
+                os.close(fd)
+            return None
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -296,8 +304,8 @@ class WarmProcess:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
                 return (f"a process forked from the warm process did not finish exiting within "
-                        f"{protocol.PROBE_SECONDS:g} s (a preloaded library waits there for state a "
-                        f"fork does not copy)")
+                        f"{protocol.PROBE_SECONDS:g} s (a preloaded library waits there for state "
+                        f"a fork does not copy)")
             time.sleep(0.005)
         if os.WIFSIGNALED(status):
             sig = os.WTERMSIG(status)
@@ -329,7 +337,8 @@ class WarmProcess:
     def _preload(self, modules: list[str]) -> None:
         """Queue ``modules`` (in import order) behind those still pending."""
         self.told = True
-        fresh = [m for m in modules if not m.startswith(protocol.NEVER_PRELOAD) and m not in sys.modules]
+        fresh = [m for m in modules
+                 if not m.startswith(protocol.NEVER_PRELOAD) and m not in sys.modules]
         self.pending[:0] = reversed(fresh)   # popped from the end: oldest first
 
     def _preload_next(self) -> None:
@@ -348,6 +357,18 @@ class WarmProcess:
             finally:
                 sys.meta_path.remove(_Blocker)
             return
+
+
+def _gone(conn: socket.socket) -> bool:
+    """Whether the peer of ``conn`` has closed it (it sends nothing more after its request)."""
+    import select
+    readable, _, _ = select.select([conn], [], [], 0)
+    if not readable:
+        return False
+    try:
+        return conn.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
 
 
 def _become_worker(request: dict) -> None:
