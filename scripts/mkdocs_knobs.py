@@ -24,14 +24,21 @@ _MODULE = "hvdlite_knob_table"
 
 def load_config() -> ModuleType:
     """``hvdlite/common/config.py`` as a standalone module (it imports only the standard
-    library)."""
-    spec = importlib.util.spec_from_file_location(_MODULE, CONFIG_PY)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[_MODULE] = module   # dataclasses look their module up while the file runs
+    library and ``hvdlite/common/knob_kinds.py``, loaded here the same way first)."""
+    kinds = "hvdlite.common.knob_kinds"
+    loaded = []
     try:
-        spec.loader.exec_module(module)
+        for name, path in ((kinds, CONFIG_PY.with_name("knob_kinds.py")), (_MODULE, CONFIG_PY)):
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            # dataclasses look their module up while the file runs; config's import of the
+            # kinds finds them here without importing the hvdlite package
+            sys.modules[name] = module
+            loaded.append(name)
+            spec.loader.exec_module(module)
     finally:
-        sys.modules.pop(_MODULE, None)
+        for name in loaded:
+            sys.modules.pop(name, None)
     return module
 
 

@@ -9,14 +9,19 @@ rank 0's values are broadcast at ``init()``, because knobs that shape the commun
 (fusion threshold, cache capacity) must agree on every rank or the ranks would issue different
 collectives; a few are each rank's own.
 
-This module imports only the standard library: the docs build loads it on its own.
+This module imports only the standard library and :mod:`hvdlite.common.knob_kinds` (the
+kinds of value and the run flags): the docs build loads the two on their own.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-from typing import Callable, Mapping, Union
+from typing import Mapping
+
+# The kinds of value and the run flags the table is built from (standard library only, too).
+from hvdlite.common.knob_kinds import (ABSOLUTE, LOG_LEVEL_NAME, MB_TO_BYTES, AutoSwitch, Choice,
+                                       Flag, Kind, LogLevel, Number, Switch, Text, on_off_flag,
+                                       value_flag)
 
 # Longest sleep between two checks while waiting on peers, whatever the cycle time: each sleep's
 # overshoot is paid by the wait it ends, and a long cycle is asked for to gather more per round,
@@ -29,206 +34,15 @@ RANK0 = "rank 0's"          # broadcast from rank 0 at init(): the ranks must ag
 OWN = "each rank's own"     # read by every rank for itself (its memory, its log)
 RECORDER = "rank 0 only"    # used by rank 0 alone (it records the timeline)
 
-_ON_WORDS = ("1", "true", "yes", "on")
-_OFF_WORDS = ("0", "false", "no", "off")
-
-
-# --- how a variable's text becomes a value ------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Number:
-    """A non-negative number.  ``cast=int`` reads it as Horovod does (``1e3`` is 1000, a
-    fraction is cut); ``scale`` turns the variable's unit into the field's (``MIB`` for the
-    ``*_MB`` knobs, whose fields are bytes)."""
-
-    cast: type = float
-    scale: int | None = None
-
-    @property
-    def type_name(self) -> str:
-        return "integer" if self.cast is int else "number"
-
-    def parse(self, variable: str, raw: str, knob: "Knob"):
-        try:
-            number = float(raw)
-            if not math.isfinite(number):   # nan, inf: no setting means that
-                raise ValueError
-            value = self.cast(number) if self.cast is int else self.cast(raw)
-        except (ValueError, OverflowError):
-            raise ValueError(f"{variable}={raw!r} is not a finite number.") from None
-        if value < 0:
-            raise ValueError(f"{variable}={raw!r} must not be negative.")
-        return self.to_field(value)
-
-    def to_field(self, value):
-        return value if self.scale is None else int(value * self.scale)
-
-
-def _on_off(variable: str, raw: str, choices: str, help_text: str) -> bool:
-    """1/true/yes/on or 0/false/no/off (any case); other integers as Horovod reads them (on if
-    positive).  Anything else is an error naming the variable: a typo must not silently pick a
-    behaviour."""
-    word = raw.lower()
-    if word in _ON_WORDS:
-        return True
-    if word in _OFF_WORDS:
-        return False
-    try:
-        return int(word) > 0
-    except ValueError:
-        raise ValueError(f"{variable}={raw!r} is not understood; use {choices} "
-                         f"({help_text}).") from None
-
-
-@dataclasses.dataclass(frozen=True)
-class Switch:
-    """An on/off knob; ``invert``: the field is its opposite (``STALL_CHECK_DISABLE`` feeds
-    ``stall_check_enabled``)."""
-
-    invert: bool = False
-    type_name = "on/off"
-
-    def parse(self, variable: str, raw: str, knob: "Knob") -> bool:
-        return self.to_field(_on_off(variable, raw, "1 or 0", knob.help))
-
-    def to_field(self, value: bool) -> bool:
-        return value is not self.invert
-
-
-@dataclasses.dataclass(frozen=True)
-class Choice:
-    """One of a few words (any case)."""
-
-    values: tuple[str, ...]
-
-    @property
-    def type_name(self) -> str:
-        return " / ".join(self.values)
-
-    def parse(self, variable: str, raw: str, knob: "Knob") -> str:
-        value = raw.lower()
-        if value not in self.values:
-            raise ValueError(f"{variable}={raw!r} is not one of {', '.join(self.values)} "
-                             f"({knob.help}).")
-        return value
-
-    def to_field(self, value: str) -> str:
-        return value
-
-
-@dataclasses.dataclass(frozen=True)
-class LogLevel:
-    """A log level by name, any case: Python's, plus Horovod's ``trace`` (read as DEBUG) and
-    ``fatal`` (CRITICAL).  Checked here, so that a typo fails ``init()`` on every rank rather
-    than later on one."""
-
-    type_name = "level name"
-    names = ("trace", "debug", "info", "warning", "error", "fatal", "critical")
-
-    def parse(self, variable: str, raw: str, knob: "Knob") -> str:
-        level = raw.lower()
-        if level not in self.names:
-            raise ValueError(f"{variable}={raw!r} is not a log level; use one of "
-                             f"{', '.join(self.names)}.")
-        return {"trace": "DEBUG", "fatal": "CRITICAL"}.get(level, level).upper()
-
-    def to_field(self, value: str) -> str:
-        return value
-
-
-@dataclasses.dataclass(frozen=True)
-class AutoSwitch:
-    """``auto``, or an on/off word: the field is ``"auto"``, ``"on"`` or ``"off"``."""
-
-    type_name = "auto / on/off"
-
-    def parse(self, variable: str, raw: str, knob: "Knob") -> str:
-        if raw.lower() == "auto":
-            return "auto"
-        return "on" if _on_off(variable, raw, "auto, 1 or 0", knob.help) else "off"
-
-    def to_field(self, value: str) -> str:
-        return value
-
-
-@dataclasses.dataclass(frozen=True)
-class Text:
-    """Free text; ``upper`` upper-cases it, ``type_name`` says what it is (for the docs)."""
-
-    type_name: str = "text"
-    upper: bool = False
-
-    def parse(self, variable: str, raw: str, knob: "Knob") -> str:
-        return raw.upper() if self.upper else raw
-
-    def to_field(self, value):
-        return value
-
-
-Kind = Union[Number, Switch, Choice, AutoSwitch, Text, LogLevel]
-
-
-# --- hvdlite run's flags ------------------------------------------------------------------------
-def _as_given(value) -> str:
-    if isinstance(value, str):
-        return value
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
-
-
-@dataclasses.dataclass(frozen=True)
-class Conversion:
-    """How a flag's value becomes the variable's text; ``text`` describes it in ``--help`` and
-    the docs (empty: the value as given)."""
-
-    text: str
-    apply: Callable[[object], str]
-
-
-AS_GIVEN = Conversion("", _as_given)
-MB_TO_BYTES = Conversion("MB × 1024 × 1024", lambda mb: str(int(round(mb * 1024 * 1024))))
-# absolute: every rank resolves it alike, whatever its working directory
-ABSOLUTE = Conversion("the absolute path", os.path.abspath)
-LOG_LEVEL_NAME = Conversion(
-    "LEVEL in capitals, trace as DEBUG and fatal as CRITICAL",   # Python's logging has neither
-    lambda level: {"trace": "DEBUG", "fatal": "CRITICAL"}.get(level, level).upper())
-
-
-@dataclasses.dataclass(frozen=True)
-class Flag:
-    """An ``hvdlite run`` flag that exports a knob to every rank.  ``spellings``: the first is
-    shown, the others are aliases (horovodrun's names where hvdlite's own differ).  ``sets``:
-    the value an on/off flag exports (None: the flag takes a value, read as ``value_type``, or
-    one of ``choices``, and turned into the variable's text by ``conversion``)."""
-
-    spellings: tuple[str, ...]
-    sets: str | None = None
-    help: str = ""              # an on/off flag's own words; a value flag uses the knob's help
-    metavar: str = ""
-    value_type: type = float
-    choices: tuple[str, ...] = ()
-    conversion: Conversion = AS_GIVEN
-
-    @property
-    def dest(self) -> str:
-        return self.spellings[0].lstrip("-").replace("-", "_")
-
-
-def value_flag(*spellings: str, metavar: str, value_type: type = float,
-               conversion: Conversion = AS_GIVEN, choices: tuple[str, ...] = ()) -> Flag:
-    return Flag(spellings, metavar=metavar, value_type=value_type, conversion=conversion,
-                choices=choices)
-
-
-def on_off_flag(*spellings: str, sets: str, help: str) -> Flag:
-    return Flag(spellings, sets=sets, help=help)
-
-
 # --- the table ----------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Knob:
     """One knob: the variable ``HVDLITE_<name>`` (alias ``HOROVOD_<name>``) that sets
     :class:`Config`'s ``field``.  ``default`` is in the variable's own terms (what a user would
     write); ``help`` is plain text (``--help``, error messages, the docs), ``details`` Markdown
-    the docs add after it; ``horovod`` says whether Horovod has the variable."""
+    the docs add after it; ``horovod`` says whether Horovod has the variable; ``old_names``:
+    earlier names of the knob, still read (after the current ones) so existing scripts keep
+    working."""
 
     name: str
     field: str
@@ -240,6 +54,7 @@ class Knob:
     flags: tuple[Flag, ...] = ()
     horovod: str = "no"
     details: str = ""
+    old_names: tuple[str, ...] = ()
 
     @property
     def variable(self) -> str:
@@ -250,6 +65,13 @@ class Knob:
         return "HOROVOD_" + self.name
 
     @property
+    def variables(self) -> tuple[str, ...]:
+        """Every spelling read, in order of precedence: hvdlite's, Horovod's, then the old
+        names' (each in both spellings)."""
+        return (self.variable, self.alias) + tuple(
+            prefix + old for old in self.old_names for prefix in ("HVDLITE_", "HOROVOD_"))
+
+    @property
     def field_default(self):
         return self.kind.to_field(self.default)
 
@@ -257,7 +79,7 @@ class Knob:
         """``(variable, value)`` of the hvdlite spelling, else the Horovod one, else None (an
         empty value counts as unset): errors name the variable the user actually set."""
         environ = os.environ if environ is None else environ
-        for variable in (self.variable, self.alias):
+        for variable in self.variables:
             value = environ.get(variable)
             if value is not None and value.strip() != "":
                 return variable, value.strip()
@@ -318,22 +140,24 @@ KNOBS: tuple[Knob, ...] = (
          details="With `1` the host never waits for the GPU; `0` has simpler semantics (device "
                  "errors are raised by `synchronize()`) but drains the device every step "
                  "(see [GPUs](gpus.md#what-happens-to-a-cuda-tensor))."),
-    Knob("SHM_FUSION_MB", "shm_fusion_bytes", Number(float, MIB), 64.0, RANK0,
+    Knob("SHM_WINDOW_MB", "shm_window_bytes", Number(float, MIB), 64.0, RANK0,
          "largest allreduce reduced through the intra-node shared-memory window; 0: no window",
          unit="MiB",
          details="The window takes a fused batch of 64 KiB or more, or a single tensor of 1 MiB "
                  "or more that does not go by direct copies (see [How it works]"
                  "(how-it-works.md#fusion-and-the-intra-node-shared-memory-window)); each "
                  "rank's window holds two slots of up to this size in `/dev/shm`. `0` with "
-                 "`HVDLITE_CMA=0` too: always MPI."),
-    Knob("CMA", "cma", AutoSwitch(), "auto", RANK0,
+                 "`HVDLITE_DIRECT_COPIES=0` too: always MPI. Formerly `HVDLITE_SHM_FUSION_MB`, "
+                 "still read as an alias.", old_names=("SHM_FUSION_MB",)),
+    Knob("DIRECT_COPIES", "direct_copies", AutoSwitch(), "auto", RANK0,
          "auto: single allreduces of 2 MiB or more by direct copies between the ranks' memory "
          "where the kernel lets every rank reach every peer; 1: the same, warning where it "
          "does not; 0: never",
          details="Linux cross-memory attach (see [How it works]"
                  "(how-it-works.md#direct-copies-between-ranks)). `auto` finds out by trying, "
                  "once; under Yama's `ptrace_scope` 1 each rank first lets in the job's launcher "
-                 "process and its descendants. `0`: no probe, no `prctl`."),
+                 "process and its descendants. `0`: no probe, no `prctl`. Formerly "
+                 "`HVDLITE_CMA`, still read as an alias.", old_names=("CMA",)),
     Knob("HIERARCHICAL_ALLREDUCE", "hierarchical_allreduce", Switch(), True, RANK0,
          "1: allreduces of process sets spanning hosts reduce within each host first, and "
          "only one rank per host exchanges each part of the buffer across hosts; 0: one "
@@ -356,7 +180,7 @@ KNOBS: tuple[Knob, ...] = (
                 on_off_flag("--no-hierarchical-allgather", sets="0",
                             help="one flat MPI allgather across hosts")),
          horovod="yes (off by default)",
-         details="Host tensors only, results of 64 KiB up to `HVDLITE_SHM_FUSION_MB`; off by "
+         details="Host tensors only, results of 64 KiB up to `HVDLITE_SHM_WINDOW_MB`; off by "
                  "default: measured slower than MPI's allgather on these machines (see "
                  "[Multi-host](multi-host.md#hierarchical-allreduce-and-allgather))."),
     Knob("EARLY_REDUCTIONS", "early_reductions", Switch(), True, RANK0,
@@ -428,8 +252,8 @@ class Config:
     gpu_operations: str = _default("gpu_operations")
     gpu_async_completion: bool = _default("gpu_async_completion")
     result_pool_bytes: int = _default("result_pool_bytes")
-    shm_fusion_bytes: int = _default("shm_fusion_bytes")
-    cma: str = _default("cma")
+    shm_window_bytes: int = _default("shm_window_bytes")
+    direct_copies: str = _default("direct_copies")
     gradient_bucket_bytes: int = _default("gradient_bucket_bytes")
     hierarchical_allreduce: bool = _default("hierarchical_allreduce")
     hierarchical_allgather: bool = _default("hierarchical_allgather")

@@ -95,12 +95,12 @@ def cma_line(yama_scope_file: str | None = None) -> str:
     if scope == 1:
         return ("process_vm_readv found; Yama's ptrace_scope is 1, so each rank lets in only "
                 "the job's launcher process and its descendants (prctl PR_SET_PTRACER; a job "
-                "tries it once; HVDLITE_CMA=0 turns it off)")
+                "tries it once; HVDLITE_DIRECT_COPIES=0 turns it off)")
     if scope is not None and scope >= 2:
         return (f"process_vm_readv found, but Yama's ptrace_scope is {scope}: ranks may read "
                 f"each other's memory only with CAP_SYS_PTRACE, else large allreduces use the "
                 f"shared-memory window")
-    return "process_vm_readv found (a job tries it once; HVDLITE_CMA=0 turns it off)"
+    return "process_vm_readv found (a job tries it once; HVDLITE_DIRECT_COPIES=0 turns it off)"
 
 
 def _cuda_line() -> str:

@@ -14,7 +14,7 @@ from tests.workers import core_cases as cc
 @pytest.mark.parametrize("np_", cc.NP_VALUES)
 @pytest.mark.parametrize("mode,env", [
     ("refused", {}),
-    ("refused", {"HVDLITE_CMA": "1"}),
+    ("refused", {"HVDLITE_DIRECT_COPIES": "1"}),
     ("copy_fails", {}),
     ("peer_gone", {}),
     ("yama_prctl", {}),

@@ -175,7 +175,7 @@ def test_stall_report_says_what_missing_ranks_wait_on(np_, odd):
 
 
 # The data path of a single 2 MiB allreduce: direct copies between the ranks, or the window.
-DATA_PATHS = {"direct": (), "window": (("HVDLITE_CMA", "0"),)}
+DATA_PATHS = {"direct": (), "window": (("HVDLITE_DIRECT_COPIES", "0"),)}
 
 
 @pytest.mark.parametrize("path", sorted(DATA_PATHS))

@@ -20,7 +20,7 @@ CONFIGS = {
                                   "HVDLITE_FUSION_THRESHOLD": "4096"}, ["--threads"], [6, 7]),
     "no_cache_no_fusion": ({"HVDLITE_CACHE_CAPACITY": "0", "HVDLITE_FUSION_THRESHOLD": "0"},
                            ["--sets"], [8, 9]),
-    "long_cycle_no_shared_memory": ({"HVDLITE_CYCLE_TIME": "20", "HVDLITE_SHM_FUSION_MB": "0",
+    "long_cycle_no_shared_memory": ({"HVDLITE_CYCLE_TIME": "20", "HVDLITE_SHM_WINDOW_MB": "0",
                                      "HVDLITE_RESULT_POOL_MB": "0"}, [], [10, 11]),
 }
 NP_VALUES = (2, 3)

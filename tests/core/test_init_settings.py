@@ -11,7 +11,7 @@ CASES = [   # variable, invalid value, which ranks have it ("all", or one rank; 
     pytest.param("HVDLITE_FUSION_THRESHOLD", "64MB", "0", id="number-rank0"),
     pytest.param("HOROVOD_CYCLE_TIME", "-1", "-1", id="horovod-negative-last"),
     pytest.param("HOROVOD_STALL_CHECK_DISABLE", "maybe", "0", id="switch-rank0"),
-    pytest.param("HVDLITE_CMA", "sometimes", "-1", id="cma-last"),
+    pytest.param("HVDLITE_DIRECT_COPIES", "sometimes", "-1", id="cma-last"),
     pytest.param("HVDLITE_TIMELINE_MARK_CYCLES", "yes please", "all", id="flag-all"),
     # each rank's own knob: once checked only when the logger was set up, on that rank alone
     pytest.param("HVDLITE_LOG_LEVEL", "verbose", "-1", id="log-level-last"),

@@ -17,7 +17,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "hvdlite"
 # (layer, module-name prefixes), lowest first: a module may import its own layer and below.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("vocabulary", ("hvdlite.version", "hvdlite.common.errors", "hvdlite.common.reduce_ops",
-                    "hvdlite.common.dtypes", "hvdlite.common.config", "hvdlite.common.memory")),
+                    "hvdlite.common.dtypes", "hvdlite.common.config", "hvdlite.common.knob_kinds",
+                    "hvdlite.common.memory")),
     ("gpu", ("hvdlite.common.gpu",)),
     ("runtime", ("hvdlite.common.runtime",)),
     ("intranode", ("hvdlite.common.intranode",)),

@@ -149,9 +149,9 @@ STEADY_CONFIGS = {
     "cache_3_fusion_4096": {"HVDLITE_CACHE_CAPACITY": "3", "HVDLITE_FUSION_THRESHOLD": "4096"},
     "horovod_alias_fusion_off": {"HOROVOD_FUSION_THRESHOLD": "0", "HOROVOD_CACHE_CAPACITY": "0"},
     "result_pool_off": {"HVDLITE_RESULT_POOL_MB": "0"},
-    "shm_fusion_off": {"HVDLITE_SHM_FUSION_MB": "0"},
-    "cma_off": {"HVDLITE_CMA": "0"},
-    "intranode_off": {"HVDLITE_CMA": "0", "HVDLITE_SHM_FUSION_MB": "0"},
+    "shm_fusion_off": {"HVDLITE_SHM_WINDOW_MB": "0"},
+    "cma_off": {"HVDLITE_DIRECT_COPIES": "0"},
+    "intranode_off": {"HVDLITE_DIRECT_COPIES": "0", "HVDLITE_SHM_WINDOW_MB": "0"},
     # A long cycle gathers longer but must not slow every wait on peers down to it (that made
     # each step take seconds, and a lost probe answer made a rank wait forever).
     "cycle_500ms": {"HVDLITE_CYCLE_TIME": "500"},

@@ -1,5 +1,5 @@
 """Single large allreduces of ranks that share one node, by direct copies between their memory
-(see :mod:`hvdlite.common.intranode.direct`; ``HVDLITE_CMA``)."""
+(see :mod:`hvdlite.common.intranode.direct`; ``HVDLITE_DIRECT_COPIES``)."""
 from __future__ import annotations
 
 from hvdlite.common.data_paths.helpers import phase, postscale_factor
@@ -11,13 +11,13 @@ from hvdlite.common.reduce_ops import ReduceOp
 
 
 class DirectCopyPath(DataPath):
-    """``direct`` is the copier (None when ``HVDLITE_CMA=0`` or at one rank)."""
+    """``direct`` is the copier (None when ``HVDLITE_DIRECT_COPIES=0`` or at one rank)."""
 
     name = "direct_copies"
 
     def __init__(self, context: PathContext) -> None:
         super().__init__(context)
-        cma = context.config.cma
+        cma = context.config.direct_copies
         self.direct = (DirectAllreduce(context.comm, context.max_sleep, context.on_slow,
                                        required=cma == "on", global_ranks=context.global_ranks)
                        if cma != "off" and self.size > 1 else None)

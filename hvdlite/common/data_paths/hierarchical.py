@@ -78,8 +78,8 @@ class HierarchicalPath(DataPath):
         config = context.config
         self.allreduce_on = config.hierarchical_allreduce
         self.allgather_on = config.hierarchical_allgather
-        self._window_bytes = config.shm_fusion_bytes
-        self._cma = config.cma
+        self._window_bytes = config.shm_window_bytes
+        self._cma = config.direct_copies
         self._max_sleep = context.max_sleep
         self._on_slow = context.on_slow
         self.hosts: Hosts | None = None     # found on first use (None: one host, or not yet)
@@ -326,7 +326,7 @@ class HierarchicalPath(DataPath):
             raise HvdliteError(
                 f"The allreduce of {response.name!r} failed: a direct copy between ranks' memory "
                 f"failed on rank(s) {ranks}, on another host, so its result is incomplete on "
-                f"every rank. Look at those ranks' errors; HVDLITE_CMA=0 avoids direct copies.")
+                f"every rank. Look at those ranks' errors; HVDLITE_DIRECT_COPIES=0 avoids direct copies.")
 
     def _by_mpi(self, batch: Batch, src: np.ndarray, out: np.ndarray, count: int, info,
                 mpi_type, mpi_op, across, polite: bool) -> None:

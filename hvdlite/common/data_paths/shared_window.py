@@ -12,15 +12,15 @@ from hvdlite.common.reduce_ops import ReduceOp
 
 
 class SharedWindowPath(DataPath):
-    """``window`` is the node's shared fusion window (``HVDLITE_SHM_FUSION_MB``; 0: off)."""
+    """``window`` is the node's shared fusion window (``HVDLITE_SHM_WINDOW_MB``; 0: off)."""
 
     name = "shared_window"
 
     def __init__(self, context: PathContext) -> None:
         super().__init__(context)
         cfg = context.config
-        self.window = (SharedFusion(context.comm, cfg.shm_fusion_bytes, context.max_sleep,
-                                    context.on_slow) if cfg.shm_fusion_bytes > 0 else None)
+        self.window = (SharedFusion(context.comm, cfg.shm_window_bytes, context.max_sleep,
+                                    context.on_slow) if cfg.shm_window_bytes > 0 else None)
 
     def enabled(self, batch: Batch) -> bool:
         response, entry = batch[0]

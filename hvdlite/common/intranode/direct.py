@@ -126,7 +126,7 @@ class DirectAllreduce:
     def __init__(self, comm, max_sleep: float = 1e-3,
                  on_slow: Callable[[float], None] | None = None, required: bool = False,
                  global_ranks: list[int] | None = None) -> None:
-        """``required``: the user asked for direct copies (``HVDLITE_CMA=1``), so their
+        """``required``: the user asked for direct copies (``HVDLITE_DIRECT_COPIES=1``), so their
         absence is a warning instead of a note in the log.  ``global_ranks``: the global rank
         of each rank of ``comm``, for error messages (default: their ranks in ``comm``)."""
         from mpi4py import MPI
@@ -322,7 +322,7 @@ class DirectAllreduce:
                 f"incomplete.", failed)
         here = f" (here: {failure})" if failure is not None else ""
         raise DirectCopyError(
-            f"{head}{here}. Its result is incomplete on every rank. Set HVDLITE_CMA=0 to "
+            f"{head}{here}. Its result is incomplete on every rank. Set HVDLITE_DIRECT_COPIES=0 to "
             f"reduce through the shared-memory window instead.", failed)
 
     def _wait(self, request) -> None:

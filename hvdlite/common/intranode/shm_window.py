@@ -109,7 +109,7 @@ class SharedFusion:
             self.close(collective=True)   # every rank is here: a window never used again goes
             log.warning("hvdlite: %s has too little free space for a %d MiB shared fusion "
                         "window; fused allreduces use MPI instead. Enlarge it (docker run "
-                        "--shm-size) or set HVDLITE_SHM_FUSION_MB=0 to silence this.",
+                        "--shm-size) or set HVDLITE_SHM_WINDOW_MB=0 to silence this.",
                         SHM_DIR, need >> 20)
             return
         self.close(collective=True)

@@ -3,7 +3,7 @@ used or fail: the collective decision when one rank cannot make them, and a copy
 the middle of an allreduce.
 
 argv[1]: "refused" (rank 1 finds no process_vm_readv: every rank must fall back to the
-shared-memory window, with a note in the log, or a warning under HVDLITE_CMA=1) or
+shared-memory window, with a note in the log, or a warning under HVDLITE_DIRECT_COPIES=1) or
 "copy_fails" (rank 1's second read of a peer's memory fails: every rank must raise a clear
 error instead of hanging or returning a half-reduced result) or "peer_gone" (the same failure
 as when the peer's process has gone: rank 1 must say that it could not reach its memory).
@@ -74,7 +74,7 @@ def refused():
     if RANK != 0:
         assert notes == [], "only rank 0 reports"
         return
-    want = logging.WARNING if state.engine().config.cma == "on" else logging.INFO
+    want = logging.WARNING if state.engine().config.direct_copies == "on" else logging.INFO
     assert [rec.levelno for rec in notes] == [want], [(rec.levelname, rec.getMessage())
                                                       for rec in notes]
     assert reason in notes[0].getMessage() and "ptrace_scope" in notes[0].getMessage()
@@ -106,7 +106,7 @@ def copy_fails(code=errno.EPERM):
     if code == errno.EFAULT and RANK == 1:   # its peer's memory is gone: it says so
         assert "rank 0's memory could not be reached" in msg and "exited" in msg, msg
     else:
-        assert "HVDLITE_CMA=0" in msg, msg
+        assert "HVDLITE_DIRECT_COPIES=0" in msg, msg
     assert ("injected" in msg) == (RANK == 1), msg
     try:   # the background thread has stopped: later operations say so instead of hanging
         hvd.allreduce(np.ones(3, np.float32), name="after")

@@ -254,7 +254,7 @@ elif SCENARIO in ("data_stall_warn", "data_stall_shutdown"):
     from hvdlite.common.intranode.direct import DirectAllreduce
     from hvdlite.common.intranode.shm_window import SharedFusion
     # The background thread stops once, after negotiation agreed, at the first wait of the
-    # data path: direct copies between the ranks (the first allgather), or with HVDLITE_CMA=0
+    # data path: direct copies between the ranks (the first allgather), or with HVDLITE_DIRECT_COPIES=0
     # the shared window (the first barrier).
     stopped = []
     for cls, method in ((DirectAllreduce, "_wait"), (SharedFusion, "_barrier")):
@@ -265,7 +265,7 @@ elif SCENARIO in ("data_stall_warn", "data_stall_shutdown"):
             return _real(self, *args)
         setattr(cls, method, stopping)
     xs = [np.arange(1 << 19, dtype=np.float32) + k for k in range(SIZE)]   # 2 MiB, one tensor
-    PATH = "SharedFusion" if os.environ.get("HVDLITE_CMA") == "0" else "DirectAllreduce"
+    PATH = "SharedFusion" if os.environ.get("HVDLITE_DIRECT_COPIES") == "0" else "DirectAllreduce"
 
     def slow_data():
         got = hvd.allreduce(xs[RANK], op=hvd.Sum, name="slow_data")

@@ -204,7 +204,7 @@ def large_case(name: str, op: str, count: int, path: str) -> None:
 for _op in cc.OPS:
     _name = f"join.large.{_op}"
     register(_name, functools.partial(large_case, _name, _op, 300007, "shared"))
-    _name = f"join.direct.{_op}"   # (the join tests run with the default HVDLITE_CMA=auto)
+    _name = f"join.direct.{_op}"   # (the join tests run with the default HVDLITE_DIRECT_COPIES=auto)
     register(_name, functools.partial(large_case, _name, _op, 600011, "direct"))
 
 

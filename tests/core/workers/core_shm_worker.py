@@ -56,7 +56,7 @@ def no_space_falls_back():
     assert shared._disabled and shared.batches == 0, "the window was used without space"
     warnings = [m for m in captured.messages if "too little free space" in m]
     assert len(warnings) == 1, f"expected one warning, got {captured.messages}"
-    assert "HVDLITE_SHM_FUSION_MB=0" in warnings[0], warnings[0]
+    assert "HVDLITE_SHM_WINDOW_MB=0" in warnings[0], warnings[0]
 
 
 def space_runs_out_frees_the_window():

@@ -68,10 +68,10 @@ def config_applied():
     want_cache = int(env.get("HVDLITE_CACHE_CAPACITY", env.get("HOROVOD_CACHE_CAPACITY", 1024)))
     assert cfg.fusion_threshold == want_fusion, (cfg.fusion_threshold, want_fusion)
     assert cfg.cache_capacity == want_cache, (cfg.cache_capacity, want_cache)
-    want_shm = int(float(env.get("HVDLITE_SHM_FUSION_MB", 64)) * 2**20)
-    assert cfg.shm_fusion_bytes == want_shm, (cfg.shm_fusion_bytes, want_shm)
-    want_cma = {"0": "off"}.get(env.get("HVDLITE_CMA", "auto"), "auto")
-    assert cfg.cma == want_cma, (cfg.cma, want_cma)
+    want_shm = int(float(env.get("HVDLITE_SHM_WINDOW_MB", 64)) * 2**20)
+    assert cfg.shm_window_bytes == want_shm, (cfg.shm_window_bytes, want_shm)
+    want_cma = {"0": "off"}.get(env.get("HVDLITE_DIRECT_COPIES", "auto"), "auto")
+    assert cfg.direct_copies == want_cma, (cfg.direct_copies, want_cma)
     want_pool = float(env.get("HVDLITE_RESULT_POOL_MB", 512)) * 2**20
     assert result_pool().max_idle_bytes == want_pool, (result_pool().max_idle_bytes, want_pool)
 
@@ -308,8 +308,8 @@ def shared_fusion():
     env = cc.STEADY_CONFIGS[CONFIG]
     fusion = int(env.get("HVDLITE_FUSION_THRESHOLD",
                          env.get("HOROVOD_FUSION_THRESHOLD", 128 * 1024 * 1024)))
-    if float(env.get("HVDLITE_SHM_FUSION_MB", 64)) == 0:
-        assert shared is None, "shared-memory fusion exists although HVDLITE_SHM_FUSION_MB=0"
+    if float(env.get("HVDLITE_SHM_WINDOW_MB", 64)) == 0:
+        assert shared is None, "shared-memory fusion exists although HVDLITE_SHM_WINDOW_MB=0"
     elif not ONE_NODE:
         assert shared.batches == before, "batches of ranks on several hosts used the window"
     elif fusion >= 1 << 20:
@@ -323,15 +323,15 @@ def shared_fusion():
 
 def large_single():
     """A single allreduce of 2 MiB or more takes an intra-node path: direct copies between the
-    ranks' memory (cross-memory attach), or with HVDLITE_CMA=0 the shared-memory window without
+    ranks' memory (cross-memory attach), or with HVDLITE_DIRECT_COPIES=0 the shared-memory window without
     a pack (each rank publishes only its peers' shares), or with that off too, MPI.  Every dtype
     and op against numpy, in place and out of place, odd counts whose shares straddle cache
     lines and chunks, a 3-D shape, scale factors, and a late rank."""
     import time
     backend = intranode(state.engine())
     env = cc.STEADY_CONFIGS[CONFIG]
-    cma_on = env.get("HVDLITE_CMA", "auto") != "0"
-    shm_on = float(env.get("HVDLITE_SHM_FUSION_MB", 64)) != 0
+    cma_on = env.get("HVDLITE_DIRECT_COPIES", "auto") != "0"
+    shm_on = float(env.get("HVDLITE_SHM_WINDOW_MB", 64)) != 0
     counters = (backend.direct, backend.shared)
     before = [0 if c is None else c.singles for c in counters]
     expected = 0
@@ -359,9 +359,9 @@ def large_single():
                  for op in ("Sum", "Average", "Max")]
         run_allreduces(specs, 100 + i, in_place=i % 2 == 0)
         expected += len(specs)
-    assert (backend.direct is None) == (not cma_on), "HVDLITE_CMA decided nothing"
+    assert (backend.direct is None) == (not cma_on), "HVDLITE_DIRECT_COPIES decided nothing"
     if not shm_on:
-        assert backend.shared is None, "a window exists although HVDLITE_SHM_FUSION_MB=0"
+        assert backend.shared is None, "a window exists although HVDLITE_SHM_WINDOW_MB=0"
     if cma_on and not ONE_NODE:
         reason = backend.direct.unavailable_reason or ""
         assert "not all on one node" in reason, f"direct copies across hosts: {reason!r}"

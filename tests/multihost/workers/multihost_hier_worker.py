@@ -17,8 +17,8 @@ HVDLITE_TEST_EXPECT (JSON): ``hosts``, the global ranks of each host in rank ord
 * ``scaled.<op>.<dtype>.<kind>``: prescale and postscale (Sum and Average);
 * ``scalar.<op>``: a 0-d array, in place and out of place (a 0-d array's flat view is a new
   object each time: in place must still be recognised);
-* ``nowindow.<kind>``: the window and the direct copies taken away (as HVDLITE_SHM_FUSION_MB=0
-  and HVDLITE_CMA=0 do) on every host, and on the first host only (hosts may differ in how they
+* ``nowindow.<kind>``: the window and the direct copies taken away (as HVDLITE_SHM_WINDOW_MB=0
+  and HVDLITE_DIRECT_COPIES=0 do) on every host, and on the first host only (hosts may differ in how they
   reduce within themselves): MPI's reduce-scatter and allgather within the host;
 * ``join.<who>.<kind>``: the last rank, or every rank of the last host, has joined; the others
   reduce with them standing in (the identity, never prescaled);

@@ -20,8 +20,8 @@ def test_defaults_from_empty_environment():
     assert cfg.stall_shutdown_seconds == 0.0
     assert cfg.log_level == "WARNING"
     assert cfg.result_pool_bytes == 512 * 2**20
-    assert cfg.shm_fusion_bytes == 64 * 2**20
-    assert cfg.cma == "auto"
+    assert cfg.shm_window_bytes == 64 * 2**20
+    assert cfg.direct_copies == "auto"
     assert cfg.gradient_bucket_bytes == 25 * 2**20
     assert cfg.dynamic_process_sets is False
     assert cfg.gpu_operations == "nccl" and cfg.gpu_async_completion is True
@@ -40,13 +40,13 @@ def test_defaults_from_empty_environment():
     ("LOG_LEVEL", "log_level", "debug", "DEBUG"),
     ("RESULT_POOL_MB", "result_pool_bytes", "1.5", 3 * 2**19),
     ("RESULT_POOL_MB", "result_pool_bytes", "0", 0),
-    ("SHM_FUSION_MB", "shm_fusion_bytes", "16", 16 * 2**20),
-    ("SHM_FUSION_MB", "shm_fusion_bytes", "0", 0),
-    ("CMA", "cma", "0", "off"),
-    ("CMA", "cma", "off", "off"),
-    ("CMA", "cma", "1", "on"),
-    ("CMA", "cma", "TRUE", "on"),
-    ("CMA", "cma", "auto", "auto"),
+    ("SHM_WINDOW_MB", "shm_window_bytes", "16", 16 * 2**20),
+    ("SHM_WINDOW_MB", "shm_window_bytes", "0", 0),
+    ("DIRECT_COPIES", "direct_copies", "0", "off"),
+    ("DIRECT_COPIES", "direct_copies", "off", "off"),
+    ("DIRECT_COPIES", "direct_copies", "1", "on"),
+    ("DIRECT_COPIES", "direct_copies", "TRUE", "on"),
+    ("DIRECT_COPIES", "direct_copies", "auto", "auto"),
     ("GRADIENT_BUCKET_MB", "gradient_bucket_bytes", "4", 4 * 2**20),
     ("GRADIENT_BUCKET_MB", "gradient_bucket_bytes", "0.5", 2**19),
     ("GRADIENT_BUCKET_MB", "gradient_bucket_bytes", "0", 0),
@@ -138,8 +138,8 @@ def test_cycle_time_and_wait_sleep_cap(cycle_ms, cycle_seconds, sleep_cap):
 
 @pytest.mark.parametrize("raw", ["2.5", "maybe", "cma"])
 def test_bad_cma_mode_raises(raw):
-    with pytest.raises(ValueError, match="HVDLITE_CMA") as info:
-        Config.from_env({"HVDLITE_CMA": raw})
+    with pytest.raises(ValueError, match="HVDLITE_DIRECT_COPIES") as info:
+        Config.from_env({"HVDLITE_DIRECT_COPIES": raw})
     assert "auto" in str(info.value)
 
 
@@ -213,13 +213,13 @@ def test_log_level_typo_is_a_settings_error():
 
 
 def test_settings_error_names_the_problem_and_the_ranks():
-    problems = (None, "HVDLITE_CMA='x' is not understood.", None, "HVDLITE_CMA='x' is not "
+    problems = (None, "HVDLITE_DIRECT_COPIES='x' is not understood.", None, "HVDLITE_DIRECT_COPIES='x' is not "
                 "understood.")
     own = _settings_error(problems, 1)
-    assert own.startswith("hvd.init(): HVDLITE_CMA='x' is not understood (rank 1). ")
+    assert own.startswith("hvd.init(): HVDLITE_DIRECT_COPIES='x' is not understood (rank 1). ")
     assert "Invalid settings on ranks [1, 3]" in own
     other = _settings_error(problems, 0)
-    assert "rank 1's settings are invalid: HVDLITE_CMA='x' is not understood." in other
+    assert "rank 1's settings are invalid: HVDLITE_DIRECT_COPIES='x' is not understood." in other
     assert "Invalid settings on ranks [1, 3]" in other and "start the job again" in other
 
 
@@ -239,8 +239,8 @@ ROUND_TRIPS = {
     "DYNAMIC_PROCESS_SETS": ("dynamic_process_sets", "yes", True),
     "GPU_OPERATIONS": ("gpu_operations", "MPI", "mpi"),
     "ENABLE_ASYNC_COMPLETION": ("gpu_async_completion", "0", False),
-    "SHM_FUSION_MB": ("shm_fusion_bytes", "0.25", 2**18),
-    "CMA": ("cma", "off", "off"),
+    "SHM_WINDOW_MB": ("shm_window_bytes", "0.25", 2**18),
+    "DIRECT_COPIES": ("direct_copies", "off", "off"),
     "TIMELINE": ("timeline_filename", " /tmp/tl.json ", "/tmp/tl.json"),
     "TIMELINE_MARK_CYCLES": ("timeline_mark_cycles", "on", True),
     "GRADIENT_BUCKET_MB": ("gradient_bucket_bytes", "2", 2 * 2**20),
@@ -326,9 +326,9 @@ def test_whose_value_counts_is_as_init_uses_it():
     rank0 = Config.from_env({"HVDLITE_FUSION_THRESHOLD": "1", "HVDLITE_LOG_LEVEL": "debug",
                              "HVDLITE_RESULT_POOL_MB": "1", "HVDLITE_TIMELINE": "/tmp/a"})
     own = Config.from_env({"HVDLITE_FUSION_THRESHOLD": "2", "HVDLITE_LOG_LEVEL": "error",
-                           "HVDLITE_RESULT_POOL_MB": "2", "HVDLITE_CMA": "0"})
+                           "HVDLITE_RESULT_POOL_MB": "2", "HVDLITE_DIRECT_COPIES": "0"})
     used = own.with_rank0(rank0)
-    assert (used.fusion_threshold, used.cma, used.timeline_filename) == (1, "auto", "/tmp/a")
+    assert (used.fusion_threshold, used.direct_copies, used.timeline_filename) == (1, "auto", "/tmp/a")
     assert (used.log_level, used.result_pool_bytes) == ("ERROR", 2 * 2**20)
     assert rank0.with_rank0(rank0) == rank0
 
@@ -344,21 +344,54 @@ def test_switch_errors_say_what_the_knob_does():
         Config.from_env({"HOROVOD_STALL_CHECK_DISABLE": "maybe"})
     assert str(info.value) == ("HOROVOD_STALL_CHECK_DISABLE='maybe' is not understood; use 1 "
                                "or 0 (1 turns the stall inspector off).")
-    with pytest.raises(ValueError, match=r"HVDLITE_CMA='x' is not understood; use auto, 1 or 0 "
-                                         r"\(auto: single allreduces"):
-        Config.from_env({"HVDLITE_CMA": "x"})
+    with pytest.raises(ValueError, match=r"HVDLITE_DIRECT_COPIES='x' is not understood; use "
+                                         r"auto, 1 or 0 \(auto: single allreduces"):
+        Config.from_env({"HVDLITE_DIRECT_COPIES": "x"})
     with pytest.raises(ValueError, match=r"is not one of nccl, mpi \(nccl: reduce GPU tensors"):
         Config.from_env({"HVDLITE_GPU_OPERATIONS": "gloo"})
 
 
 def test_config_module_imports_only_the_standard_library():
-    """The docs build loads config.py on its own (scripts/mkdocs_knobs.py)."""
+    """The docs build loads config.py and knob_kinds.py on their own (scripts/mkdocs_knobs.py):
+    config.py may import the standard library and knob_kinds, knob_kinds the standard library
+    (and config itself, for type checking only)."""
     import ast
     import sys
-    tree = ast.parse(open(config_module.__file__, encoding="utf-8").read())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            assert node.level == 0 and node.module.split(".")[0] in sys.stdlib_module_names \
-                or node.module == "__future__", ast.dump(node)
-        elif isinstance(node, ast.Import):
-            assert all(a.name.split(".")[0] in sys.stdlib_module_names for a in node.names)
+    from hvdlite.common import knob_kinds
+    allowed = {config_module: {"__future__", "hvdlite.common.knob_kinds"},
+               knob_kinds: {"__future__", "hvdlite.common.config"}}
+    for module, extra in allowed.items():
+        tree = ast.parse(open(module.__file__, encoding="utf-8").read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                assert node.level == 0 and node.module.split(".")[0] in sys.stdlib_module_names \
+                    or node.module in extra, ast.dump(node)
+            elif isinstance(node, ast.Import):
+                assert all(a.name.split(".")[0] in sys.stdlib_module_names for a in node.names)
+
+
+@pytest.mark.parametrize("old, field, raw, value", [
+    ("HVDLITE_SHM_FUSION_MB", "shm_window_bytes", "16", 16 * 2**20),
+    ("HOROVOD_SHM_FUSION_MB", "shm_window_bytes", "0", 0),
+    ("HVDLITE_CMA", "direct_copies", "0", "off"),
+    ("HOROVOD_CMA", "direct_copies", "1", "on"),
+])
+def test_old_knob_names_still_work(old, field, raw, value):
+    """SHM_FUSION_MB and CMA were renamed SHM_WINDOW_MB and DIRECT_COPIES (one name per
+    concept); scripts that set the old names keep their effect."""
+    assert getattr(Config.from_env({old: raw}), field) == value
+    assert getattr(Config(), field) != value   # the defaults differ: the old name did this
+
+
+@pytest.mark.parametrize("new, old, field", [
+    ("HVDLITE_SHM_WINDOW_MB", "HVDLITE_SHM_FUSION_MB", "shm_window_bytes"),
+    ("HVDLITE_DIRECT_COPIES", "HVDLITE_CMA", "direct_copies"),
+])
+def test_the_new_knob_name_wins_over_the_old(new, old, field):
+    cfg = Config.from_env({new: "0", old: "1"})
+    assert getattr(cfg, field) == (0 if field == "shm_window_bytes" else "off")
+
+
+def test_an_old_knob_name_is_named_in_errors():
+    with pytest.raises(ValueError, match="HVDLITE_CMA"):
+        Config.from_env({"HVDLITE_CMA": "x"})
