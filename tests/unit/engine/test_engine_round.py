@@ -156,3 +156,33 @@ def test_a_round_end_to_end_at_n_simulated_ranks(size):
         for closer in closers:
             closer.join()
     assert not any(engine.alive() for engine in engines)
+
+
+def test_the_agreement_before_a_gpu_batch_goes_through_the_transport():
+    """Execution.agree_prepared at 3 simulated ranks: when every rank prepared its part, nobody
+    raises; when rank 1 failed, every rank raises naming it (rank 1 with its own cause), so no
+    rank enters the collective alone."""
+    size = 3
+    network = FakeNetwork(size)
+    engines = [Engine(None, Config(), None, lambda context: [],
+                      transport=network.transport(rank)) for rank in range(size)]
+    for failing in (None, 1):
+        errors: dict[int, BaseException | None] = {}
+
+        def agree(rank: int) -> None:
+            mine = RuntimeError("out of device memory") if rank == failing else None
+            try:
+                engines[rank].execution.agree_prepared(mine)
+                errors[rank] = None
+            except Exception as exc:   # noqa: BLE001 - the test looks at it
+                errors[rank] = exc
+        threads = [threading.Thread(target=agree, args=(rank,)) for rank in range(size)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        if failing is None:
+            assert errors == {0: None, 1: None, 2: None}
+        else:
+            assert all("[1]" in str(errors[rank]) for rank in range(size)), errors
+            assert "out of device memory" in str(errors[1])
