@@ -41,7 +41,7 @@ class Engine:
                  make_paths: Callable[[PathContext], list],
                  transport: Transport | None = None) -> None:
         """``make_paths(context)``: the data paths this engine asks, in order, which one serves
-        a batch (see :mod:`.data_paths`).  ``transport``: how the engine's own collectives
+        a batch (see :mod:`.data_path`).  ``transport``: how the engine's own collectives
         reach the other ranks (default: MPI over ``comm``)."""
         self.comm = comm
         self.config = config

@@ -62,7 +62,7 @@ def _nbytes(item: tuple[Response, Entry]) -> int:
 
 class Execution:
     """Runs one engine's rounds on its data paths (``make_paths(context)``: the paths it asks,
-    in order, which one serves a batch; see :mod:`.data_paths`)."""
+    in order, which one serves a batch; see :mod:`.data_path`)."""
 
     def __init__(self, controller: Controller, config: Config, completion: Completion,
                  make_paths: Callable[[PathContext], list], comm) -> None:
