@@ -1,7 +1,7 @@
 """The public broadcast ops on TensorFlow tensors and variables: ``broadcast`` (differentiable,
 with Horovod's gradient), ``broadcast_variables`` and the in-place ``broadcast_``.  In a TF1
 graph the variables broadcasts stay out of the chain that orders the other ops (see
-:func:`.graph._chained`)."""
+:func:`.graph.broadcast_joins_chain`)."""
 from __future__ import annotations
 
 import tensorflow as tf

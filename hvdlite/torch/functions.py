@@ -69,8 +69,8 @@ def _create_lazy_state(optimizer: torch.optim.Optimizer, model=None) -> None:
 
 
 def _distributed_cls():
-    from .optimizer import _DistributedOptimizer
-    return _DistributedOptimizer
+    from .optimizer import DistributedOptimizerMixin
+    return DistributedOptimizerMixin
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,

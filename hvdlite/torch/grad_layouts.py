@@ -14,11 +14,17 @@ that the result is to be made sparse.)
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from hvdlite.common.core import Handle, vote_layouts_async
 
 NO_GRADIENT = -1   # a rank's vote when it has no gradient; 0 is dense, k > 0 sparse
+# Marks a reducer's handle entry (``(vote handle, LAYOUT_PENDING, None)``) of a rank without a
+# gradient, waiting to learn which reduction (dense or sparse) the other ranks started for that
+# parameter the first time it is reduced (see :meth:`GradLayouts.resolve`).
+LAYOUT_PENDING = object()
 
 
 class GradLayouts:
@@ -54,6 +60,28 @@ class GradLayouts:
             return False
         self.known[p] = code
         return True
+
+    def resolve(self, handles: dict, reduce_grad_async: Callable, names: dict
+                ) -> BaseException | None:
+        """Settle the votes of the entries of ``handles`` (param -> reducer's entry) marked
+        LAYOUT_PENDING and start those reductions (``reduce_grad_async(p, names[p])`` gives the
+        new entry; no entry where no rank has a gradient: zeros are the result); wait for the
+        other votes.  Returns the first error (raised by the caller after everything in flight
+        has been waited for)."""
+        first_error = None
+        for p, (handle, ctx, _) in list(handles.items()):
+            if ctx is not LAYOUT_PENDING:
+                continue
+            del handles[p]
+            try:
+                if not self.settle(p, handle):
+                    p.grad = torch.zeros_like(p)   # no rank has a gradient: that is the result
+                    continue
+                handles[p] = reduce_grad_async(p, names[p])
+            except Exception as exc:  # noqa: BLE001 - returned
+                first_error = first_error or exc
+        votes_error = self.wait_votes()
+        return first_error or votes_error
 
     def wait_votes(self) -> BaseException | None:
         """Wait for this step's other votes; return the first error (raised by the caller

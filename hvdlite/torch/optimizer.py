@@ -18,30 +18,19 @@ import torch
 from hvdlite.common.core import (ProcessSet, ReduceOp, check_adasum_size, predivide_factors,
                                  process_set_engine, size)
 
+from .cohorts import Cohorts
 from .compression import Compression
 from .mpi_ops import allreduce
-from .buckets import in_bucket as _in_bucket  # noqa: F401 - importable here, as before
 from .reducer import OptimizerMisuseError, Reducer  # noqa: F401 - importable here, as before
 from .state_dicts import load_state_keeping_groups
 
 _created = itertools.count(1)   # DistributedOptimizers made in this process, in order
 
 
-def _delegated(attribute: str, settable: bool = False) -> property:
-    """The reducer's ``attribute`` under the optimizer's name for it from before the reducer
-    had its own class (tests, and scripts that inspect the optimizer, use these names);
-    ``settable``: assigning it replaces the reducer's method (a test's spy)."""
-    def get(self):
-        return getattr(self._reducer, attribute)
-
-    def put(self, value) -> None:
-        setattr(self._reducer, attribute, value)
-
-    return property(get, put if settable else None, doc=f"The reducer's ``{attribute}``.")
-
-
-class _DistributedOptimizer(torch.optim.Optimizer):
-    """Mixin placed before the user's optimizer class in a generated subclass."""
+class DistributedOptimizerMixin(torch.optim.Optimizer):
+    """Mixin placed before the user's optimizer class in the subclass that
+    :func:`DistributedOptimizer` generates: ``isinstance(opt, DistributedOptimizerMixin)``
+    tells a wrapped optimizer."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
                  gradient_predivide_factor, groups, sparse_as_dense, process_set):
@@ -55,25 +44,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._index = next(_created)
         self._should_synchronize = True
         names = self._names_of(named_parameters)
-        group_of, group_list = self._parameter_groups(names, groups)
         self._reducer = Reducer(self._index, backward_passes_per_step, op,
                                 predivide_factors(op, gradient_predivide_factor), compression,
-                                sparse_as_dense, process_set, group_of, group_list,
+                                sparse_as_dense, process_set, Cohorts.from_groups(names, groups),
                                 self._member)
         self._reducer.add(names)   # after every check: takes the hooks over
-
-    # The reducer's state and methods under their former names.
-    _names = _delegated("names")
-    _prefix = _delegated("prefix")
-    _hook_handles = _delegated("hook_handles")
-    _handles = _delegated("handles")
-    _buckets = _delegated("buckets")
-    _bucket_of = _delegated("bucket_of")
-    _layouts = _delegated("layouts")
-    _reduced = _delegated("reduced")
-    _in_flight = _delegated("in_flight")
-    _on_grad_ready = _delegated("on_grad_ready", settable=True)
-    _reduce_gradients = _delegated("reduce_gradients", settable=True)
 
     # --- set-up ------------------------------------------------------------------------------
     def _names_of(self, named_parameters) -> dict:
@@ -137,31 +112,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._given_names is None:
             self._parameter_names.update(added)
         reducer.add(added)
-
-    @staticmethod
-    def _parameter_groups(names: dict, groups) -> tuple[dict, list]:
-        """``groups`` (a number of groups, or lists of parameters), checked: (param -> group
-        index, the groups' parameter lists)."""
-        params = list(names)
-        if groups is None:
-            return {}, []
-        if isinstance(groups, int):
-            if groups <= 0:
-                raise ValueError("groups must be a positive int or a list of parameter lists")
-            chunks = [params[i::groups] for i in range(groups)]
-        else:
-            chunks = [list(g) for g in groups]
-            known = set(params)
-            if any(p not in known for g in chunks for p in g):
-                raise ValueError("groups contains a tensor that is not one of the optimizer's "
-                                 "parameters.")
-        group_of = {}
-        for gid, chunk in enumerate(chunks):
-            for p in chunk:
-                if p in group_of:
-                    raise ValueError(f"parameter {names[p]!r} appears in two groups.")
-                group_of[p] = gid
-        return group_of, chunks
 
     # --- public API --------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -260,6 +210,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super().zero_grad(set_to_none=set_to_none)
 
 
+# Horovod's name for the class (``horovod.torch.optimizer._DistributedOptimizer``), kept as an
+# alias for scripts that test ``isinstance`` with it.
+_DistributedOptimizer = DistributedOptimizerMixin
+
+
 def _outside(process_set) -> bool:
     """This rank is not a member of the registered ``process_set``."""
     return (isinstance(process_set, ProcessSet) and process_set.process_set_id is not None
@@ -288,9 +243,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         they differ.
       gradient_predivide_factor: with Average, divide by this before the sum and by
         size()/factor after it (helps fp16 range).
-      num_groups: split the parameters into that many groups; each group is reduced together.
+      num_groups: split the parameters into that many groups; the allreduces of a group's
+        gradients are submitted together once all of them are ready (negotiated in one
+        round and fused; see cohorts.py).
       groups (int | list[list[torch.nn.Parameter]] | None): the same as an int, or a list of
-        lists of parameters, each reduced together.
+        lists of parameters, each such a group.
       sparse_as_dense: how sparse gradients (``nn.Embedding(sparse=True)``, ...) are reduced.
         True (as in Horovod): converted to dense and allreduced like any other gradient, then
         turned back into a sparse tensor (``to_sparse()``, every dimension sparse) before the
@@ -329,7 +286,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         raise ValueError("backward_passes_per_step must be >= 1.")
     if num_groups and groups is None:
         groups = num_groups
-    cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
+    cls = type(optimizer.__class__.__name__, (DistributedOptimizerMixin, optimizer.__class__),
+               {})
     wrapped = cls(optimizer.param_groups, named_parameters, compression,
                   backward_passes_per_step, op, gradient_predivide_factor, groups,
                   sparse_as_dense, process_set)

@@ -25,7 +25,8 @@ from hvdlite.common.core import HvdliteError, process_set_engine
 
 from . import param_owners
 from .buckets import GradientBucket, bucket_cap, goes_alone, in_bucket, plan_buckets
-from .grad_layouts import GradLayouts
+from .cohorts import Cohorts
+from .grad_layouts import LAYOUT_PENDING, GradLayouts
 from .mpi_ops import allreduce_async_
 from .sparse import check_sparse_op, sparse_allreduce_async
 
@@ -64,19 +65,15 @@ core.on_join(_after_join)
 # Marks a handle entry whose result is a new sparse gradient (it replaces ``p.grad``) rather
 # than a dense wire tensor to decompress into ``p.grad``.
 _SPARSE = object()
-# Marks a handle entry of a rank without a gradient, waiting to learn which reduction (dense
-# or sparse) the other ranks started for that parameter the first time it is reduced.
-_LAYOUT_PENDING = object()
 
 
 class Reducer:
     """Reduces the gradients of one DistributedOptimizer's parameters (see the module
-    docstring).  ``names`` is filled by :meth:`add`; ``groups`` are user groups of parameters
-    reduced together (``group_of``: param -> index into ``groups``)."""
+    docstring).  ``names`` is filled by :meth:`add`; ``cohorts`` are the parameters whose
+    allreduces are submitted together (see cohorts.py)."""
 
     def __init__(self, index: int, passes: int, op, scales: tuple[float, float], compression,
-                 sparse_as_dense: bool, process_set, group_of: dict, groups: list,
-                 member: bool) -> None:
+                 sparse_as_dense: bool, process_set, cohorts: Cohorts, member: bool) -> None:
         self.index = index                 # this optimizer's number in the process
         self.prefix: str | None = None     # set when another optimizer uses the same names
         self.names: dict = {}              # param -> its name on the wire
@@ -89,7 +86,8 @@ class Reducer:
         self._sparse_as_dense = sparse_as_dense
         # As in Horovod, on a rank outside process_set there are no hooks and no reductions.
         self._member = member
-        self._group_of, self._groups = group_of, groups
+        self._cohorts = cohorts
+        self._cohort_of = cohorts.of   # (read by every hook: one lookup fewer)
         self.hook_handles: dict = {}       # param -> its gradient hook's handle
         self._grad_hook = param_owners.gradient_hook(self)
         param_owners.unhook_when_collected(self, self.hook_handles)
@@ -97,7 +95,6 @@ class Reducer:
         self.handles: dict = {}            # param -> (handle or None, ctx, wire tensor)
         self.grad_layouts = GradLayouts(sparse_as_dense, process_set)
         self.layouts = self.grad_layouts.known   # param -> sparse_dim of its gradient, 0 dense
-        self._group_ready: dict = {}
         # The gradients in .grad are reduced and no hook has fired since (a step() needs no
         # further synchronize()).
         self.fresh = False
@@ -143,7 +140,7 @@ class Reducer:
         if self._delay[p] <= 0:
             self._close_stream()
             raise OptimizerMisuseError(_TOO_MANY_PASSES.format(name=self.names[p],
-                                                              n=self.passes))
+                                                               n=self.passes))
         self._fired += 1
         expected = len(self.hook_handles)   # hooks that fire in a full backward pass
         if self._stream_engine is None and self._fired < expected:
@@ -163,19 +160,14 @@ class Reducer:
             if bucket.ready == len(bucket.params):
                 self._submit_bucket(bucket)
             return
-        gid = self._group_of.get(p)
-        if gid is None:
+        if p not in self._cohort_of:
             self.handles[p] = self._allreduce_grad_async(p)
             return
-        # A group is submitted together once all its members are ready, so they are
-        # negotiated in the same round and fused into one collective.
         self.handles[p] = (None, None, None)
-        ready = self._group_ready.setdefault(gid, set())
-        ready.add(p)
-        if len(ready) == len(self._groups[gid]):
-            for member in self._groups[gid]:
+        members = self._cohorts.complete(p)
+        if members is not None:   # the last of its cohort: submit them all now
+            for member in members:
                 self.handles[member] = self._allreduce_grad_async(member)
-            del self._group_ready[gid]
 
     def _finish_at_end_of_backward(self) -> None:
         """Once per backward pass that completes some gradient: queue :meth:`_end_of_backward`
@@ -214,7 +206,7 @@ class Reducer:
         if p not in self.layouts:
             pending = self.grad_layouts.vote(p, name)
             if pending is not None:
-                return pending, _LAYOUT_PENDING, None
+                return pending, LAYOUT_PENDING, None
         return self._reduce_grad_async(p, name)
 
     def _reduce_grad_async(self, p: torch.Tensor, name: str):
@@ -237,25 +229,6 @@ class Reducer:
                                   postscale_factor=self._postscale,
                                   process_set=self.process_set)
         return handle, ctx, wire
-
-    def _resolve_layouts(self) -> BaseException | None:
-        """Submit the reductions of parameters whose layout this rank had to ask for; wait
-        for the other layout votes.  Returns the first error (raised by the caller after
-        everything in flight has been waited for)."""
-        first_error = None
-        for p, (handle, ctx, _) in list(self.handles.items()):
-            if ctx is not _LAYOUT_PENDING:
-                continue
-            del self.handles[p]
-            try:
-                if not self.grad_layouts.settle(p, handle):
-                    p.grad = torch.zeros_like(p)   # no rank has a gradient: that is the result
-                    continue
-                self.handles[p] = self._reduce_grad_async(p, self.names[p])
-            except Exception as exc:  # noqa: BLE001 - returned
-                first_error = first_error or exc
-        votes_error = self.grad_layouts.wait_votes()
-        return first_error or votes_error
 
     def _sparse_allreduce_grad_async(self, p: torch.Tensor, name: str):
         """Allgather-based reduction of a sparse gradient (sparse_as_dense=False).  Compression
@@ -297,7 +270,7 @@ class Reducer:
         cap = bucket_cap(self._op, self._compression, self.process_set)
         settled, candidates = set(), []
         for p in reversed(list(self.names)):
-            if p in self._group_of or goes_alone(p, cap, self._compression):
+            if p in self._cohort_of or goes_alone(p, cap, self._compression):
                 settled.add(p)
             elif (p in self.hook_handles and p.requires_grad
                   and (self._sparse_as_dense or self.layouts.get(p) == 0)):
@@ -350,7 +323,8 @@ class Reducer:
         reduced_in_buckets = []
         sparse_again = self.grad_layouts.sparse_again if self._sparse_as_dense else None
         try:
-            first_error = self._resolve_layouts()
+            first_error = self.grad_layouts.resolve(handles, self._reduce_grad_async,
+                                                    self.names)
             for p, (handle, ctx, wire) in handles.items():
                 try:
                     output = handle.wait()
@@ -389,7 +363,7 @@ class Reducer:
                 self.reduced.update(reduced_in_buckets)
         finally:
             handles.clear()
-            self._group_ready.clear()
+            self._cohorts.clear()
             self._reset_buckets()
         if first_error is not None:
             self.restart_counts()   # nothing is in flight; the next backward starts afresh
@@ -430,7 +404,7 @@ class Reducer:
         flight: see :meth:`refuse_in_flight`)."""
         self._close_stream()
         self.handles.clear()
-        self._group_ready.clear()
+        self._cohorts.clear()
         self._reset_buckets()
         self.restart_counts()
 

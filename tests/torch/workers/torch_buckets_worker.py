@@ -127,11 +127,17 @@ def count_submissions():
 
 
 def plan_names(opt):
-    return [[opt._names[p] for p in b.params] for b in opt._buckets]
+    return [[opt._reducer.names[p] for p in b.params] for b in opt._reducer.buckets]
+
+
+def bucketed_in_hook_order(opt):
+    """Names of the bucketed parameters, in the order their gradients are expected."""
+    reducer = opt._reducer
+    return [reducer.names[p] for p in reversed(list(reducer.names)) if p in reducer.bucket_of]
 
 
 def check_bucket_sizes(opt):
-    for b in opt._buckets:
+    for b in opt._reducer.buckets:
         assert len(b.params) >= 2, f"bucket {b.name} holds a single gradient"
         assert b.flat.numel() * b.flat.element_size() <= CAP, f"bucket {b.name} over the cap"
         assert len({(p.dtype, p.device) for p in b.params}) == 1, f"{b.name} mixes dtypes"
@@ -150,18 +156,18 @@ def small_gradients_share_buckets(case):
     dist_step(case, 0, model, opt)
     ref_step(case, 0, ref, ref_opt)
     check_bucket_sizes(opt)
-    assert len(opt._buckets) >= 2, f"test set-up: {len(opt._buckets)} buckets"
-    alone = [n for p, n in opt._names.items() if p not in opt._bucket_of]
+    assert len(opt._reducer.buckets) >= 2, f"test set-up: {len(opt._reducer.buckets)} buckets"
+    alone = [n for p, n in opt._reducer.names.items() if p not in opt._reducer.bucket_of]
     assert "allreduce.wide.weight" in alone, alone
     assert len(alone) <= 2, f"too many gradients outside the buckets: {alone}"
-    order = [opt._names[p] for p in reversed(list(opt._names)) if p in opt._bucket_of]
+    order = bucketed_in_hook_order(opt)
     assert [n for names in plan_names(opt) for n in names] == order, plan_names(opt)
     calls, restore = count_submissions()
     try:
         for step in range(1, STEPS):
             calls.clear()
             dist_step(case, step, model, opt)
-            assert len(calls) == len(opt._buckets) + len(alone), calls
+            assert len(calls) == len(opt._reducer.buckets) + len(alone), calls
             ref_step(case, step, ref, ref_opt)
     finally:
         restore()
@@ -177,7 +183,7 @@ def plans_agree(case):
     opt = wrap(model)
     for step in range(2):
         dist_step(case, step, model, opt)
-    mine = [(b.name, names) for b, names in zip(opt._buckets, plan_names(opt))]
+    mine = [(b.name, names) for b, names in zip(opt._reducer.buckets, plan_names(opt))]
     assert all(other == mine for other in COMM.allgather(mine)), "plans differ between ranks"
 
 
@@ -208,7 +214,7 @@ def mixed_dtypes(case):
         dist_step(case, step, model, opt)
         ref_step(case, step, ref, ref_opt)
     check_bucket_sizes(opt)
-    dtypes = sorted(str(b.flat.dtype) for b in opt._buckets)
+    dtypes = sorted(str(b.flat.dtype) for b in opt._reducer.buckets)
     assert dtypes == ["torch.float32", "torch.float64"], dtypes
     same_on_all_ranks(model)
     moved(model, init)
@@ -230,7 +236,8 @@ def unused_on_some_ranks(case):
         dist_step(case, step, model, opt, use_extra)
         ref_step(case, step, ref, ref_opt, use_extra)
         if step == 0:
-            assert model.extra.weight in opt._bucket_of, "test set-up: extra not in a bucket"
+            assert model.extra.weight in opt._reducer.bucket_of, \
+                "test set-up: extra not in a bucket"
     same_on_all_ranks(model)
     moved(model, init)
     close_to(model, ref, 1e-5)
@@ -255,7 +262,7 @@ def frozen_after_planning(case):
     go on training, and the next plan leaves it out."""
     model, ref, opt, ref_opt = planned(case)
     frozen = model.layers[3]
-    assert frozen.weight in opt._bucket_of, "test set-up: the layer is not in a bucket"
+    assert frozen.weight in opt._reducer.bucket_of, "test set-up: the layer is not in a bucket"
     for m in (model, ref):
         m.layers[3].requires_grad_(False)
     before = copy.deepcopy(frozen)
@@ -264,7 +271,7 @@ def frozen_after_planning(case):
         ref_step(case, step, ref, ref_opt)
         assert frozen.weight.grad is None and frozen.bias.grad is None, "a frozen layer got a grad"
     assert torch.equal(frozen.weight, before.weight) and torch.equal(frozen.bias, before.bias)
-    assert frozen.weight not in opt._bucket_of and frozen.bias not in opt._bucket_of
+    assert frozen.weight not in opt._reducer.bucket_of and frozen.bias not in opt._reducer.bucket_of
     check_bucket_sizes(opt)
     same_on_all_ranks(model)
     close_to(model, ref, 1e-5)
@@ -279,8 +286,8 @@ def compressed(case, compression, wire, tol):
     for step in range(STEPS):
         dist_step(case, step, model, opt)
         ref_step(case, step, ref, ref_opt)
-    assert opt._buckets and all(b.flat.dtype == wire for b in opt._buckets), \
-        [b.flat.dtype for b in opt._buckets]
+    assert opt._reducer.buckets and all(b.flat.dtype == wire for b in opt._reducer.buckets), \
+        [b.flat.dtype for b in opt._reducer.buckets]
     same_on_all_ranks(model)
     moved(model, init)
     close_to(model, ref, tol)
@@ -305,7 +312,7 @@ def custom_compressor_goes_alone(case):
         dist_step(case, step, model, opt)
         ref_step(case, step, ref, ref_opt)
         assert len(seen) == len(list(model.parameters())), len(seen)
-    assert not opt._buckets
+    assert not opt._reducer.buckets
     same_on_all_ranks(model)
     close_to(model, ref, 1e-5)
 
@@ -337,7 +344,7 @@ def registration_order_differs(case):
     for step in range(STEPS):
         dist_step(case, step, model, opt)
         ref_step(case, step, ref, ref_opt)
-    assert opt._buckets, "test set-up: no buckets"
+    assert opt._reducer.buckets, "test set-up: no buckets"
     mine = plan_names(opt)
     assert all(other == mine for other in COMM.allgather(mine)), "plans differ between ranks"
     # Compare by name: the ranks' parameter lists are in different orders.
@@ -352,23 +359,24 @@ def reshaped_parameter(case):
     """A parameter in a bucket that changes shape on every rank (model surgery) is reduced on
     its own that step, and the buckets are planned again for its new shape."""
     model, ref, opt, ref_opt = planned(case)
-    assert model.scale in opt._bucket_of, "test set-up: scale is not in a bucket"
+    assert model.scale in opt._reducer.bucket_of, "test set-up: scale is not in a bucket"
     for m, o in ((model, opt), (ref, ref_opt)):
         with torch.no_grad():
             m.scale.data = m.scale.data[:1].clone()   # broadcasts like the full vector did
         o.state[m.scale].clear()   # momentum of the old shape
-    members = list(opt._bucket_of[model.scale].params)
+    members = list(opt._reducer.bucket_of[model.scale].params)
     x, y = batch(case, 2)
     opt.zero_grad()
     rank_loss(model, x, y, RANK, lambda k: False).backward()
     # The members went on their own: backward waited for every one of them.
-    assert all(any(p is q for q in opt._reduced) for p in members), "a member was not waited for"
+    assert all(any(p is q for q in opt._reducer.reduced) for p in members), \
+        "a member was not waited for"
     opt.step()
     ref_step(case, 2, ref, ref_opt)
     for step in range(3, STEPS):
         dist_step(case, step, model, opt)
         ref_step(case, step, ref, ref_opt)
-    bucket = opt._bucket_of.get(model.scale)
+    bucket = opt._reducer.bucket_of.get(model.scale)
     assert bucket is not None, "scale left its bucket for good"
     position = [p is model.scale for p in bucket.params].index(True)
     assert bucket.views[position].shape == (1,), bucket.views[position].shape
@@ -383,7 +391,7 @@ def reshaped_on_one_rank(case, reshape):
     shape is restored, training goes on in step.  ``reshape`` keeps the number of elements or
     not: either way the bucket's flat tensor must not be combined with the other ranks'."""
     model, ref, opt, ref_opt = planned(case)
-    bucket = opt._bucket_of.get(model.scale)
+    bucket = opt._reducer.bucket_of.get(model.scale)
     assert bucket is not None, "test set-up: scale is not in a bucket"
     original = model.scale.data
     if RANK == SIZE - 1:
@@ -403,14 +411,14 @@ def reshaped_on_one_rank(case, reshape):
         expected.append(f"'scale' is {tuple(model.scale.shape)} instead of ({IN},)")
     for part in expected:
         assert part in text, f"{part!r} not in the error: {text}"
-    assert not opt._in_flight(), "reductions left in flight"
+    assert not opt._reducer.in_flight(), "reductions left in flight"
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), "applied"
     gc.collect()   # (the traceback kept the graph, and scale's old accumulator, alive)
     model.scale.data = original
     for step in range(3, STEPS):   # the reference skips the failed step
         dist_step(case, step, model, opt)
         ref_step(case, step, ref, ref_opt)
-    assert opt._bucket_of.get(model.scale) is bucket, "the plan changed"
+    assert opt._reducer.bucket_of.get(model.scale) is bucket, "the plan changed"
     same_on_all_ranks(model)
     close_to(model, ref, 1e-5)
 
@@ -442,8 +450,8 @@ def sparse_stays_out(case):
         dist_step(case, step, model, opt)
         ref_step(case, step, ref, ref_opt)
         assert model.emb.weight.grad.is_sparse
-    assert model.emb.weight not in opt._bucket_of
-    assert model.fc1.weight in opt._bucket_of and model.fc2.bias in opt._bucket_of
+    assert model.emb.weight not in opt._reducer.bucket_of
+    assert model.fc1.weight in opt._reducer.bucket_of and model.fc2.bias in opt._reducer.bucket_of
     same_on_all_ranks(model)
     moved(model, init)
     close_to(model, ref, 1e-5)
@@ -471,7 +479,7 @@ def bpps_with_unused(case):
                 total = total + F.mse_loss(ref(xs, not (k == 0 and micro == 1)), ys) / 2
         (total / SIZE).backward()
         ref_opt.step()
-    assert opt._buckets, "test set-up: no buckets"
+    assert opt._reducer.buckets, "test set-up: no buckets"
     same_on_all_ranks(model)
     moved(model, init)
     close_to(model, ref, 1e-5)
@@ -487,8 +495,8 @@ def replan_while_a_rank_has_joined(case):
             m.requires_grad_(False)
         for step in range(2, 4):
             dist_step(case, step, model, opt)
-        assert model.layers[3].weight not in opt._bucket_of, "test set-up: no new plan"
-        order = [opt._names[p] for p in reversed(list(opt._names)) if p in opt._bucket_of]
+        assert model.layers[3].weight not in opt._reducer.bucket_of, "test set-up: no new plan"
+        order = bucketed_in_hook_order(opt)
         assert [n for names in plan_names(opt) for n in names] == order, plan_names(opt)
     hvd.join()
 
@@ -520,13 +528,14 @@ def join_with_reductions_in_flight(case):
     x, y = batch(case, 2)
     opt.zero_grad()
     failing_backward(model, shard(x), shard(y))
-    busy = [b for b in opt._buckets if b.busy]
+    busy = [b for b in opt._reducer.buckets if b.busy]
     assert busy, "test set-up: no bucket in flight"
     hvd.join()
-    assert all(b in opt._buckets for b in busy), "join() dropped buckets in flight"
+    assert all(b in opt._reducer.buckets for b in busy), "join() dropped buckets in flight"
     opt.synchronize()
     assert all(b.handle is None for b in busy), "buckets in flight were not waited for"
-    assert not opt._buckets and not opt._layouts, "first-step agreements not forgotten"
+    assert not opt._reducer.buckets and not opt._reducer.layouts, \
+        "first-step agreements not forgotten"
     opt.zero_grad()   # (the failed step is not applied; the reference skips it)
     calls, restore = count_submissions()
     try:
@@ -534,8 +543,8 @@ def join_with_reductions_in_flight(case):
     finally:
         restore()
     ref_step(case, 3, ref, ref_opt)
-    assert len(calls) == len(opt._names), f"first step after join() submitted {calls}"
-    assert opt._buckets, "no buckets planned after the first step after join()"
+    assert len(calls) == len(opt._reducer.names), f"first step after join() submitted {calls}"
+    assert opt._reducer.buckets, "no buckets planned after the first step after join()"
     dist_step(case, 4, model, opt)
     ref_step(case, 4, ref, ref_opt)
     same_on_all_ranks(model)

@@ -214,7 +214,7 @@ def m_optimizer(case):
     before = [p.detach().clone() for p in model.parameters()]
     # the reductions are finished at the end of backward(): the mismatch is raised there
     mismatch(case, lambda: model(torch.ones(2, 3)).sum().backward())
-    assert not any(h[0] is not None for h in opt._handles.values()), "left in flight"
+    assert not any(h[0] is not None for h in opt._reducer.handles.values()), "left in flight"
     # nothing was applied, and the optimizer is usable again
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     opt.zero_grad()
@@ -412,7 +412,7 @@ def o_zero_grad_in_flight(case):
     hidden = model[0](x)
     hidden.register_hook(fail)
     expect(RuntimeError, lambda: F.mse_loss(model[2](torch.tanh(hidden)), y).backward())
-    in_flight = [p for p, h in opt._handles.items() if h[0] is not None]
+    in_flight = [p for p, h in opt._reducer.handles.items() if h[0] is not None]
     assert in_flight, "test set-up: the failed backward must leave reductions in flight"
     exc = expect(AssertionError, opt.zero_grad)   # (Horovod's class; also an HvdliteError)
     assert isinstance(exc, hvd.HvdliteError), type(exc)
@@ -542,13 +542,13 @@ def o_sync_error_waits_for_rest(case):
     plain = make_model()
     local = torch.autograd.grad(F.mse_loss(plain(x), y), list(plain.parameters()))
     order = []
-    on_grad_ready = opt._on_grad_ready
+    on_grad_ready = opt._reducer.on_grad_ready
 
     def record(p):
         order.append(p)
         on_grad_ready(p)
 
-    opt._on_grad_ready = record
+    opt._reducer.on_grad_ready = record
     # bad's node is created last, so autograd runs it first: its reduction is waited for first
     # (at the end of backward(), which raises the error)
     mismatch(case, lambda: (F.mse_loss(model(x), y) + bad.sum()).backward())
@@ -556,7 +556,7 @@ def o_sync_error_waits_for_rest(case):
     for p, g in zip(model.parameters(), local):
         expected = torch.from_numpy(COMM.allreduce(g.half().float().numpy())) / SIZE
         assert torch.allclose(p.grad, expected, rtol=1e-2, atol=1e-3), (p.grad, expected)
-    assert not any(h[0] is not None for h in opt._handles.values())
+    assert not any(h[0] is not None for h in opt._reducer.handles.values())
     # the same names work again once the shapes agree.  (The error, raised inside backward(),
     # keeps that graph alive through its traceback until collected, and with it bad's
     # gradient accumulator, which remembers bad's old shape.)

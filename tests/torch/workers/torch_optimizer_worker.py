@@ -75,16 +75,16 @@ def started_by_hooks(opt):
     backward pass then waits for them all, so nothing is in flight when ``backward()``
     returns."""
     started = []
-    on_grad_ready = opt._on_grad_ready
+    on_grad_ready = opt._reducer.on_grad_ready
 
     def spy(p):
         on_grad_ready(p)
-        bucket = opt._bucket_of.get(p)
-        if (opt._handles.get(p, (None,))[0] is not None
+        bucket = opt._reducer.bucket_of.get(p)
+        if (opt._reducer.handles.get(p, (None,))[0] is not None
                 or (bucket is not None and bucket.busy)):
             started.append(p)
 
-    opt._on_grad_ready = spy
+    opt._reducer.on_grad_ready = spy
     return started
 
 
@@ -609,8 +609,8 @@ def rewrap_same_parameters(case):
     train_dist(case, model, first, steps=2)
     second = hvd.DistributedOptimizer(sgd(model, lr=0.05),
                                       named_parameters=model.named_parameters())
-    assert not first._hook_handles, "the first optimizer kept its gradient hooks"
-    assert set(second._names.values()) == set(first._names.values()), \
+    assert not first._reducer.hook_handles, "the first optimizer kept its gradient hooks"
+    assert set(second._reducer.names.values()) == set(first._reducer.names.values()), \
         "re-wrapping the same parameters changed their names"
     train_dist(case, model, second, steps=3)
     train_ref(case, ref, sgd(ref), steps=2)
@@ -675,7 +675,7 @@ def two_models_named_alike(case):
 
     opt_g = hvd.DistributedOptimizer(adam(gen), named_parameters=gen.named_parameters())
     opt_d = hvd.DistributedOptimizer(adam(disc), named_parameters=disc.named_parameters())
-    names_g, names_d = set(opt_g._names.values()), set(opt_d._names.values())
+    names_g, names_d = set(opt_g._reducer.names.values()), set(opt_d._reducer.names.values())
     assert "allreduce.0.weight" in names_g and not names_g & names_d, (names_g, names_d)
     assert all(n.startswith(f"allreduce.opt{opt_d._index}.") for n in names_d), names_d
     _gan_matches_one_process(case, (gen, disc, opt_g, opt_d),
@@ -709,7 +709,7 @@ def gan_without_freezing(case):
                                      named_parameters=gen.named_parameters(prefix="gen"))
     opt_d = hvd.DistributedOptimizer(torch.optim.SGD(disc.parameters(), lr=0.05),
                                      named_parameters=disc.named_parameters(prefix="disc"))
-    assert opt_d._prefix is None, "distinct names were prefixed anyway"
+    assert opt_d._reducer.prefix is None, "distinct names were prefixed anyway"
     ref_g = torch.optim.SGD(ref_gen.parameters(), lr=0.05)
     ref_d = torch.optim.SGD(ref_disc.parameters(), lr=0.05)
     _gan_matches_one_process(case, (gen, disc, opt_g, opt_d), (ref_gen, ref_disc, ref_g, ref_d),
@@ -737,8 +737,8 @@ def grads_reduced_when_backward_returns(case):
                 torch.testing.assert_close(p.grad, q.grad * (passes if done else 1), rtol=0,
                                            atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
             assert len(started) == (4 if done else 0), len(started)
-            in_flight = [p for p, h in opt._handles.items() if h[0] is not None]
-            in_flight += [b for b in opt._buckets if b.busy]
+            in_flight = [p for p, h in opt._reducer.handles.items() if h[0] is not None]
+            in_flight += [b for b in opt._reducer.buckets if b.busy]
             assert not in_flight, f"{len(in_flight)} reductions still in flight"
         opt.step()
         same_on_all_ranks(model)
@@ -822,13 +822,13 @@ def reentrant_checkpoint(case):
                                        op=hvd.Sum)
         ref_opt = sgd(ref)
         finishes = []
-        reduce_gradients = opt._reduce_gradients
+        reduce_gradients = opt._reducer.reduce_gradients
 
         def counted():
             finishes.append(1)
             reduce_gradients()
 
-        opt._reduce_gradients = counted
+        opt._reducer.reduce_gradients = counted
         for step in range(3):
             x, y = batch(case, step)
             opt.zero_grad()
@@ -877,7 +877,7 @@ def names_of_a_dropped_optimizer(case):
         opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
     finally:
         gc.enable()
-    assert opt._prefix is None, sorted(opt._names.values())
+    assert opt._reducer.prefix is None, sorted(opt._reducer.names.values())
     train_dist(case, model, opt, steps=2)
     same_on_all_ranks(model)
 

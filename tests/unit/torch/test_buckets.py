@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from hvdlite.common.errors import RankExitedError, TensorMismatchError
-from hvdlite.torch.buckets import GradientBucket, bucketable_compression, plan, wire_dtype
+from hvdlite.torch.buckets import (GradientBucket, bucketable_compression, in_bucket, plan,
+                                   wire_dtype)
 from hvdlite.torch.compression import Compression, Compressor
-from hvdlite.torch.optimizer import _in_bucket
 
 
 def check_plan(items, cap, buckets):
@@ -144,7 +144,7 @@ def test_errors_of_a_bucket_keep_their_type_and_name_its_parameters():
     bucket = GradientBucket("allreduce.w+1", params((1,), (1,)), ["w", "b"], torch.float32)
     for cls in (TensorMismatchError, RankExitedError):
         cause = cls("shape [3] on ranks [0], [4] on ranks [1]")
-        exc = _in_bucket(cause, bucket)
+        exc = in_bucket(cause, bucket)
         assert type(exc) is cls and exc.__cause__ is cause
         assert "'w', 'b'" in str(exc) and "shape [3]" in str(exc) and "same model" in str(exc)
 
@@ -156,7 +156,7 @@ def test_errors_without_a_message_constructor_get_a_note():
 
     bucket = GradientBucket("allreduce.w+1", params((1,), (1,)), ["w", "b"], torch.float32)
     cause = Odd(1, 2)
-    exc = _in_bucket(cause, bucket)
+    exc = in_bucket(cause, bucket)
     assert exc is cause and any("'w', 'b'" in note for note in exc.__notes__)
 
 
