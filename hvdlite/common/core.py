@@ -23,7 +23,7 @@ from hvdlite.common.api.grouped import (announce_group_failure, announced_group,
                                         grouped_allreduce_async, grouped_allreduce_async_,
                                         grouped_reducescatter, grouped_reducescatter_async,
                                         submit_group)
-from hvdlite.common.api.lifecycle import init
+from hvdlite.common.api.init import init
 from hvdlite.common.api.objects import allgather_object, broadcast_object
 from hvdlite.common.api.announce import announce_failure, announced, announcing
 from hvdlite.common.api.compression import (BF16_DOC, FP16_DOC, Compressor, NoneCompressor,

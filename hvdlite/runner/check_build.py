@@ -86,7 +86,7 @@ def _features() -> dict[str, object]:
 
 def cma_line(yama_scope_file: str | None = None) -> str:
     """What this machine says about direct copies between ranks (cross-memory attach).  Only a
-    job can tell for sure: it tries them once (see hvdlite/common/intranode/direct.py)."""
+    job can tell for sure: it tries them once (see hvdlite/common/intranode/direct_copies.py)."""
     from hvdlite.common.core import cma
     if cma.load() is None:
         return ("not available (Linux's process_vm_readv is missing): large allreduces use the "

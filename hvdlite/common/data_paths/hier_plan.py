@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hvdlite.common.intranode.shm_window import SharedFusion
+from hvdlite.common.intranode.shared_window import SharedWindow
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +75,7 @@ class Segment:
 
 def share_bounds(count: int, itemsize: int, local_size: int) -> list[int]:
     """Element boundaries of each local rank's share on a host of ``local_size`` ranks."""
-    return SharedFusion.shares(count, itemsize, local_size)
+    return SharedWindow.shares(count, itemsize, local_size)
 
 
 # Below this, a buffer costs its latency, not its bytes, and the hierarchical path leaves it

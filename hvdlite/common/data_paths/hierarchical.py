@@ -48,10 +48,10 @@ from hvdlite.common.engine.fusion import FusionBuffer
 from hvdlite.common.engine.handle import Entry
 from hvdlite.common.engine.messages import ALLGATHER, ALLREDUCE, Response
 from hvdlite.common.errors import HvdliteError
-from hvdlite.common.intranode.direct import MIN_BYTES as COPIES_MIN_BYTES
-from hvdlite.common.intranode.direct import DirectAllreduce, DirectCopyError
+from hvdlite.common.intranode.direct_copies import MIN_BYTES as COPIES_MIN_BYTES
+from hvdlite.common.intranode.direct_copies import DirectCopies, DirectCopyError
 from hvdlite.common.intranode.node_buffer import NodeBuffer
-from hvdlite.common.intranode.shm_window import SharedFusion
+from hvdlite.common.intranode.shared_window import SharedWindow
 from hvdlite.common.reduce_ops import ReduceOp
 from hvdlite.common.runtime.waiting import PEER_SPIN_SECONDS, wait_until
 
@@ -86,9 +86,9 @@ class HierarchicalPath(DataPath):
         self._decided = False
         self.local = None                   # this host's ranks of the set
         self.local_size = 1
-        self.direct: DirectAllreduce | None = None  # single tensors by direct copies
+        self.direct: DirectCopies | None = None  # single tensors by direct copies
         self._copies_somewhere = False      # some host's ranks use direct copies (agreed)
-        self.window: SharedFusion | None = None     # allreduce's intra-host window
+        self.window: SharedWindow | None = None     # allreduce's intra-host window
         self.node_buffer: NodeBuffer | None = None  # allgather's result, one per host
         self._gather_slot = 0               # slot size every host's node buffer has (agreed)
         self._gather_refused = None         # smallest allgather the hosts had no room for
@@ -135,7 +135,7 @@ class HierarchicalPath(DataPath):
                 return False
             self.hosts, self.local, self.local_size = hosts, local, local.Get_size()
             if self.local_size > 1 and self._window_bytes > 0:
-                self.window = SharedFusion(local, self._window_bytes, self._max_sleep,
+                self.window = SharedWindow(local, self._window_bytes, self._max_sleep,
                                            self._on_slow)
                 self.node_buffer = NodeBuffer(local, self._window_bytes, self._max_sleep,
                                               self._on_slow)
@@ -144,7 +144,7 @@ class HierarchicalPath(DataPath):
                 # that every rank knows whether a large tensor's outcome must be agreed on.
                 names = [self.context.global_ranks[r] for r in hosts.members[
                     hosts.locate(self.rank)[0]]]
-                self.direct = DirectAllreduce(local, self._max_sleep, self._on_slow,
+                self.direct = DirectCopies(local, self._max_sleep, self._on_slow,
                                               required=self._cma == "on", global_ranks=names)
                 self.direct.usable(COPIES_MIN_BYTES)   # the probe
             self._copies_somewhere = bool(self.comm.allreduce(self._copies_here, op=MPI.LOR))
@@ -326,7 +326,8 @@ class HierarchicalPath(DataPath):
             raise HvdliteError(
                 f"The allreduce of {response.name!r} failed: a direct copy between ranks' memory "
                 f"failed on rank(s) {ranks}, on another host, so its result is incomplete on "
-                f"every rank. Look at those ranks' errors; HVDLITE_DIRECT_COPIES=0 avoids direct copies.")
+                f"every rank. Look at those ranks' errors; HVDLITE_DIRECT_COPIES=0 avoids direct "
+                f"copies.")
 
     def _by_mpi(self, batch: Batch, src: np.ndarray, out: np.ndarray, count: int, info,
                 mpi_type, mpi_op, across, polite: bool) -> None:

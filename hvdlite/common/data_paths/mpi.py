@@ -22,7 +22,7 @@ from hvdlite.common.engine.fusion import FusionBuffer
 from hvdlite.common.engine.handle import Entry
 from hvdlite.common.engine.messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST,
                                             REDUCESCATTER, Response, split_rows)
-from hvdlite.common.intranode.shm_window import all_on_one_node
+from hvdlite.common.intranode.shared_window import all_on_one_node
 from hvdlite.common.reduce_ops import ReduceOp
 from hvdlite.common.runtime.waiting import PEER_SPIN_SECONDS, wait_until
 

@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from hvdlite.common.intranode.shm_window import ALIGN, MIN_SLOT, SHM_MARGIN, next_pow2, shm_space
+from hvdlite.common.intranode.shared_window import ALIGN, MIN_SLOT, SHM_MARGIN, next_pow2, shm_space
 from hvdlite.common.runtime.waiting import PEER_SPIN_SECONDS, wait_until
 
 

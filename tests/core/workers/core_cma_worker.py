@@ -1,4 +1,4 @@
-"""Direct copies between ranks' memory (hvdlite/common/intranode/direct.py) when they cannot be
+"""Direct copies between ranks' memory (hvdlite/common/intranode/direct_copies.py) when they cannot be
 used or fail: the collective decision when one rank cannot make them, and a copy that fails in
 the middle of an allreduce.
 
@@ -30,7 +30,7 @@ import hvdlite as hvd
 from tests.workers.nodes import intranode  # noqa: E402
 from hvdlite.common.runtime import state, registry
 from hvdlite.common.intranode import cma
-from hvdlite.common.intranode import direct as direct_allreduce
+from hvdlite.common.intranode import direct_copies as direct_allreduce
 from tests.workers._report import Reporter
 
 MODE = sys.argv[1]

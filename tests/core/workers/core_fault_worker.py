@@ -251,13 +251,13 @@ elif SCENARIO == "stall_mismatch":
     hvd.shutdown()
 
 elif SCENARIO in ("data_stall_warn", "data_stall_shutdown"):
-    from hvdlite.common.intranode.direct import DirectAllreduce
-    from hvdlite.common.intranode.shm_window import SharedFusion
+    from hvdlite.common.intranode.direct_copies import DirectCopies
+    from hvdlite.common.intranode.shared_window import SharedWindow
     # The background thread stops once, after negotiation agreed, at the first wait of the
     # data path: direct copies between the ranks (the first allgather), or with HVDLITE_DIRECT_COPIES=0
     # the shared window (the first barrier).
     stopped = []
-    for cls, method in ((DirectAllreduce, "_wait"), (SharedFusion, "_barrier")):
+    for cls, method in ((DirectCopies, "_wait"), (SharedWindow, "_barrier")):
         def stopping(self, *args, _real=getattr(cls, method)):
             if RANK == ODD and not stopped:
                 stopped.append(type(self).__name__)
@@ -265,7 +265,7 @@ elif SCENARIO in ("data_stall_warn", "data_stall_shutdown"):
             return _real(self, *args)
         setattr(cls, method, stopping)
     xs = [np.arange(1 << 19, dtype=np.float32) + k for k in range(SIZE)]   # 2 MiB, one tensor
-    PATH = "SharedFusion" if os.environ.get("HVDLITE_DIRECT_COPIES") == "0" else "DirectAllreduce"
+    PATH = "SharedWindow" if os.environ.get("HVDLITE_DIRECT_COPIES") == "0" else "DirectCopies"
 
     def slow_data():
         got = hvd.allreduce(xs[RANK], op=hvd.Sum, name="slow_data")

@@ -1,5 +1,5 @@
 """The intra-node shared-memory fusion window's edge cases (see
-hvdlite/common/intranode/shm_window.py):
+hvdlite/common/intranode/shared_window.py):
 too little free space in /dev/shm (a warning and a correct MPI fallback), and a window that is
 freed at shutdown and made anew after a second init().
 
@@ -14,13 +14,13 @@ import numpy as np
 import hvdlite as hvd
 from tests.workers.nodes import intranode  # noqa: E402
 from hvdlite.common.runtime import state
-from hvdlite.common.intranode import shm_window
+from hvdlite.common.intranode import shared_window
 from tests.workers.core_refs import allreduce_expected, check_array
 from tests.workers._report import Reporter
 
 MODE = sys.argv[1]
 if MODE == "no_space":
-    shm_window.shm_space = lambda: 0
+    shared_window.shm_space = lambda: 0
 
 
 class Captured(logging.Handler):
@@ -62,7 +62,7 @@ def no_space_falls_back():
 def space_runs_out_frees_the_window():
     shared = big_group("runsout.1")   # fits: a 1 MiB-slot window is made
     assert shared.batches == 1 and shared._win is not None
-    shm_window.shm_space = lambda: 0
+    shared_window.shm_space = lambda: 0
     big_group("runsout.2", n=100000)   # 1.2 MB needs a larger window: refused
     big_group("runsout.3")             # would fit the old window, but the path is off for good
     assert shared._disabled and shared._win is None, "the refused window was kept"

@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 import hvdlite as hvd
 from hvdlite.common.runtime import state
-from hvdlite.common.intranode import direct as direct_allreduce
+from hvdlite.common.intranode import direct_copies as direct_allreduce
 from hvdlite.common.memory import result_pool
 from tests.workers import core_cases as cc
 from tests.workers.nodes import host_of_rank, intranode, on_one_node

@@ -180,7 +180,7 @@ def test_nearest_common_ancestor(lineages, common):
 def test_one_declaration_for_every_process_set(monkeypatch):
     """The bookkeeping behind each rank's prctl(PR_SET_PTRACER) (pure logic: the calls are
     recorded; tests/core/test_cma.py runs it under mpiexec)."""
-    from hvdlite.common.intranode import direct as da
+    from hvdlite.common.intranode import direct_copies as da
     calls = []
     monkeypatch.setattr(da.cma, "allow_tracer", calls.append)
     monkeypatch.setattr(da, "_launcher", None)

@@ -4,12 +4,11 @@ should be preferred."""
 from __future__ import annotations
 
 from hvdlite.common.data_paths.adasum import AdasumPath
-from hvdlite.common.data_paths.direct import DirectCopyPath
 from hvdlite.common.data_paths.hierarchical import HierarchicalPath
 from hvdlite.common.data_paths.mpi import MPIPath
 from hvdlite.common.data_paths.nccl import NCCLPath
-from hvdlite.common.data_paths.shared_window import SharedWindowPath
 from hvdlite.common.data_paths.staged import StagedPath
+from hvdlite.common.data_paths.within_node import DirectCopyPath, SharedWindowPath
 from hvdlite.common.engine.data_path import DataPath, PathContext
 
 # GPU batches: NCCL where it can, else through host memory.  Host batches: the intra-node

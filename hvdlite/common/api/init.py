@@ -2,7 +2,7 @@
 runtime starts whatever engine factory it is given, so it does not depend on the engine)."""
 from __future__ import annotations
 
-from hvdlite.common.data_paths.registry import standard_paths
+from hvdlite.common.data_paths.standard import standard_paths
 from hvdlite.common.config import Config
 from hvdlite.common.engine.engine import Engine
 from hvdlite.common.runtime import lifecycle

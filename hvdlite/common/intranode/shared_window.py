@@ -40,7 +40,7 @@ from hvdlite.common.runtime.waiting import PEER_SPIN_SECONDS, wait_until
 log = logging.getLogger("hvdlite")
 
 # ``between(lo, share)``: called with this rank's reduced share (elements lo onwards) before the
-# peers read it (see SharedFusion.reduce).
+# peers read it (see SharedWindow.reduce).
 Between = Callable[[int, np.ndarray], None]
 
 # Below these the two barriers cost more than MPI's own allreduce (measured): a fused batch
@@ -60,7 +60,7 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-class SharedFusion:
+class SharedWindow:
     """The shared window of one process set's communicator, grown on demand."""
 
     def __init__(self, comm, max_batch_bytes: int, max_sleep: float = 1e-3,

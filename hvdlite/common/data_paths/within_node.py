@@ -1,14 +1,47 @@
-"""Allreduces of ranks that share one node, through a shared-memory window (see
-:mod:`hvdlite.common.intranode.shm_window`): fused batches, and single tensors too small for
-direct copies."""
+"""The data paths of ranks that share one node: single large allreduces by direct copies
+between their memory (:class:`DirectCopyPath`, see :mod:`hvdlite.common.intranode.direct_copies`;
+``HVDLITE_DIRECT_COPIES``), and allreduces through a shared-memory window
+(:class:`SharedWindowPath`, see :mod:`hvdlite.common.intranode.shared_window`): fused batches,
+and single tensors too small for direct copies."""
 from __future__ import annotations
 
 from hvdlite.common.data_paths.helpers import copy_out_pieces, flat, pack, phase, postscale_factor
 from hvdlite.common.dtypes import dtype_info, numpy_reduce_ufunc
 from hvdlite.common.engine.data_path import Batch, DataPath, PathContext
 from hvdlite.common.engine.messages import ALLREDUCE
-from hvdlite.common.intranode.shm_window import MIN_SINGLE_BYTES, SharedFusion
+from hvdlite.common.intranode.direct_copies import MIN_BYTES, DirectCopies
+from hvdlite.common.intranode.shared_window import MIN_SINGLE_BYTES, SharedWindow
 from hvdlite.common.reduce_ops import ReduceOp
+
+
+class DirectCopyPath(DataPath):
+    """``direct`` is the copier (None when ``HVDLITE_DIRECT_COPIES=0`` or at one rank)."""
+
+    name = "direct_copies"
+
+    def __init__(self, context: PathContext) -> None:
+        super().__init__(context)
+        cma = context.config.direct_copies
+        self.direct = (DirectCopies(context.comm, context.max_sleep, context.on_slow,
+                                       required=cma == "on", global_ranks=context.global_ranks)
+                       if cma != "off" and self.size > 1 else None)
+
+    def enabled(self, batch: Batch) -> bool:
+        response, entry = batch[0]
+        if response.kind != ALLREDUCE or len(batch) != 1 or entry.array.nbytes < MIN_BYTES:
+            return False   # (the size test is usable()'s, sooner)
+        return (self.direct is not None
+                and response.device < 0 and response.reduce_op != ReduceOp.Adasum
+                and self.direct.usable(entry.array.nbytes))   # collective: every rank
+
+    def execute(self, batch: Batch) -> None:
+        response, entry = batch[0]
+        info = dtype_info(response.dtype)
+        phase(batch, "CMA_ALLREDUCE")
+        self.direct.allreduce_one(entry.array.reshape(-1), entry.output.reshape(-1),
+                                  numpy_reduce_ufunc(info, ReduceOp(response.reduce_op)),
+                                  1.0 if entry.stand_in else response.prescale,
+                                  postscale_factor(response, self.size), name=response.name)
 
 
 class SharedWindowPath(DataPath):
@@ -19,7 +52,7 @@ class SharedWindowPath(DataPath):
     def __init__(self, context: PathContext) -> None:
         super().__init__(context)
         cfg = context.config
-        self.window = (SharedFusion(context.comm, cfg.shm_window_bytes, context.max_sleep,
+        self.window = (SharedWindow(context.comm, cfg.shm_window_bytes, context.max_sleep,
                                     context.on_slow) if cfg.shm_window_bytes > 0 else None)
 
     def enabled(self, batch: Batch) -> bool:

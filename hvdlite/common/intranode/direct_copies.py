@@ -39,7 +39,7 @@ import numpy as np
 from hvdlite.common.dtypes import scale_into
 from hvdlite.common.errors import HvdliteError
 from hvdlite.common.intranode import cma
-from hvdlite.common.intranode.shm_window import Between, SharedFusion, all_on_one_node
+from hvdlite.common.intranode.shared_window import Between, SharedWindow, all_on_one_node
 from hvdlite.common.runtime.waiting import PEER_SPIN_SECONDS, wait_until
 
 log = logging.getLogger("hvdlite")
@@ -120,7 +120,7 @@ class DirectCopyError(HvdliteError):
         self.ranks = ranks or []
 
 
-class DirectAllreduce:
+class DirectCopies:
     """Single-tensor allreduces of one process set's communicator by cross-memory attach."""
 
     def __init__(self, comm, max_sleep: float = 1e-3,
@@ -262,7 +262,7 @@ class DirectAllreduce:
         # (rank, pid, input address, output address, prescale) of every peer, as plain numbers
         peers = [(r, pids[r], int(table[r, 0]), int(table[r, 1]), float(scales[r]))
                  for r in range(self.size) if r != self.rank]
-        bounds = SharedFusion.shares(src.size, itemsize, self.size)
+        bounds = SharedWindow.shares(src.size, itemsize, self.size)
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         step = max(1, _CHUNK_BYTES // itemsize)
         scratch = self._scratch[:step * itemsize].view(src.dtype)

@@ -8,14 +8,14 @@ import pytest
 from hvdlite.common.data_paths.helpers import copy_out_pieces as _copy_out_pieces
 from hvdlite.common.dtypes import dtype_info, numpy_reduce_ufunc
 from hvdlite.common.reduce_ops import ReduceOp
-from hvdlite.common.intranode.shm_window import SharedFusion
+from hvdlite.common.intranode.shared_window import SharedWindow
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 7, 8])
 @pytest.mark.parametrize("count", [0, 1, 15, 16, 17, 1000, 16385, 1 << 20])
 @pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
 def test_shares_cover_everything_once_on_cache_lines(size, count, itemsize):
-    bounds = SharedFusion.shares(count, itemsize, size)
+    bounds = SharedWindow.shares(count, itemsize, size)
     assert len(bounds) == size + 1
     assert bounds[0] == 0 and bounds[-1] == count
     assert all(a <= b for a, b in zip(bounds, bounds[1:]))
