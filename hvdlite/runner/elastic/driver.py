@@ -62,13 +62,18 @@ class Discoverer(threading.Thread):
 
     def run(self) -> None:
         while not self._stop_event.wait(DISCOVER_SECONDS):
-            try:
-                self.latest = dict(self.discovery.find_available_hosts_and_slots())
-                self.problem = None
-            except Exception as exc:   # noqa: BLE001 - any failure: keep the last answer
-                if self.problem is None:
-                    self.say(f"host discovery failed, keeping the last answer: {exc}")
-                self.problem = str(exc)
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Discover now (also called before a world is placed: a host gone since the last
+        run, or a run that is slow to return, would place it on what is not there)."""
+        try:
+            self.latest = dict(self.discovery.find_available_hosts_and_slots())
+            self.problem = None
+        except Exception as exc:   # noqa: BLE001 - any failure: keep the last answer
+            if self.problem is None:
+                self.say(f"host discovery failed, keeping the last answer: {exc}")
+            self.problem = str(exc)
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -185,6 +190,7 @@ class ElasticDriver:
         signal came first.  Raises ``timeout_error`` after ``elastic_timeout``."""
         deadline = time.monotonic() + self.settings.elastic_timeout
         said = False
+        discoverer.refresh()
         while not self.signals:
             self._refresh(discoverer)
             available = self.manager.available()

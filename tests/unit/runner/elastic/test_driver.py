@@ -322,3 +322,11 @@ def test_worlds_that_cannot_start_are_retried_a_few_times():
                                        f"not start; the last: world 3 could not start: node "
                                        f"gone"):
         run(driver, provider, discoverer)
+
+
+def test_a_world_is_placed_on_what_discovery_says_now_not_at_its_last_run():
+    # Ray's discovery can lag behind a node's death; a world placed from the periodic answer
+    # would be started on the dead node again and again.
+    driver, provider, discoverer, discovery = make([finishes], {"a": 2, "b": 2}, max_np=4)
+    del discovery.hosts["b"]   # the discoverer (not started here) last saw b
+    assert driver.wait_for_slots(discoverer, 2) == [("a", 2)]
