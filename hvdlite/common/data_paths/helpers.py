@@ -37,7 +37,7 @@ def wait_inside_mpi(request) -> None:
 
 def postscale_factor(response: Response, size: int) -> float:
     """What a reduction's result is multiplied by: the postscale factor, and 1/size for
-    Average (every backend, so GPU and CPU results follow the same rules)."""
+    Average (every data path, so GPU and CPU results follow the same rules)."""
     factor = response.postscale
     if response.reduce_op == ReduceOp.Average:
         factor *= 1.0 / size

@@ -9,7 +9,7 @@ both ranks' threads scheduled at once for every cell).  A fused batch goes like 
 2. after a barrier, rank ``p`` reduces share ``p`` of the elements, reading every peer's
    segment directly and writing the result over its own share;
 3. after a second barrier, every rank copies each share out of its owner's segment into the
-   outputs (the backend folds the postscale into that copy).
+   outputs (the data path folds the postscale into that copy).
 
 A single large tensor (``allreduce_one``) needs no pack: each rank publishes only the shares
 its peers reduce, reduces its own share straight from its input into its output (prescale,
@@ -254,7 +254,8 @@ class SharedWindow:
 
     def _barrier(self) -> None:
         # Win.Sync orders this rank's stores/loads around the barrier (MPI's unified model).
-        # A blocking Barrier would busy-poll while a peer waits for a core (see backend_mpi).
+        # A blocking Barrier would busy-poll while a peer waits for a core (see
+        # POLITE_MAX_BYTES in data_paths/helpers.py).
         self._win.Sync()
         wait_until(self.comm.Ibarrier().Test, self.max_sleep, on_slow=self.on_slow,
                    spin_seconds=PEER_SPIN_SECONDS)
