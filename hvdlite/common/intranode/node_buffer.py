@@ -14,8 +14,8 @@ from typing import Callable
 
 import numpy as np
 
-from hvdlite.common.intranode.shared_window import ALIGN, MIN_SLOT, SHM_MARGIN, next_pow2, shm_space
-from hvdlite.common.runtime.waiting import PEER_SPIN_SECONDS, wait_until
+from hvdlite.common.intranode.shared_window import (ALIGN, MIN_SLOT, SHM_MARGIN, next_pow2,
+                                                    shm_space, window_barrier)
 
 
 class NodeBuffer:
@@ -74,10 +74,7 @@ class NodeBuffer:
 
     def barrier(self) -> None:
         """Every rank of the node is here; memory written before it is seen after it."""
-        self._win.Sync()
-        wait_until(self.comm.Ibarrier().Test, self.max_sleep, on_slow=self.on_slow,
-                   spin_seconds=PEER_SPIN_SECONDS)
-        self._win.Sync()
+        window_barrier(self._win, self.comm, self.max_sleep, self.on_slow)
 
     def close(self, collective: bool) -> None:
         """Release the buffer (freeing is collective: skipped when a peer may never call it)."""

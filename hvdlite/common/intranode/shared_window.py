@@ -60,6 +60,19 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def window_barrier(win, comm, max_sleep: float,
+                   on_slow: Callable[[float], None] | None) -> None:
+    """Every rank of ``comm`` is here, and memory of ``win`` written before is seen after.
+
+    Win.Sync orders this rank's stores/loads around the barrier (MPI's unified model).  A
+    blocking Barrier would busy-poll while a peer waits for a core (see POLITE_MAX_BYTES in
+    data_paths/helpers.py), so this sleeps up to ``max_sleep`` between tests; ``on_slow`` runs
+    the stall checks during a long wait (and may raise)."""
+    win.Sync()
+    wait_until(comm.Ibarrier().Test, max_sleep, on_slow=on_slow, spin_seconds=PEER_SPIN_SECONDS)
+    win.Sync()
+
+
 class SharedWindow:
     """The shared window of one process set's communicator, grown on demand."""
 
@@ -253,13 +266,7 @@ class SharedWindow:
         return bounds + [count]
 
     def _barrier(self) -> None:
-        # Win.Sync orders this rank's stores/loads around the barrier (MPI's unified model).
-        # A blocking Barrier would busy-poll while a peer waits for a core (see
-        # POLITE_MAX_BYTES in data_paths/helpers.py).
-        self._win.Sync()
-        wait_until(self.comm.Ibarrier().Test, self.max_sleep, on_slow=self.on_slow,
-                   spin_seconds=PEER_SPIN_SECONDS)
-        self._win.Sync()
+        window_barrier(self._win, self.comm, self.max_sleep, self.on_slow)
 
     def close(self, collective: bool) -> None:
         """Release the window.  Freeing is collective, so it is skipped (and the memory left to
