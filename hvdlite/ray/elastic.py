@@ -42,7 +42,7 @@ from hvdlite.common.core import HorovodInternalError
 from hvdlite.common.core import elastic_wire as wire
 from hvdlite.runner.elastic import hosts as hostmod
 from hvdlite.runner.elastic.driver import Discoverer, ElasticDriver, last_line
-from hvdlite.runner.elastic.driver import worker_environment as driver_environment
+from hvdlite.runner.elastic.driver import driver_variable, worker_environment as driver_environment
 from hvdlite.runner.elastic.options import ElasticSettings as DriverSettings
 from hvdlite.runner.elastic.provider import WorldRecord, WorldStartError, ranks_on
 from hvdlite.runner.elastic.server import Server
@@ -221,7 +221,8 @@ class RayProvider:
         ).remote() for rank in range(world.size)]
         world.handle = handle = RayWorld(actors)
         timeout = adapter.settings.timeout_s
-        env = {**adapter.env, **env, **worker_environment(self.server, world.index)}
+        env = {**adapter.env, **env,
+               **driver_variable(self.server, ray.util.get_node_ip_address())}
         calls = [a.update_env_vars.remote(env) for a in actors]
         node_of = [world.host_of[rank] for rank in range(world.size)]
         if adapter.use_gpu:

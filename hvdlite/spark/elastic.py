@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, Sequence, TextIO
 
 from hvdlite.common.core import HorovodInternalError
 from hvdlite.runner.elastic import options
-from hvdlite.runner.elastic.driver import Discoverer, ElasticDriver, worker_environment
+from hvdlite.runner.elastic.driver import Discoverer, ElasticDriver, driver_variable
 from hvdlite.runner.elastic.options import ElasticSettings
 from hvdlite.runner.elastic.provider import WorldRecord
 from hvdlite.runner.elastic.server import Server
@@ -111,7 +111,7 @@ class SparkProvider:
         job = self.job
         progress = Progress(world.size, *job.streams)
         driver = FunctionDriver(job.payload, job.bind, handlers=progress.handlers())
-        env = {**job.env, **env, **worker_environment(job.server, world.index, job.advertised)}
+        env = {**job.env, **env, **driver_variable(job.server, job.advertised)}
         spec = TaskSpec((job.advertised, driver.port), driver.key, job.start_s, env,
                         job.extra_mpi_args)
         stage = SparkJob(job.context, world.size, spec)

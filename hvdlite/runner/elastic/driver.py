@@ -307,11 +307,17 @@ class ElasticDriver:
 
 def worker_environment(server: Server, world: int, address: str = "") -> dict[str, str]:
     """The variables that connect world ``world``'s workers to ``server`` at ``hvd.init()``
-    (the driver's address is the provider's to add when it is not ``address``)."""
+    (without ``address``, the provider adds :func:`driver_variable` for its workers)."""
     env = {wire.KEY_VARIABLE: server.key.hex(), wire.WORLD_VARIABLE: str(world)}
     if address:
-        env[wire.DRIVER_VARIABLE] = f"{address}:{server.port}"
+        env.update(driver_variable(server, address))
     return env
+
+
+def driver_variable(server: Server, address: str) -> dict[str, str]:
+    """The variable that tells workers where ``server`` listens: at ``address``, the one its
+    provider's workers reach it at."""
+    return {wire.DRIVER_VARIABLE: f"{address}:{server.port}"}
 
 
 def record(event: Event, world: WorldRecord) -> None:

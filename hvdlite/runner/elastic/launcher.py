@@ -26,7 +26,7 @@ from .. import addresses, mpi_flavor
 from ..job_process import exit_status, kill_group
 from ..launch_errors import LaunchError
 from . import hosts as hostmod
-from .driver import KILL_GRACE, Discoverer, ElasticDriver
+from .driver import KILL_GRACE, Discoverer, ElasticDriver, driver_variable
 from .options import ElasticSettings
 from .provider import HostsUnreachable, WorldRecord
 from .server import Server
@@ -97,7 +97,7 @@ class LauncherProvider:
         args.command = [sys.executable, "-m", "hvdlite.runner.elastic.shield", "--",
                         *self.args.command]
         env = {**self.environ, **env,
-               wire.DRIVER_VARIABLE: f"{self._advertised(world.placement)}:{self.server.port}"}
+               **driver_variable(self.server, self._advertised(world.placement))}
         forward = self.forward + [wire.DRIVER_VARIABLE, wire.KEY_VARIABLE, wire.WORLD_VARIABLE]
         if self.warm_token is not None:
             env[warm_start.WARM_VARIABLE] = self.warm_token
