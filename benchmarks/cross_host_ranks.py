@@ -28,6 +28,13 @@ barriers around every block, each rank's median per iteration, maximised over th
 The hierarchical path is switched on and off on every rank between blocks (after a barrier, with
 nothing in flight), so both run in the same job, on the same buffers.  Every variant is checked
 against numpy once.
+
+With ``--link RATE`` (``cross_host_benchmark.py --link`` caps ``lo`` at that rate and passes it
+on) every result also carries its *link floor*: the fewest bytes that must cross between hosts
+for that collective (``tests/multihost/link.py``: 2(H-1) x S for an allreduce of S bytes over H
+hosts, the rows of the other hosts' ranks for an allgather) over the link's rate, all hosts
+sharing that one link in both directions.  The tables print it beside each result, with each
+variant's time over it.
 """
 from __future__ import annotations
 
@@ -41,11 +48,13 @@ import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))   # for tests.multihost.link
 import allreduce_benchmark as ab  # noqa: E402  (sets OMP_NUM_THREADS, imports this hvdlite)
 from allreduce_benchmark import MPI, Case, KIB, hvd, np  # noqa: E402
 
 from hvdlite.common.data_paths.hier_plan import SMALL_BYTES  # noqa: E402
 from hvdlite.common.runtime import state  # noqa: E402
+from tests.multihost import link  # noqa: E402  (stdlib only: rates and floors)
 
 VARIANTS = ("raw", "flat", "hierarchical")
 # The lone case's further variants: (key, row label, what it is).
@@ -59,7 +68,7 @@ LONE_EXTRAS = (("flat_no_early", "(no early)", "flat without early reductions"),
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=ab.parse_sizes, default=ab.parse_sizes("16MiB,32MiB,64MiB"))
-    p.add_argument("--lone-kib", type=int, default=4)
+    p.add_argument("--lone-kib", type=int, default=4, help="0 skips the lone case")
     p.add_argument("--small-count", type=int, default=200)
     p.add_argument("--small-kib", type=int, default=16)
     p.add_argument("--gather-sizes", type=ab.parse_sizes, default=ab.parse_sizes("4KiB,4MiB"),
@@ -69,7 +78,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--time-budget", type=float, default=6.0, metavar="S")
     p.add_argument("--blocks", type=int, default=ab.DEFAULT_BLOCKS)
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--link", metavar="RATE", type=link.parse_rate,
+                   help="the rate lo is capped at (tc's notation, 1gbit): print link floors")
     return p.parse_args(argv)
+
+
+def host_slots(comm) -> list[int]:
+    """Ranks per host, in rank order (hosts numbered by their first rank)."""
+    hosts = comm.allgather(MPI.Get_processor_name())
+    return [hosts.count(h) for h in dict.fromkeys(hosts)]
+
+
+def with_floor(result: dict, link_bytes: float, args) -> dict:
+    """``result`` with its link floor (bytes between hosts, and ms at ``--link``) added."""
+    if args.link is not None:
+        result["link_bytes"] = link_bytes
+        result["floor_ms"] = link.floor_ms(link_bytes, args.link)
+    return result
 
 
 def hierarchical(on: bool) -> None:
@@ -261,9 +286,15 @@ def line(label: str, result: dict) -> str:
     raw, flat, hier = (result[v]["median_ms"] for v in VARIANTS)
     spread = " ".join(f"{v[:4]} {result[v]['p10_ms']:.3f}-{result[v]['p90_ms']:.3f}"
                       for v in VARIANTS)
+    floor = result.get("floor_ms")
+    beside = "" if floor is None else f" {floor:>9.3f} " + " ".join(
+        f"{link.over_floor(t, floor):>10}" for t in (hier, flat, raw))
     return (f"{label:>16} {raw:>9.3f} {flat:>9.3f} {hier:>9.3f} {flat / hier:>9.2f}x "
-            f"{hier / raw:>8.2f}x {flat / raw:>8.2f}x  {'ok' if result['correct'] else 'WRONG'}"
-            f"   (p10-p90: {spread})")
+            f"{hier / raw:>8.2f}x {flat / raw:>8.2f}x{beside}  "
+            f"{'ok' if result['correct'] else 'WRONG'}   (p10-p90: {spread})")
+
+
+FLOOR_HEADER = (f" {'floor ms':>9} {'hier/floor':>10} {'flat/floor':>10} {'raw/floor':>10}")
 
 
 def main(argv=None) -> int:
@@ -272,28 +303,43 @@ def main(argv=None) -> int:
     hvd.init()
     env = ab.environment(comm)
     path = state.engine().path("hierarchical")
+    slots = host_slots(comm)
+    hosts = len(slots)
+    shaping = ("link: unshaped (loopback at memory speed; no floor)" if args.link is None else
+               f"link: lo capped at {link.format_rate(args.link)}, shared by every host in both "
+               f"directions; floor = bytes that must cross between hosts / that rate")
     ab.say("hvdlite across hosts: flat against hierarchical allreduce, raw MPI alongside",
            *ab.environment_lines(env),
-           f"local size {hvd.local_size()} x {hvd.cross_size()} hosts (rank 0's view)", "",
+           f"local size {hvd.local_size()} x {hvd.cross_size()} hosts (rank 0's view); "
+           f"ranks per host {'+'.join(map(str, slots))}", shaping, "",
            f"{'case':>16} {'raw ms':>9} {'flat ms':>9} {'hier ms':>9} {'flat/hier':>10} "
-           f"{'hier/raw':>9} {'flat/raw':>9}")
+           f"{'hier/raw':>9} {'flat/raw':>9}" + ("" if args.link is None else FLOOR_HEADER))
     large = []
     for nbytes in args.sizes:
-        large.append(bench_large(nbytes, args, comm))
+        large.append(with_floor(bench_large(nbytes, args, comm),
+                                link.allreduce_floor_bytes(nbytes, hosts), args))
         ab.say(line(ab.format_size(nbytes), large[-1]))
-    lone = bench_lone(args, comm)
-    ab.say(line(f"lone {args.lone_kib} KiB", lone))
-    for variant, label, meaning in LONE_EXTRAS:
-        value = lone[variant]["median_ms"]
-        ab.say(f"{label:>16} {'':>9} {value:>9.3f} {'':>9} {'':>10} {'':>9} "
-               f"{value / lone['raw']['median_ms']:>8.2f}x   {meaning}")
+    lone = None
+    if args.lone_kib > 0:
+        lone = bench_lone(args, comm)
+        with_floor(lone, link.allreduce_floor_bytes(lone["bytes"], hosts), args)
+        ab.say(line(f"lone {args.lone_kib} KiB", lone))
+        for variant, label, meaning in LONE_EXTRAS:
+            value = lone[variant]["median_ms"]
+            beside = ("" if args.link is None else
+                      f" (floor {lone['floor_ms']:.3f} ms: "
+                      f"{link.over_floor(value, lone['floor_ms'])})")
+            ab.say(f"{label:>16} {'':>9} {value:>9.3f} {'':>9} {'':>10} {'':>9} "
+                   f"{value / lone['raw']['median_ms']:>8.2f}x   {meaning}{beside}")
     rounds = None
     if args.small_count > 0:
         rounds = bench_round(args, comm)
+        with_floor(rounds, link.allreduce_floor_bytes(rounds["bytes"], hosts), args)
         ab.say(line(f"{args.small_count}x{args.small_kib} KiB", rounds))
     gathers = []
     for nbytes in args.gather_sizes:
-        gathers.append(bench_gather(nbytes, args, comm))
+        gathers.append(with_floor(bench_gather(nbytes, args, comm),
+                                  link.allgather_floor_bytes(nbytes, slots), args))
         ab.say(line(f"gather {ab.format_size(nbytes)}", gathers[-1]))
     used = comm.allreduce(path.allreduces, op=MPI.MIN)
     gathered = comm.allreduce(path.allgathers, op=MPI.MIN)
@@ -303,15 +349,16 @@ def main(argv=None) -> int:
            f"{int(state.engine().config.early_reductions)}); times are each rank's median "
            f"per iteration, max over ranks; raw = one MPI Allreduce (Allgather) of the same "
            f"bytes")
-    correct = all(r["correct"] for r in large + gathers) and lone["correct"] and (
-        rounds is None or rounds["correct"])
+    correct = all(r["correct"] for r in large + gathers + [lone, rounds] if r is not None)
     if args.json and comm.Get_rank() == 0:
         Path(args.json).write_text(json.dumps({
-            "environment": env, "large": large, "lone": lone, "round": rounds,
-            "gather": gathers, "hierarchical_batches": used, "hierarchical_allgathers": gathered},
+            "environment": env, "link_bytes_per_s": args.link, "slots": slots, "large": large,
+            "lone": lone, "round": rounds, "gather": gathers, "hierarchical_batches": used,
+            "hierarchical_allgathers": gathered},
             indent=2) + "\n")
     # the path must have run whatever it takes (batches and results of 64 KiB or more)
-    reduced = [*args.sizes, args.lone_kib * KIB, args.small_count * args.small_kib * KIB]
+    reduced = [*args.sizes, max(args.lone_kib, 0) * KIB,
+               max(args.small_count, 0) * args.small_kib * KIB]
     ran_as_expected = ((used > 0) == any(n >= SMALL_BYTES for n in reduced)
                        and (gathered > 0) == any(n * comm.Get_size() >= SMALL_BYTES
                                                  for n in args.gather_sizes))
