@@ -99,6 +99,13 @@ def test_bad_layouts():
 
 
 # --- the real cap ------------------------------------------------------------------------------
+def unavailable(message: str) -> None:
+    """Skip, or fail with HVDLITE_TEST_REQUIRE_HOSTS=1 (as conftest.py does for the hosts)."""
+    if os.environ.get("HVDLITE_TEST_REQUIRE_HOSTS") == "1":
+        pytest.fail(message + " (HVDLITE_TEST_REQUIRE_HOSTS=1)", pytrace=False)
+    pytest.skip(message)
+
+
 @pytest.fixture
 def lo():
     """Skip (or fail, with HVDLITE_TEST_REQUIRE_HOSTS=1) where lo cannot be shaped; afterwards
@@ -107,10 +114,7 @@ def lo():
     if reason is None and link.root_qdisc()[1] != "0:":
         reason = f"lo already has a root qdisc ({link.root_qdisc()[2]}); not touching it"
     if reason:
-        message = f"link tests need tc on lo as root: {reason}"
-        if os.environ.get("HVDLITE_TEST_REQUIRE_HOSTS") == "1":
-            pytest.fail(message + " (HVDLITE_TEST_REQUIRE_HOSTS=1)", pytrace=False)
-        pytest.skip(message)
+        unavailable(f"link tests need tc on lo as root: {reason}")
     yield
     left = link.shaped()
     link.remove_ours()
@@ -270,7 +274,7 @@ def test_cross_host_benchmark_under_a_cap(lo, tmp_path):
     10 Gbit/s, and no cap is left."""
     from tests.multihost.hosts import unavailable_reason
     if unavailable_reason():
-        pytest.skip(f"simulated hosts: {unavailable_reason()}")
+        unavailable(f"multi-host tests need Linux namespaces: {unavailable_reason()}")
     out = tmp_path / "cross.json"
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "benchmarks" / "cross_host_benchmark.py"), "--runs", "1",
