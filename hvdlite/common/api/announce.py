@@ -75,7 +75,7 @@ def announce_failure(kind: str, name: str | None, process_set: ProcessSet | None
             set_id = 0 if members is None else process_set.process_set_id
     except Exception:   # noqa: BLE001 - nothing can be submitted here, so nothing is owed
         return
-    announce_names(engine, members, [auto_name(kind, set_id)], error)
+    announce_name(engine, members, auto_name(kind, set_id), error)
 
 
 @contextlib.contextmanager
@@ -122,10 +122,10 @@ def announcing(kind: str) -> Callable[[Callable], Callable]:
         kind, bound.get("name"), bound.get("process_set"), exc))
 
 
-def announce_names(engine, members: list[int] | None, names: list[str], error: BaseException,
-                   group: str = "") -> None:
-    """Submit one FAILED stand-in per name (a group's members keep their group, so that the
-    group fails as one unit everywhere).  Best effort: the caller re-raises ``error``."""
+def announce_name(engine, members: list[int] | None, name: str, error: BaseException) -> None:
+    """Submit a FAILED stand-in under ``name`` (a group stands in under its own name, see
+    :func:`hvdlite.common.api.grouped.group_request`).  Best effort: the caller re-raises
+    ``error``."""
     try:
         error._hvdlite_announced = True   # outer layers (see announcing) must not announce again
     except AttributeError:
@@ -135,15 +135,10 @@ def announce_names(engine, members: list[int] | None, names: list[str], error: B
     failure = f"{type(error).__name__}: {error}"
     if len(failure) > _FAILURE_TEXT_LIMIT:
         failure = failure[:_FAILURE_TEXT_LIMIT] + "..."
-    entries = [Entry(Request(name, FAILED, "uint8", (), group=group,
-                             group_size=len(names) if group else 0, cacheable=False,
-                             failure=failure), None, None, None, engine.new_handle(name))
-               for name in names]
+    entry = Entry(Request(name, FAILED, "uint8", (), cacheable=False, failure=failure),
+                  None, None, None, engine.new_handle(name))
     try:
-        if group:
-            engine.submit_group(entries)
-        else:
-            engine.submit(entries[0])
-    except HvdliteError:   # e.g. one of the names is in flight here already
+        engine.submit(entry)
+    except HvdliteError:   # e.g. the name is in flight here already
         pass
 

@@ -1,14 +1,13 @@
 """Grouped operations: several tensors negotiated and executed as one unit.
 
-A grouped allreduce is one operation under the group's name: one request whose layout lists
-the members (validated member by member across ranks), one response-cache slot, one handle; the
-data paths execute its members as they execute single tensors (small ones of one dtype share one
-fused buffer).  A named host group's entries are kept from one submission to the next
-(:class:`~hvdlite.common.api.submission.GroupTemplate`), so a training loop's step builds and
-checks nothing per member again.  Grouped allgathers and reducescatters reach the engine as
-their members, announced through the response cache only when all of them hit it and released
-by the coordinator together.  Either way the group runs in one round, and if one member fails
-validation the whole group fails with an error naming it.
+A grouped operation (allreduce, allgather or reducescatter) is one operation under the group's
+name: one request whose layout lists the members (validated member by member across ranks; an
+allgather's members may differ in their first dimension), one response-cache slot, one handle,
+one round; the data paths execute its members as they execute single tensors (small allreduces
+of one dtype share one fused buffer).  If one member fails validation the whole group fails
+with an error naming it.  A named host allreduce group's entries are kept from one submission to
+the next (:class:`~hvdlite.common.api.submission.GroupTemplate`), so a training loop's step
+builds and checks nothing per member again.
 """
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from hvdlite.common.api.announce import (NOTHING_TO_ANNOUNCE, announce_names, auto_name,
+from hvdlite.common.api.announce import (NOTHING_TO_ANNOUNCE, announce_name, auto_name,
                                          announcing_with)
 from hvdlite.common.api.submission import (GroupTemplate, contiguous, fast_host_allreduce_group,
                                           make_entry)
@@ -40,16 +39,15 @@ def submit_group(kind: str, arrays: Sequence[np.ndarray], *, name: str | None = 
     set_id = 0 if members is None else process_set.process_set_id
     n = len(arrays)
     if n == 0:
-        return GroupHandle(name or f"grouped_{kind}", [])
+        return GroupHandle(name or f"grouped_{kind}", None)
     auto_named = name is None
     # Every member's name is taken before any is checked: if one fails in an unnamed group, all
     # are announced as failed, so the other ranks' group fails too and later names stay paired.
     group, names = _group_names(kind, name, set_id, n)
-    packed = kind == ALLREDUCE   # negotiated as one request (see packed_request)
     template = None
     try:
         entries = None
-        if (packed and members is None and allocates is None
+        if (kind == ALLREDUCE and members is None and allocates is None
                 and (dtypes is None or not any(dtypes))
                 and kwargs.keys() <= _FAST_GROUP_ARGUMENTS):
             reduce_op = kwargs.get("reduce_op", ReduceOp.Sum)
@@ -66,30 +64,24 @@ def submit_group(kind: str, arrays: Sequence[np.ndarray], *, name: str | None = 
                 if (entries is not None and not auto_named
                         and (outputs is None or all(map(operator.is_, outputs, arrays)))):
                     template = GroupTemplate(group, entries,
-                                             packed_request(group, entries, True),
+                                             group_request(group, entries, True),
                                              outputs is not None, reduce_op, prescale, postscale)
         if entries is None:
             entries = [make_entry(engine, members, kind, array, name=names[i],
                                   output=None if outputs is None else outputs[i],
                                   allocate=None if allocates is None else allocates[i],
                                   dtype=None if dtypes is None else dtypes[i], set_id=set_id,
-                                  group="" if packed else group, group_size=0 if packed else n,
                                   auto_named=auto_named, **kwargs)
                        for i, array in enumerate(arrays)]
     except Exception as exc:
         if auto_named:
-            if packed:
-                announce_names(engine, members, [group], exc)
-            else:
-                announce_names(engine, members, names, exc, group=group)
+            announce_name(engine, members, group, exc)
         raise
-    if not packed:
-        return GroupHandle(group, engine.submit_group(entries))
     request = (template.request if template is not None
-               else packed_request(group, entries, not auto_named))
+               else group_request(group, entries, not auto_named))
     entry = Entry(request, None, None, None, engine.new_handle(group))
     entry.members = entries
-    handle = GroupHandle(group, [engine.submit_packed(entry)], whole=True)
+    handle = GroupHandle(group, engine.submit_group(entry))
     if template is not None:   # reusable once the results are taken (the group is complete)
         handle.then(functools.partial(_give_back, template))
     return handle
@@ -116,14 +108,14 @@ LAYOUT_FIELDS = ("name", "dtype", "shape", "device")
 _layout_fields = operator.itemgetter(*(Request._fields.index(f) for f in LAYOUT_FIELDS))
 
 
-def packed_request(group: str, entries: list[Entry], cacheable: bool) -> Request:
-    """The one request a grouped allreduce is negotiated as: named after the group, with a
-    layout that lists every member (name, dtype, shape, device), validated across ranks member
-    by member; one response cache slot, one handle.  The members' own entries travel with it
-    and are what the data paths execute, as for a group negotiated tensor by tensor (see
-    ``Engine.submit_packed``)."""
+def group_request(group: str, entries: list[Entry], cacheable: bool) -> Request:
+    """The one request a grouped operation is negotiated as: named after the group, of its
+    members' kind, with a layout that lists every member (name, dtype, shape, device),
+    validated across ranks member by member; one response cache slot, one handle.  The
+    members' own entries travel with it and are what the data paths execute (see
+    ``Engine.submit_group``)."""
     first = entries[0].request
-    return Request(group, ALLREDUCE, "", (), first.reduce_op, -1, -1, first.prescale,
+    return Request(group, first.kind, "", (), first.reduce_op, -1, -1, first.prescale,
                    first.postscale,
                    layout=tuple(map(_layout_fields, [e.request for e in entries])),
                    cacheable=cacheable)
@@ -177,11 +169,8 @@ def announce_group_failure(kind: str, name: str | None, process_set: ProcessSet 
         set_id = 0 if members is None else process_set.process_set_id
     except Exception:   # noqa: BLE001 - nothing can be submitted here, so nothing is owed
         return
-    group, names = _group_names(kind, None, set_id, count)
-    if kind == ALLREDUCE:   # negotiated as one request under the group's name
-        announce_names(engine, members, [group], exc)
-    else:
-        announce_names(engine, members, names, exc, group=group)
+    group, _ = _group_names(kind, None, set_id, count)
+    announce_name(engine, members, group, exc)   # the group is one request, named so
 
 
 @announcing_group(ALLREDUCE)

@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from hvdlite.common.api.announce import announce_names, auto_name
+from hvdlite.common.api.announce import announce_name, auto_name
 from hvdlite.common.dtypes import check_reduce_op, dtype_info
 from hvdlite.common.engine.handle import Entry, Handle
 from hvdlite.common.engine.messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST,
@@ -51,7 +51,7 @@ _NONE_CHECKED: dict = {}
 _new_request = tuple.__new__   # builds a Request without NamedTuple.__new__'s Python frame
 # host_allreduce_entry fills the request's fields by position, in this order.
 assert Request._fields == ("name", "kind", "dtype", "shape", "reduce_op", "root", "device",
-                           "prescale", "postscale", "splits", "group", "group_size", "layout",
+                           "prescale", "postscale", "splits", "layout",
                            "cacheable", "failure")
 
 
@@ -64,8 +64,8 @@ def host_allreduce_entry(name: str, array: np.ndarray, output: np.ndarray,
     them, see ``_checked_host_allreduce``): what make_entry would build, without its checks.
     The one place the fast paths build an entry (every gradient of every step comes here)."""
     return Entry(_new_request(Request, (name, ALLREDUCE, checked[0], array.shape, checked[1],
-                                        -1, -1, prescale_factor, postscale_factor, (), "", 0,
-                                        (), cacheable, "")),
+                                        -1, -1, prescale_factor, postscale_factor, (), (),
+                                        cacheable, "")),
                  array, output, _default_allocate, handle)
 
 
@@ -145,7 +145,7 @@ class GroupTemplate:
                  reduce_op, prescale: float, postscale: float) -> None:
         self.group = group
         self.entries = entries
-        self.request = request   # the group's own request (see grouped.packed_request)
+        self.request = request   # the group's own request (see grouped.group_request)
         self.dtypes = [entry.array.dtype for entry in entries]
         self.shapes = [entry.array.shape for entry in entries]
         self.in_place = in_place
@@ -253,10 +253,10 @@ def submit(kind: str, array: np.ndarray | None, *, name: str | None = None,
         # Positional: this runs for every gradient, and keyword passing costs measurably here.
         entry = make_entry(engine, members, kind, array, name, output, allocate, reduce_op,
                            root_rank, prescale_factor, postscale_factor, dtype, device, splits,
-                           set_id, "", 0, auto_named)
+                           set_id, auto_named)
     except Exception as exc:
         if auto_named:
-            announce_names(engine, members, [name], exc)
+            announce_name(engine, members, name, exc)
         raise
     return engine.submit(entry)
 
@@ -267,7 +267,7 @@ def make_entry(engine, members: list[int] | None, kind: str, array: np.ndarray |
                reduce_op: ReduceOp = ReduceOp.Sum, root_rank: int = -1,
                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                dtype: str | None = None, device: int = -1, splits=None, set_id: int = 0,
-               group: str = "", group_size: int = 0, auto_named: bool = False) -> Entry:
+               auto_named: bool = False) -> Entry:
     """Validate one operation locally and build the engine entry for it (see :func:`submit`);
     ``members`` are the global ranks of its process set (None = all).  ``auto_named``: ``name``
     was generated (such names never repeat, so their responses are not cached)."""
@@ -334,8 +334,7 @@ def make_entry(engine, members: list[int] | None, kind: str, array: np.ndarray |
                       root_rank if kind == BROADCAST else -1, device,
                       prescale_factor if type(prescale_factor) is float else float(prescale_factor),
                       postscale_factor if type(postscale_factor) is float
-                      else float(postscale_factor), splits or (), group, group_size,
-                      cacheable=cacheable)
+                      else float(postscale_factor), splits or (), cacheable=cacheable)
     if on_gpu:
         if allocate is None:
             allocate = _device_allocator(array.dtype, device)

@@ -53,49 +53,28 @@ class Admission:
     def submit(self, entry: Entry) -> Handle:
         """Register and queue one entry; its handle."""
         name = entry.request.name
-        with self._lock:   # one entry: the checks of admit, without its loops (hot path)
-            if self.in_flight.closed or name in self._entries:
-                self.admit((entry,))   # raises the right error
-            self._entries[name] = entry
-        self._queue.put(entry)
-        return entry.handle
-
-    def submit_packed(self, entry: Entry) -> Handle:
-        """Submit a grouped allreduce negotiated as one request (``entry``, whose ``members``
-        are the members' entries): one entry, one cache slot and one handle for the whole
-        group, whose result is the list of the members' results."""
-        members = entry.members
-        sink = GroupSink(entry.name, len(members),
-                         functools.partial(self._completion.finish_packed, entry))
-        for member in members:
-            member.handle = sink
-        return self.submit(entry)
-
-    def submit_group(self, entries: list[Entry]) -> list[Handle]:
-        """Submit a grouped operation negotiated member by member: its members reach the
-        controller in one piece."""
-        for entry in entries:
-            entry.group = entries
         with self._lock:
-            self.admit(entries)
-        self._queue.put(entries)
-        return [entry.handle for entry in entries]
-
-    def admit(self, entries) -> None:
-        """Check and register new entries (caller holds the lock); all or nothing."""
-        if self.in_flight.closed:
-            raise self.in_flight.refusal()
-        names = [entry.name for entry in entries]
-        repeated = set() if len(set(names)) == len(names) else {   # a set: groups are large
-            name for name in names if names.count(name) > 1}
-        for name in names:
-            if name in self._entries or name in repeated:
+            if self.in_flight.closed:
+                raise self.in_flight.refusal()
+            if name in self._entries:
                 raise DuplicateNameError(
                     f"A tensor named {name!r} is already in flight on rank {self.rank}. "
                     f"Names must be unique among pending operations: wait for the first one "
                     f"(hvd.synchronize) or give the second a different name.")
-        for entry in entries:
-            self._entries[entry.name] = entry
+            self._entries[name] = entry
+        self._queue.put(entry)
+        return entry.handle
+
+    def submit_group(self, entry: Entry) -> Handle:
+        """Submit a grouped operation, negotiated as one request (``entry``, whose ``members``
+        are the members' entries): one entry, one cache slot and one handle for the whole
+        group, whose result is the list of the members' results."""
+        members = entry.members
+        sink = GroupSink(entry.name, len(members),
+                         functools.partial(self._completion.finish_group, entry))
+        for member in members:
+            member.handle = sink
+        return self.submit(entry)
 
     def stream_open(self) -> None:
         """A caller starts submitting a burst of entries, one at a time (gradient hooks during
@@ -140,8 +119,6 @@ class Admission:
         self._drain(new)
         if new and self.open_streams and pause == 0.0:
             self._gather_stream(new)
-        if any(type(item) is list for item in new):   # grouped ops arrive as lists
-            new = [e for item in new for e in (item if type(item) is list else (item,))]
         return new, self.in_flight.shutdown_requested
 
     def _drain(self, new: list) -> None:

@@ -34,7 +34,7 @@ class Completion:
         """Complete successful entries with one lock round-trip for the whole batch."""
         sink = entries[0].handle
         if type(sink) is GroupSink and all(entry.handle is sink for entry in entries):
-            # members of one grouped allreduce, which are not in the table (their group is)
+            # members of one group, which are not in the table (their group is)
             tl = _timeline.ACTIVE
             if tl is not None:
                 tl.op_end([entry.name for entry in entries])
@@ -47,14 +47,13 @@ class Completion:
                 name = entry.request.name
                 other = pop(name, None)
                 if other is not entry and other is not None:
-                    # a grouped allreduce's member is not in the table (its group is); this
+                    # a group's member is not in the table (the group is); this
                     # is another operation under the member's name
                     in_flight[name] = other
         tl = _timeline.ACTIVE
         if tl is not None:
             tl.op_end([entry.name for entry in entries])
         for entry in entries:
-            entry.group = None   # see complete
             entry.handle._complete(entry.output, None)
 
     def complete(self, entry: Entry, result=None, error: BaseException | None = None) -> None:
@@ -66,12 +65,12 @@ class Completion:
         tl = _timeline.ACTIVE
         if tl is not None:
             tl.op_end([entry.name])
-        # A grouped entry and its group's member list refer to each other; left in place, the
-        # cycle keeps every member's input and result alive until Python's cyclic collector
-        # runs (many steps later: a training loop then gets fresh, page-faulting memory for
-        # every result, and the framework's gradient buffers are not reused either).
-        entry.group = None
-        entry.members = None   # (a grouped allreduce's members refer back to it: see above)
+        # A group's entry and its members refer to each other (through the members' GroupSink);
+        # left in place, the cycle keeps every member's input and result alive until Python's
+        # cyclic collector runs (many steps later: a training loop then gets fresh,
+        # page-faulting memory for every result, and the framework's gradient buffers are not
+        # reused either).
+        entry.members = None
         # The entry may outlive this call (the round that completed it still lists it), and an
         # error raised to the user carries the user's frames in its traceback: hand the handle
         # over instead of keeping it, so that nothing here keeps those frames alive.
@@ -79,9 +78,9 @@ class Completion:
         if handle is not None:
             handle._complete(result, error)
 
-    def finish_packed(self, entry: Entry, error: BaseException | None,
-                      device_ready: list[Callable[[], None]]) -> None:
-        """Every member of the grouped allreduce ``entry`` has completed (see GroupSink)."""
+    def finish_group(self, entry: Entry, error: BaseException | None,
+                     device_ready: list[Callable[[], None]]) -> None:
+        """Every member of the group ``entry`` has completed (see GroupSink)."""
         members, entry.members = entry.members, None   # (members -> sink -> entry: no cycle)
         handle = entry.handle
         if error is None and device_ready and handle is not None:

@@ -18,8 +18,8 @@ earlier rounds which cached allreduce comes alone next, and every rank starts it
 beside the AND; if the AND then says that every rank contributed it, the result stands and the
 tensor completes without a second exchange.
 
-Grouped operations are announced through the cache only when every member hits it, and the
-coordinator releases a group's responses together, so a group always executes in one round.
+A grouped operation is one request (see ``Request.layout``): one cache slot, one response
+whose members execute together in one round.
 A rank that called ``join()`` announces every cached reduction as ready and stands in for tensors
 it never submitted with the reduction's identity; the join completes in the first round in which
 every rank has joined.
@@ -181,7 +181,6 @@ class Controller:
         flipped on one rank thus takes effect on every rank at the same round)."""
         cfg = self.config
         pending, cached = self.pending, self.cache.slots
-        grouped = False
         due_after = first_due(0.0, cfg)   # a stall report is due this long after submission
         invalid_here = self.cache.match(new_entries)   # cached slots to announce, stale ones
         for entry in new_entries:
@@ -191,20 +190,9 @@ class Controller:
                 continue
             pending[request.name] = entry
             entry.next_stall_report = entry.submitted_at + due_after
-            if entry.group is not None:
-                grouped = True
         if new_entries and cfg.stall_check_enabled:
             self._stall_scan_at = min(self._stall_scan_at,
                                       min(e.submitted_at for e in new_entries) + due_after)
-        if grouped:   # a group is announced through the cache only if all its members hit
-            seen: set[int] = set()   # each group once: its members are all new entries
-            for entry in new_entries:
-                group = entry.group
-                if group is not None and id(group) not in seen:
-                    seen.add(id(group))
-                    if any(m.slot is None for m in group):
-                        for member in group:
-                            member.slot = None
         if self._someone_joined:
             route_unjoinable(self.pending, self.cache)
         now = time.monotonic()
@@ -273,8 +261,7 @@ class Controller:
         if invalid_set:
             for entry in self.pending.values():
                 if entry.slot in invalid_set:
-                    for member in entry.group or (entry,):
-                        member.slot = None   # now negotiated in full, like a new tensor
+                    entry.slot = None   # now negotiated in full, like a new tensor
         pop, ready = pending.pop, outcome.ready
         agreed = [] if all_joined else _bits(result[:nw])   # slots ready on every rank
         # The early exchange stands if every rank contributed its entry: its slot's bit is set

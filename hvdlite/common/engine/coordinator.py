@@ -15,7 +15,6 @@ class Coordinator:
         self.global_ranks = global_ranks
         self.size = len(global_ranks)
         self._table: dict[str, dict[int, Request]] = {}   # full requests by name, then rank
-        self._group_done: dict[str, list[Response]] = {}  # finished members of open groups
         self.joined_ranks: set[int] = set()               # ranks that have called join()
         self.stalls = StallInspector(global_ranks, config)
 
@@ -38,31 +37,8 @@ class Coordinator:
                      if len(reqs) == self.size or (joined and joined | reqs.keys() >= everyone)]:
             requests = self._table.pop(name)
             self.stalls.name_in_use(name)   # the name is in use again, by every rank
-            response = build_response(requests, joined)
-            group = requests[min(requests)].group
-            if group:
-                responses += self._group_member_done(group, requests[min(requests)].group_size,
-                                                     response)
-            else:
-                responses.append(response)
+            responses.append(build_response(requests, joined))
         if any(p["pending"] is not None for p in payloads.values()):
             responses += self.stalls.report({r: p["pending"] for r, p in payloads.items()},
                                             self._table)
         return responses, shutdown_ranks
-
-    def _group_member_done(self, group: str, group_size: int, response: Response
-                           ) -> list[Response]:
-        """Hold a grouped op's responses until every member is ready everywhere; then release
-        them together (all failing if one failed, so the group stays one unit)."""
-        done = self._group_done.setdefault(group, [])
-        done.append(response)
-        if len(done) < group_size:
-            return []
-        del self._group_done[group]
-        bad = next((r for r in done if r.error is not None), None)
-        if bad is None:
-            return done
-        return [r if r is bad else r._replace(
-                    error=f"grouped {r.kind} {group!r} failed because of its member "
-                          f"{bad.name!r}: {bad.error}", error_kind=bad.error_kind)
-                for r in done]

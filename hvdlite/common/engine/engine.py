@@ -57,7 +57,6 @@ class Engine:
         self.paths = self.execution.paths
         # The user threads' entry points, bound once: a submission costs no extra call here.
         self.submit = self.admission.submit
-        self.submit_packed = self.admission.submit_packed
         self.submit_group = self.admission.submit_group
         self.stream_open = self.admission.stream_open
         self.stream_close = self.admission.stream_close

@@ -1,7 +1,7 @@
 """The engine's execution stage: running a round's agreed responses on the data paths.
 
 A round's outcome is executed in its agreed order: errors complete their entries, grouped
-allreduces negotiated as one run as their members, small allreduces that can share a collective
+operations run as their members, small allreduces that can share a collective
 are fused (see :mod:`.fusion`), and each batch runs on the first data path that serves it (host
 batches complete here; GPU batches complete when their device work has, see
 :mod:`hvdlite.common.gpu.completion`).  Early reductions (see :mod:`.early`) are started and
@@ -118,7 +118,7 @@ class Execution:
             for response, entry in ready:
                 kind = entry.request.kind if entry is not None else response.kind
                 tl.negotiate_end(response.name, kind, response.error)
-                if response.members:   # a group negotiated as one: its members' rows go on
+                if response.members:   # a group: its members' rows go on
                     tl.op_end([response.name])
                     for member in response.members:
                         tl.negotiate_end(member.name, kind)
@@ -132,8 +132,7 @@ class Execution:
                 else:
                     runnable.append((response, entry))
         if any(response.members for response, _ in runnable):
-            # grouped allreduces negotiated as one: the paths execute their members, exactly
-            # as they would execute the members of a group negotiated tensor by tensor
+            # groups: the paths execute their members, exactly as they execute single tensors
             runnable = [pair for response, entry in runnable
                         for pair in (zip(response.members, entry.members) if response.members
                                      else ((response, entry),))]
@@ -160,7 +159,7 @@ class Execution:
         response, entry = outcome.ready[0]
         if (path is not self._early_path or entry is None or response.members
                 or response.kind != ALLREDUCE or response.device >= 0
-                or response.reduce_op == ReduceOp.Adasum or entry.request.group
+                or response.reduce_op == ReduceOp.Adasum
                 or not 0 < entry.nbytes <= self._early_max_bytes or self.controller.size < 2):
             return None
         return functools.partial(self._early_path.start_early, response)

@@ -108,16 +108,16 @@ class Handle:
 class GroupHandle:
     """Handle of a grouped operation: ``wait()`` returns the members' results as a list.
 
-    ``handles``: one per member; or, for a group that completes as one (a grouped allreduce,
-    see :class:`GroupSink`), a single handle whose result is that list (``whole=True``)."""
+    ``handle``: the group's one handle, whose result is that list (see :class:`GroupSink`), or
+    None for a group of no tensors (its result is ``[]``).  ``handles`` lists it, for callers
+    that wait on each handle of a group."""
 
-    __slots__ = ("name", "handles", "_post", "_whole")
+    __slots__ = ("name", "handles", "_post")
 
-    def __init__(self, name: str, handles: list[Handle], whole: bool = False) -> None:
+    def __init__(self, name: str, handle: Handle | None) -> None:
         self.name = name
-        self.handles = handles
+        self.handles = [] if handle is None else [handle]
         self._post: list[Callable[[Any], Any]] = []
-        self._whole = whole
 
     def then(self, fn: Callable[[Any], Any]) -> "GroupHandle":
         self._post.append(fn)
@@ -127,13 +127,7 @@ class GroupHandle:
         return all(h.poll() for h in self.handles)
 
     def wait(self, timeout: float | None = None) -> Any:
-        if self._whole:
-            results = self.handles[0].wait(timeout)
-        else:
-            deadline = None if timeout is None else time.monotonic() + timeout
-            results = [h.wait(None if deadline is None
-                              else max(0.0, deadline - time.monotonic()))
-                       for h in self.handles]
+        results = self.handles[0].wait(timeout) if self.handles else []
         post, self._post = self._post, []
         for fn in post:
             results = fn(results)
@@ -146,7 +140,7 @@ class GroupHandle:
 
 
 class GroupSink:
-    """The ``handle`` of every member of a grouped allreduce negotiated as one request (see
+    """The ``handle`` of every member of a grouped operation (one request, see
     ``Request.layout``): the engine completes the members batch by batch, and once every one
     has reported, ``finish(error, device_ready)`` completes the group: ``error`` is the first
     member's error, if any; ``device_ready``, the members' GPU readiness callbacks (asynchronous
@@ -197,7 +191,7 @@ class Entry:
     """One submitted operation, as the engine sees it."""
 
     __slots__ = ("request", "array", "output", "allocate", "handle", "submitted_at",
-                 "slot", "sent", "next_stall_report", "nbytes", "group", "stand_in", "members")
+                 "slot", "sent", "next_stall_report", "nbytes", "stand_in", "members")
 
     def __init__(self, request: Request, array: np.ndarray | None, output: np.ndarray | None,
                  allocate: Callable[[tuple, np.dtype], np.ndarray] | None, handle: Handle) -> None:
@@ -211,10 +205,9 @@ class Entry:
         self.sent = False              # full request already delivered to the coordinator
         self.next_stall_report = 0.0
         self.nbytes = 0 if array is None else array.nbytes
-        self.group: list[Entry] | None = None   # members of its grouped op (itself included)
         self.stand_in = False   # a joined rank's neutral contribution: never prescaled
-        # A grouped allreduce negotiated as one request: its members' entries (what the data
-        # paths execute; each one's handle is the group's GroupSink)
+        # A grouped operation: its members' entries (what the data paths execute; each one's
+        # handle is the group's GroupSink)
         self.members: list[Entry] | None = None
 
     @property

@@ -11,7 +11,7 @@ from hvdlite.common.reduce_ops import ReduceOp
 
 def stand_in(response: Response) -> Entry:
     """What a joined rank contributes to a reduction it never submitted: the identity (for
-    each member of a grouped allreduce negotiated as one request)."""
+    each member of a grouped allreduce)."""
     if response.members:
         request = Request(response.name, response.kind, response.dtype, response.shape,
                           response.reduce_op, cacheable=response.cacheable)
@@ -42,8 +42,7 @@ def route_unjoinable(pending: dict[str, Entry], cache: ResponseCache) -> None:
         if entry.slot is not None:
             response = cache.response(entry.slot)
             if not runs_while_joined(response.kind, response.reduce_op):
-                for member in entry.group or (entry,):
-                    member.slot = None
+                entry.slot = None
 
 
 def last_to_join(pairs: list[list[int]]) -> int:

@@ -46,10 +46,9 @@ class Request(NamedTuple):
     prescale: float = 1.0
     postscale: float = 1.0
     splits: tuple = ()        # alltoall: rows this rank sends to each rank
-    group: str = ""           # grouped ops: the group's name (members negotiate as one unit)
-    group_size: int = 0
-    # A grouped allreduce negotiated as one request (named after the group): its members'
-    # (name, dtype, shape, device), in order.  Empty for every other request.
+    # A grouped operation (allreduce, allgather, reducescatter), negotiated as one request
+    # named after the group: its members' (name, dtype, shape, device), in order.  Empty for
+    # every other request.
     layout: tuple = ()
     cacheable: bool = True    # auto-named tensors never repeat, so caching them is waste
     failure: str = ""         # FAILED: the error this rank raised (type and message)
@@ -79,7 +78,7 @@ class Response(NamedTuple):
     error_kind: str | None = None
     cacheable: bool = True
     splits: tuple = ()          # alltoall: every rank's splits, in rank order
-    # A grouped allreduce negotiated as one request: one response per member, in order (what
+    # A grouped operation negotiated as one request: one response per member, in order (what
     # the data paths execute; see Request.layout).  Empty for every other response.
     members: tuple = ()
 
@@ -127,8 +126,7 @@ def build_response(requests: Mapping[int, Request], joined: Iterable[int] = ()) 
     kind = first.kind
     fields = [("operation", lambda r: r.kind), ("dtype", lambda r: r.dtype),
               # CPU against GPU matters; which GPU a rank uses does not (one GPU per rank)
-              ("device", lambda r: "cpu" if r.device < 0 else "gpu"),
-              ("group", lambda r: (r.group or None, r.group_size))]
+              ("device", lambda r: "cpu" if r.device < 0 else "gpu")]
     if kind in (ALLREDUCE, REDUCESCATTER):
         fields += [("reduce op", lambda r: r.reduce_op), ("shape", lambda r: r.shape),
                    ("prescale factor", lambda r: r.prescale),
@@ -139,8 +137,8 @@ def build_response(requests: Mapping[int, Request], joined: Iterable[int] = ()) 
         fields += [("number of dimensions", lambda r: len(r.shape)),
                    ("shape after the first dimension", lambda r: tuple(r.shape[1:]))]
     error = _first_mismatch(name, kind, requests, fields)
-    if error is None and kind == ALLREDUCE:
-        error = _layout_mismatch(name, requests)
+    if error is None and first.layout:
+        error = _layout_mismatch(name, kind, requests)
     if error is not None:
         if "reduce op" in error:
             from hvdlite.common.reduce_ops import ReduceOp
@@ -152,41 +150,54 @@ def build_response(requests: Mapping[int, Request], joined: Iterable[int] = ()) 
         error = _joined_error(first, sorted(requests), joined)
         if error is not None:
             return Response(name, kind, error=error, error_kind=ERROR_MISMATCH)
+    ranks = sorted(requests)
     first_dims = ()
-    if kind in (ALLGATHER, ALLTOALL):
-        first_dims = tuple(requests[r].shape[0] if requests[r].shape else 1
-                           for r in sorted(requests))
-    splits = tuple(requests[r].splits for r in sorted(requests)) if kind == ALLTOALL else ()
+    if kind in (ALLGATHER, ALLTOALL) and not first.layout:
+        first_dims = _first_dims([requests[r].shape for r in ranks])
+    splits = tuple(requests[r].splits for r in ranks) if kind == ALLTOALL else ()
     cacheable = all(r.cacheable for r in requests.values())
-    members = tuple(Response(member, kind, dtype, shape, first.reduce_op, first.root, device,
-                             first.prescale, first.postscale, cacheable=cacheable)
-                    for member, dtype, shape, device in first.layout)
+    members = tuple(
+        Response(member, kind, dtype, shape, first.reduce_op, first.root, device,
+                 first.prescale, first.postscale,
+                 _first_dims([requests[r].layout[i][2] for r in ranks])
+                 if kind == ALLGATHER else (), cacheable=cacheable)
+        for i, (member, dtype, shape, device) in enumerate(first.layout))
     return Response(name, kind, first.dtype, first.shape, first.reduce_op, first.root,
                     first.device, first.prescale, first.postscale, first_dims,
                     cacheable=cacheable, splits=splits, members=members)
 
 
-def _layout_mismatch(name: str, requests: Mapping[int, Request]) -> str | None:
-    """Where the members of a grouped allreduce (one request per rank, see Request.layout)
-    differ between ranks, naming the first member that does; None if they agree."""
+def _first_dims(shapes: list[tuple]) -> tuple:
+    """Allgather: the rows each rank contributes (a 0-d tensor counts as one row)."""
+    return tuple(shape[0] if shape else 1 for shape in shapes)
+
+
+def _layout_mismatch(name: str, kind: str, requests: Mapping[int, Request]) -> str | None:
+    """Where the members of a grouped operation (one request per rank, see Request.layout)
+    differ between ranks, naming the first member that does; None if they agree.  An
+    allgather's members may differ in their first dimension, as single allgathers may."""
     layouts = {rank: req.layout for rank, req in requests.items()}
     if len(set(layouts.values())) == 1:
         return None
-    what = f"grouped allreduce {name!r}"
+    what = f"grouped {kind} {name!r}"
     counts = {rank: len(layout) for rank, layout in layouts.items()}
     if len(set(counts.values())) > 1:
         return _describe_values(name, what, "number of tensors", counts)
     for i in range(len(layouts[min(layouts)])):
         fields = [("name", lambda layout: layout[i][0]), ("dtype", lambda layout: layout[i][1]),
-                  ("shape", lambda layout: layout[i][2]),
                   ("device", lambda layout: "cpu" if layout[i][3] < 0 else "gpu")]
+        if kind == ALLGATHER:
+            fields += [("number of dimensions", lambda layout: len(layout[i][2])),
+                       ("shape after the first dimension", lambda layout: layout[i][2][1:])]
+        else:
+            fields += [("shape", lambda layout: layout[i][2])]
         for field, get in fields:
             by_rank = {rank: get(layout) for rank, layout in layouts.items()}
             if len(set(by_rank.values())) > 1:
                 member = layouts[min(layouts)][i][0]
                 return (f"{what} failed because of its member {member!r} (tensor {i} of "
                         f"{counts[min(counts)]}): "
-                        + _describe_values(member, "grouped allreduce", field, by_rank))
+                        + _describe_values(member, f"grouped {kind}", field, by_rank))
     return None
 
 

@@ -11,10 +11,12 @@ import time
 import numpy as np
 import pytest
 
+from hvdlite.common.api.grouped import group_request
 from hvdlite.common.config import Config
 from hvdlite.common.engine.controller import Controller
 from hvdlite.common.engine.handle import Entry, Handle
-from hvdlite.common.engine.messages import (ALLREDUCE, ERROR_FAILED_ON_RANK, ERROR_STALL, FAILED,
+from hvdlite.common.engine.messages import (ALLREDUCE, ERROR_FAILED_ON_RANK, ERROR_MISMATCH,
+                                            ERROR_STALL, FAILED,
                                             JOIN, Request)
 from hvdlite.common.reduce_ops import ReduceOp
 from tests.unit.engine.fake_transport import FakeNetwork
@@ -22,19 +24,20 @@ from tests.unit.engine.fake_transport import FakeNetwork
 CONFIG = Config(stall_check_seconds=60.0)
 
 
-def entry(name: str, shape=(4,), dtype="float32", kind=ALLREDUCE, group="", group_size=0,
-          cacheable=True, failure="") -> Entry:
-    request = Request(name, kind, dtype, shape, int(ReduceOp.Sum), group=group,
-                      group_size=group_size, cacheable=cacheable, failure=failure)
+def entry(name: str, shape=(4,), dtype="float32", kind=ALLREDUCE, cacheable=True,
+          failure="") -> Entry:
+    request = Request(name, kind, dtype, shape, int(ReduceOp.Sum), cacheable=cacheable,
+                      failure=failure)
     array = None if kind in (JOIN, FAILED) else np.zeros(shape, dtype=dtype)
     return Entry(request, array, array, None, Handle(name, lambda: True))
 
 
-def grouped(names: list[str], group: str) -> list[Entry]:
-    members = [entry(n, group=group, group_size=len(names)) for n in names]
-    for m in members:
-        m.group = members
-    return members
+def grouped(group: str, members: list[Entry]) -> list[Entry]:
+    """A grouped allreduce of ``members``: one entry (see group_request)."""
+    whole = Entry(group_request(group, members, True), None, None, None,
+                  Handle(group, lambda: True))
+    whole.members = members
+    return [whole]
 
 
 @dataclasses.dataclass
@@ -71,8 +74,8 @@ def run(size: int, script, rounds: int, config: Config = CONFIG, pause: float = 
                 logs[rank].early.append(None if outcome.early is None
                                         else outcome.early[0].name)
                 logs[rank].sole.append(outcome.sole_slot)
-                logs[rank].ready.append([(r.name, r.error_kind, r.error)
-                                         for r, e in outcome.ready])
+                logs[rank].ready.append([(m.name, r.error_kind, r.error)   # groups: members
+                                         for r, e in outcome.ready for m in r.members or (r,)])
                 if outcome.joined is not None:
                     logs[rank].joined.append((rnd, outcome.joined[1]))
                 logs[rank].shutdown_ranks.append(outcome.shutdown_ranks)
@@ -180,32 +183,24 @@ def test_failed_stand_in_fails_the_operation_everywhere():
 
 def test_a_group_is_released_together_once_every_member_is_everywhere():
     def script(rank, rnd):
-        if rnd == 0:
-            return grouped(["g.0", "g.1"], "g") if rank == 0 else [], False
-        if rnd == 1 and rank == 1:
-            return grouped(["g.0", "g.1"], "g"), False
+        if (rnd, rank) in ((0, 0), (1, 1)):
+            return grouped("g", [entry("g.0"), entry("g.1")]), False
         return [], False
     logs, _ = run(2, script, rounds=3)
     for log in logs:
-        assert [sorted(names(log, r)) for r in range(3)] == [[], ["g.0", "g.1"], []]
+        assert [names(log, r) for r in range(3)] == [[], ["g.0", "g.1"], []]
 
 
 def test_a_group_fails_as_one_when_a_member_mismatches():
     def script(rank, rnd):
         if rnd:
             return [], False
-        members = grouped(["h.0", "h.1"], "h")
-        if rank == 1:
-            bad = entry("h.1", shape=(2,), group="h", group_size=2)
-            members = [members[0], bad]
-            for m in members:
-                m.group = members
-        return members, False
+        return grouped("h", [entry("h.0"), entry("h.1", shape=(2,) if rank else (4,))]), False
     logs, _ = run(2, script, rounds=1)
     for log in logs:
-        errors = {name: err for name, _, err in log.ready[0]}
-        assert set(errors) == {"h.0", "h.1"} and all(errors.values())
-        assert "because of its member 'h.1'" in errors["h.0"]
+        [(name, kind, error)] = log.ready[0]
+        assert name == "h" and kind == ERROR_MISMATCH
+        assert "because of its member 'h.1'" in error
 
 
 def test_a_cached_group_with_one_changed_member_is_negotiated_again_as_one():
@@ -213,13 +208,8 @@ def test_a_cached_group_with_one_changed_member_is_negotiated_again_as_one():
     (a cache miss for it, hits for the others): the whole group goes back to the coordinator
     and is released together, correctly, in that round; round 3 hits the cache again."""
     def script(rank, rnd):
-        members = grouped(["c.0", "c.1", "c.2"], "c")
-        if rnd >= 2:
-            changed = entry("c.1", shape=(6,), group="c", group_size=3)
-            members = [members[0], changed, members[2]]
-            for m in members:
-                m.group = members
-        return members, False
+        return grouped("c", [entry("c.0"), entry("c.1", shape=(6,) if rnd >= 2 else (4,)),
+                             entry("c.2")]), False
     logs, network = run(2, script, rounds=4)
     for log in logs:
         for rnd in range(4):
@@ -229,21 +219,23 @@ def test_a_cached_group_with_one_changed_member_is_negotiated_again_as_one():
     assert network.messages_sent[(1, "requests")] == 2
 
 
-def test_duplicate_names_within_one_group_are_refused_before_anything_is_in_flight():
-    """Admission.admit: a group naming one tensor twice raises DuplicateNameError naming it, and
-    none of the group's members stays registered (all or nothing)."""
+def test_a_name_in_flight_is_refused_and_a_group_is_admitted_as_one_entry():
+    """Admission: a second operation under a name in flight raises DuplicateNameError naming
+    it and changes nothing; a group is one entry in the table (its members are not)."""
     from hvdlite.common.engine.admission import Admission
     from hvdlite.common.engine.completion import Completion
     from hvdlite.common.engine.in_flight import InFlight
     from hvdlite.common.errors import DuplicateNameError
     table = InFlight()   # only the admission stage: no communicator, no thread
     admission = Admission(table, 0, lambda: False, Config(), Completion(table, 0))
-    members = [entry(f"m.{i}") for i in range(200)] + [entry("m.7")]
+    first = entry("m.7")
+    admission.submit(first)
     with pytest.raises(DuplicateNameError, match="'m.7'"):
-        admission.admit(members)
-    assert table.entries == {}
-    admission.admit(members[:200])
-    assert len(table.entries) == 200
+        admission.submit(entry("m.7"))
+    assert table.entries == {"m.7": first}
+    [group] = grouped("m.group200", [entry(f"m.{i}") for i in range(200)])
+    admission.submit_group(group)
+    assert set(table.entries) == {"m.7", "m.group200"}
 
 
 def test_joined_rank_stands_in_for_reductions_and_join_ends_when_all_joined():

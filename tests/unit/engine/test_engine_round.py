@@ -1,8 +1,8 @@
 """A whole engine round end to end at N simulated ranks in one process: N real engines (admission,
 negotiation, fusion planning, execution, completion, each on its own engine thread) talk through
 the fake transport, and a fake data path moves the bytes between them in memory.  Each rank
-submits single allreduces, a grouped allreduce (negotiated as one request) and a grouped
-allgather (negotiated member by member); every handle must complete with the right numbers, the
+submits single allreduces, a grouped allreduce and a grouped allgather (each negotiated as one
+request, members' first dimensions differing across ranks for the allgather); every handle must complete with the right numbers, the
 ranks must plan the same fused batches, and a second step must run from the response cache
 without any request message."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 
-from hvdlite.common.api.grouped import packed_request
+from hvdlite.common.api.grouped import group_request
 from hvdlite.common.api.submission import make_entry
 from hvdlite.common.config import Config
 from hvdlite.common.engine.engine import Engine
@@ -93,14 +93,18 @@ def submit_step(engine: Engine, rank: int) -> dict:
     members = [make_entry(engine, None, ALLREDUCE, values(rank, n, dtype), f"g.{i}")
                for i, (n, dtype) in enumerate(((5, np.float32), (2, np.float32),
                                                (6, np.float64)))]
-    group = Entry(packed_request("g.group3", members, True), None, None, None,
-                  engine.new_handle("g.group3"))
-    group.members = members
-    handles["g"] = engine.submit_packed(group)
+    handles["g"] = submit_group(engine, "g.group3", members)
     gathers = [make_entry(engine, None, ALLGATHER, np.full((rank + 1, 2), rank + i, np.int32),
-                          f"ag.{i}", group="ag.group2", group_size=2) for i in range(2)]
-    handles["ag"] = engine.submit_group(gathers)
+                          f"ag.{i}") for i in range(2)]
+    handles["ag"] = submit_group(engine, "ag.group2", gathers)
     return handles
+
+
+def submit_group(engine: Engine, name: str, members: list[Entry]):
+    group = Entry(group_request(name, members, True), None, None, None,
+                  engine.new_handle(name))
+    group.members = members
+    return engine.submit_group(group)
 
 
 def check_step(handles: dict, size: int) -> None:
@@ -113,9 +117,11 @@ def check_step(handles: dict, size: int) -> None:
     assert [r.dtype for r in group] == [np.float32, np.float32, np.float64]
     for result, n in zip(group, (5, 2, 6)):
         np.testing.assert_array_equal(result, sum_of(n, result.dtype))
-    for i, handle in enumerate(handles["ag"]):
+    gathered = handles["ag"].wait(10)
+    assert len(gathered) == 2
+    for i, result in enumerate(gathered):
         expected = np.concatenate([np.full((r + 1, 2), r + i, np.int32) for r in ranks])
-        np.testing.assert_array_equal(handle.wait(10), expected)
+        np.testing.assert_array_equal(result, expected)
 
 
 @pytest.mark.parametrize("size", [2, 3])

@@ -1,22 +1,29 @@
-"""A grouped allreduce negotiated as one request: its validation across ranks, the members'
-completion (GroupSink), a joined rank's stand-in, and the reuse of a named group's entries
-(GroupTemplate).  Pure logic, no MPI; the multi-rank behaviour is in
-tests/core/workers/core_collectives_worker.py (grouped_allreduce.*)."""
+"""A grouped operation negotiated as one request: its validation across ranks (allreduce,
+allgather whose members' first dimensions differ, reducescatter), the members' completion
+(GroupSink), a joined rank's stand-in, and the reuse of a named group's entries (GroupTemplate).
+Pure logic, no MPI; the multi-rank behaviour is in tests/core/workers/core_collectives_worker.py
+(grouped_allreduce.*, grouped_allgather.*, grouped_reducescatter.*)."""
 import numpy as np
 import pytest
 
 from hvdlite.common.api.submission import GroupTemplate
 from hvdlite.common.engine.handle import Entry, GroupSink, Handle
 from hvdlite.common.engine.join import stand_in
-from hvdlite.common.engine.messages import (ALLREDUCE, ERROR_FAILED_ON_RANK, ERROR_MISMATCH,
-                                            FAILED, Request, build_response)
+from hvdlite.common.engine.messages import (ALLGATHER, ALLREDUCE, ERROR_FAILED_ON_RANK,
+                                            ERROR_MISMATCH, FAILED, REDUCESCATTER, Request,
+                                            build_response)
 from hvdlite.common.reduce_ops import ReduceOp
 
 LAYOUT = (("g.0", "float32", (3,), -1), ("g.1", "int64", (2, 2), -1), ("g.2", "float32", (), -1))
 
 
-def packed(layout=LAYOUT, op=ReduceOp.Sum, pre=1.0, post=1.0, name="g.group3"):
-    return Request(name, ALLREDUCE, "", (), int(op), -1, -1, pre, post, layout=layout)
+def packed(layout=LAYOUT, op=ReduceOp.Sum, pre=1.0, post=1.0, name="g.group3", kind=ALLREDUCE):
+    return Request(name, kind, "", (), int(op), -1, -1, pre, post, layout=layout)
+
+
+def gather_layout(rows: tuple[int, int], row=(2,)):
+    """A grouped allgather's layout on a rank contributing ``rows`` rows to each member."""
+    return (("ag.0", "int32", (rows[0],) + row, -1), ("ag.1", "float64", (rows[1], 3), -1))
 
 
 def with_member(i, **change):
@@ -91,6 +98,44 @@ def test_the_layout_is_part_of_the_signature():
     assert packed().signature() == packed(name="other").signature()
 
 
+
+def test_a_grouped_allgather_gives_each_member_every_ranks_rows():
+    """Members' first dimensions may differ across ranks (as for single allgathers): each
+    member's response carries the rows of every rank, in rank order."""
+    resp = build_response({0: packed(gather_layout((2, 0)), kind=ALLGATHER, op=-1),
+                           1: packed(gather_layout((1, 4)), kind=ALLGATHER, op=-1),
+                           2: packed(gather_layout((0, 1)), kind=ALLGATHER, op=-1)})
+    assert resp.error is None and resp.kind == ALLGATHER
+    assert [(m.name, m.kind, m.first_dims) for m in resp.members] == [
+        ("ag.0", ALLGATHER, (2, 1, 0)), ("ag.1", ALLGATHER, (0, 4, 1))]
+
+
+@pytest.mark.parametrize("odd_row, field", [((3,), "shape after the first dimension"),
+                                            ((2, 1), "number of dimensions")])
+def test_a_grouped_allgather_member_with_other_rows_fails_the_group(odd_row, field):
+    resp = build_response({0: packed(gather_layout((2, 1)), kind=ALLGATHER, op=-1),
+                           1: packed(gather_layout((2, 1), odd_row), kind=ALLGATHER, op=-1)})
+    assert resp.error_kind == ERROR_MISMATCH
+    assert "grouped allgather 'g.group3' failed because of its member 'ag.0'" in resp.error
+    assert field in resp.error and "[1]" in resp.error
+
+
+def test_a_grouped_reducescatter_checks_whole_shapes():
+    layout = (("rs.0", "float32", (4, 2), -1), ("rs.1", "int32", (3,), -1))
+    ok = build_response({r: packed(layout, kind=REDUCESCATTER) for r in range(3)})
+    assert ok.error is None and [m.shape for m in ok.members] == [(4, 2), (3,)]
+    assert all(m.kind == REDUCESCATTER and m.first_dims == () for m in ok.members)
+    odd = (layout[0], ("rs.1", "int32", (5,), -1))
+    bad = build_response({0: packed(layout, kind=REDUCESCATTER),
+                          1: packed(odd, kind=REDUCESCATTER)})
+    assert "grouped reducescatter 'g.group3' failed because of its member 'rs.1'" in bad.error
+    assert "shape" in bad.error
+
+
+def test_groups_of_different_kinds_under_one_name_are_a_mismatch():
+    resp = build_response({0: packed(), 1: packed(kind=REDUCESCATTER)})
+    assert resp.error_kind == ERROR_MISMATCH and "operation" in resp.error
+
 # --- completion ----------------------------------------------------------------------------------
 def recorder():
     calls = []
@@ -144,14 +189,16 @@ def test_sink_collects_every_batchs_device_readiness_once():
     assert calls == [(None, [ready_a, ready_b])]
 
 
-def test_group_handle_of_a_whole_group_yields_its_list():
+def test_group_handle_yields_its_list():
     from hvdlite.common.engine.handle import GroupHandle
     handle = Handle("g", lambda: True)
-    group = GroupHandle("g", [handle], whole=True).then(lambda results: results + ["post"])
-    assert not group.poll()
+    group = GroupHandle("g", handle).then(lambda results: results + ["post"])
+    assert not group.poll() and group.handles == [handle]
     handle._complete(["a", "b"])
     assert group.poll()
     assert group.wait() == ["a", "b", "post"]
+    empty = GroupHandle("e", None)
+    assert empty.poll() and empty.handles == [] and empty.wait() == []
 
 
 # --- a joined rank's contribution ----------------------------------------------------------------
