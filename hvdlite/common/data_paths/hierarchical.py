@@ -263,7 +263,7 @@ class HierarchicalPath(DataPath):
         outputs = [flat(e.output) for _, e in batch]
         if self.local_size > 1 and self.window is not None and self.window.usable(nbytes):
             pack(batch, self.window.pack_buffer(count, info.np_dtype), sizes, response.prescale)
-            phase(batch, "SHM_REDUCESCATTER")
+            phase(batch, "SHARED_WINDOW_REDUCESCATTER")
             pieces = self.window.reduce(count, info.np_dtype, ufunc, between=across)
             self.by_window += 1
         else:
@@ -285,7 +285,7 @@ class HierarchicalPath(DataPath):
             across(0, out)
             scale_in_place(out, post)
         elif self.window is not None and self.window.usable(src.nbytes, single=True):
-            phase(batch, "SHM_REDUCESCATTER")
+            phase(batch, "SHARED_WINDOW_REDUCESCATTER")
             self.window.allreduce_one(src, out, ufunc, prescale, post, between=across)
             self.by_window += 1
         else:
@@ -304,7 +304,7 @@ class HierarchicalPath(DataPath):
         response = batch[0][0]
         failure: DirectCopyError | None = None
         if self._copies_here:
-            phase(batch, "CMA_REDUCESCATTER")
+            phase(batch, "DIRECT_COPIES_REDUCESCATTER")
             try:
                 self.direct.allreduce_one(src, out, ufunc, prescale, post, name=response.name,
                                           between=across)

@@ -37,7 +37,7 @@ class DirectCopyPath(DataPath):
     def execute(self, batch: Batch) -> None:
         response, entry = batch[0]
         info = dtype_info(response.dtype)
-        phase(batch, "CMA_ALLREDUCE")
+        phase(batch, "DIRECT_COPIES_ALLREDUCE")
         self.direct.allreduce_one(entry.array.reshape(-1), entry.output.reshape(-1),
                                   numpy_reduce_ufunc(info, ReduceOp(response.reduce_op)),
                                   1.0 if entry.stand_in else response.prescale,
@@ -73,7 +73,7 @@ class SharedWindowPath(DataPath):
         ufunc = numpy_reduce_ufunc(info, ReduceOp(response.reduce_op))
         window = self.window
         if len(batch) == 1:
-            phase(batch, "SHM_ALLREDUCE")
+            phase(batch, "SHARED_WINDOW_ALLREDUCE")
             window.allreduce_one(entry.array.reshape(-1), entry.output.reshape(-1), ufunc,
                                  1.0 if entry.stand_in else response.prescale,
                                  postscale_factor(response, self.size))
@@ -81,7 +81,7 @@ class SharedWindowPath(DataPath):
         sizes = [e.array.size for _, e in batch]
         count = sum(sizes)
         pack(batch, window.pack_buffer(count, info.np_dtype), sizes, response.prescale)
-        phase(batch, "SHM_ALLREDUCE")
+        phase(batch, "SHARED_WINDOW_ALLREDUCE")
         if window.size == 2:
             in_place = None
             if response.prescale == 1.0:   # then every input is exactly what was packed

@@ -10,7 +10,8 @@ readiness).  Each tensor gets its own row ("process" in the trace):
   shows how long rank 0 waited);
 * ``<OP>`` while the operation is processed, with nested activities: ``QUEUE`` (waiting behind
   earlier batches), ``MEMCPY_IN_FUSION_BUFFER`` / ``MEMCPY_OUT_FUSION_BUFFER``,
-  ``SHM_ALLREDUCE`` (the intra-node window), ``MPI_<OP>``, ``NCCL_<OP>``, ``STAGED_<OP>``...;
+  ``<PATH>_<OP>`` after the data path (``SHARED_WINDOW_ALLREDUCE``, ``MPI_<OP>``,
+  ``NCCL_<OP>``...);
 * an ``ERROR`` instant, with the message, when negotiation fails the tensor.
 
 ``mark_cycles`` adds a ``CYCLE_START`` instant at every negotiation round.

@@ -102,7 +102,7 @@ def run_env_mode() -> None:
             assert name in rows, f"no row for {name}; rows: {sorted(rows)}"
         s0 = spans(rows["tl.small.0"])
         fused = [(0, "NEGOTIATE_ALLREDUCE"), (0, "ALLREDUCE"), (1, "QUEUE"),
-                 (1, "MEMCPY_IN_FUSION_BUFFER"), (1, "SHM_ALLREDUCE"),
+                 (1, "MEMCPY_IN_FUSION_BUFFER"), (1, "SHARED_WINDOW_ALLREDUCE"),
                  (1, "MEMCPY_OUT_FUSION_BUFFER")]
         if size == 2:   # two ranks reduce straight into the outputs: no separate copy-out
             assert s0[:5] == fused[:5] and fused[5] not in s0, s0
@@ -118,12 +118,12 @@ def run_env_mode() -> None:
         # ...and each member is processed on its own row, fused like single tensors
         for member in ("tl.group.0", "tl.group.1"):
             m = [n for d, n in spans(rows[member])]
-            assert m.count("ALLREDUCE") == 4 and "SHM_ALLREDUCE" in m, (member, m)
+            assert m.count("ALLREDUCE") == 4 and "SHARED_WINDOW_ALLREDUCE" in m, (member, m)
         # the first (full) negotiation shows every rank's request as a tick
         assert ticks(rows["tl.small.0"]) == list(range(size)), rows["tl.small.0"]
         # one large tensor: direct copies between the ranks' memory where the kernel allows
-        big_path = ("CMA_ALLREDUCE" if direct_copies_expected(seen_backend[0])
-                    else "SHM_ALLREDUCE")
+        big_path = ("DIRECT_COPIES_ALLREDUCE" if direct_copies_expected(seen_backend[0])
+                    else "SHARED_WINDOW_ALLREDUCE")
         assert (1, big_path) in spans(rows["tl.big"]), spans(rows["tl.big"])
         assert spans(rows["tl.gather"]) == [(0, "NEGOTIATE_ALLGATHER"), (0, "ALLGATHER"),
                                             (1, "QUEUE"), (1, "MPI_ALLGATHER")]

@@ -32,7 +32,7 @@ def test_an_operation_from_negotiation_to_completion(tmp_path):
     tl.negotiate_start("g", "allreduce")          # seen again: still one span
     tl.negotiate_end("g", "allreduce")
     tl.activity(["g"], "MEMCPY_IN_FUSION_BUFFER")
-    tl.activity(["g"], "SHM_ALLREDUCE")
+    tl.activity(["g"], "SHARED_WINDOW_ALLREDUCE")
     tl.op_end(["g"])
     tl.op_end(["g"])                              # completed twice: nothing more
     timeline.stop()
@@ -40,7 +40,7 @@ def test_an_operation_from_negotiation_to_completion(tmp_path):
         ("g", "B", "NEGOTIATE_ALLREDUCE"), ("g", "X", "1"), ("g", "E", None),
         ("g", "B", "ALLREDUCE"), ("g", "B", "QUEUE"),
         ("g", "E", None), ("g", "B", "MEMCPY_IN_FUSION_BUFFER"),
-        ("g", "E", None), ("g", "B", "SHM_ALLREDUCE"),
+        ("g", "E", None), ("g", "B", "SHARED_WINDOW_ALLREDUCE"),
         ("g", "E", None), ("g", "E", None)]
 
 
