@@ -251,8 +251,10 @@ class SharedWindow:
 
     def _fold_peers(self, target: np.ndarray, views: list[np.ndarray], lo: int, hi: int,
                     ufunc) -> None:
-        """``target`` (this rank's elements lo..hi) combined with every peer's, in rank order:
-        the one reduction order both paths use, so a result never depends on the path."""
+        """``target`` (this rank's elements lo..hi) combined with every peer's, in rank order.
+        The owner's value comes first, so a float result's last bits depend on whose share an
+        element falls in (as MPI's depend on its algorithm); every rank copies the owner's
+        result, so all ranks still hold the same bits."""
         for r in range(self.size):
             if r != self.rank:
                 ufunc(target, views[r][lo:hi], out=target)
