@@ -45,6 +45,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true",
                    help="continue from --checkpoint if it exists (else start from epoch 0)")
     p.add_argument("--fp16-allreduce", action="store_true", help="compress gradients to fp16")
+    p.add_argument("--compression", choices=["none", "fp16", "bf16", "powersgd"], default=None,
+                   help="gradient compression (default none; --fp16-allreduce means fp16); "
+                        "powersgd: low-rank gradients, see docs/compression.md")
+    p.add_argument("--powersgd-rank", type=int, default=2,
+                   help="rank of the PowerSGD factors (with --compression powersgd)")
+    p.add_argument("--powersgd-start-iter", type=int, default=10,
+                   help="plain allreduce steps before PowerSGD starts")
     p.add_argument("--cuda", action="store_true",
                    help="train on the GPU of this rank's local rank (gradients go through NCCL; "
                         "with HVDLITE_GPU_OPERATIONS=mpi several ranks may share one GPU)")
@@ -96,6 +103,17 @@ def save_checkpoint(path: str, state: dict) -> None:
     partial = path + ".partial"
     torch.save(state, partial)
     os.replace(partial, path)
+
+
+def choose_compression(args: argparse.Namespace):
+    """The ``compression=`` for DistributedOptimizer that the flags ask for."""
+    kind = args.compression or ("fp16" if args.fp16_allreduce else "none")
+    if kind == "powersgd":
+        # The PowerSGD state (Q, error feedback) is not in the checkpoint: after --resume it
+        # starts over, with plain allreduces for --powersgd-start-iter steps.
+        return hvd.Compression.powersgd(rank=args.powersgd_rank,
+                                        start_iter=args.powersgd_start_iter)
+    return getattr(hvd.Compression, kind)
 
 
 def train_epoch(model, optimizer, x, y, batch_size: int, epoch: int) -> tuple[float, float]:
@@ -156,7 +174,7 @@ def main(argv=None) -> int:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
-    compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
+    compression = choose_compression(args)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                          compression=compression)
     if hvd.rank() == 0:

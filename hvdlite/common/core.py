@@ -34,6 +34,7 @@ from hvdlite.common.api.ops import (allgather, allgather_async, allreduce, allre
                                     broadcast_async_, join, on_join, poll, reducescatter,
                                     reducescatter_async, synchronize)
 from hvdlite.common.api.submission import fast_host_allreduce, prepare_allreduce, submit
+from hvdlite.common.api import powersgd as powersgd_policy  # PowerSGD's shared policy
 from hvdlite.common.data_paths.adasum import check_adasum_size
 from hvdlite.common.config import KNOBS, Flag, Knob
 from hvdlite.common.dtypes import dtype_info

@@ -1,11 +1,14 @@
 """Gradient compression for the wire: Horovod's ``Compression.none`` / ``Compression.fp16``, plus
-``Compression.bf16`` (same range as float32, so no overflow on large gradients)."""
+``Compression.bf16`` (same range as float32, so no overflow on large gradients) and
+``Compression.powersgd(...)`` (low-rank gradients for DistributedOptimizer, see powersgd.py)."""
 from __future__ import annotations
 
 import torch
 
 from hvdlite.common.core import (BF16_DOC, FP16_DOC, Compressor, NoneCompressor,
                                  casting_compressor)
+
+from .powersgd import PowerSGDCompressor, powersgd
 
 
 def _is_floating(dtype: torch.dtype) -> bool:
@@ -27,6 +30,8 @@ class Compression:
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+    powersgd = staticmethod(powersgd)
 
 
-__all__ = ["BF16Compressor", "Compression", "Compressor", "FP16Compressor", "NoneCompressor"]
+__all__ = ["BF16Compressor", "Compression", "Compressor", "FP16Compressor", "NoneCompressor",
+           "PowerSGDCompressor"]

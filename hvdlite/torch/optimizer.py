@@ -18,9 +18,12 @@ import torch
 from hvdlite.common.core import (ProcessSet, ReduceOp, check_adasum_size, predivide_factors,
                                  process_set_engine, size)
 
+from hvdlite.common.core import powersgd_policy
+
 from .cohorts import Cohorts
-from .compression import Compression
+from .compression import Compression, PowerSGDCompressor
 from .mpi_ops import allreduce
+from .powersgd_reducer import PowerSGDReducer
 from .reducer import OptimizerMisuseError, Reducer  # noqa: F401 - importable here, as before
 from .state_dicts import load_state_keeping_groups
 
@@ -44,7 +47,9 @@ class DistributedOptimizerMixin(torch.optim.Optimizer):
         self._index = next(_created)
         self._should_synchronize = True
         names = self._names_of(named_parameters)
-        self._reducer = Reducer(self._index, backward_passes_per_step, op,
+        reducer_class = (PowerSGDReducer if isinstance(compression, PowerSGDCompressor)
+                         else Reducer)
+        self._reducer = reducer_class(self._index, backward_passes_per_step, op,
                                 predivide_factors(op, gradient_predivide_factor), compression,
                                 sparse_as_dense, process_set, Cohorts.from_groups(names, groups),
                                 self._member)
@@ -233,8 +238,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
       named_parameters (Iterable[tuple[str, torch.nn.Parameter]] | None):
         ``model.named_parameters()``; names identify gradients across ranks
         (without it, parameters are named by position, which must then match on all ranks).
-      compression (Compression): ``Compression.none`` (default), ``Compression.fp16`` or
-        ``Compression.bf16``.
+      compression (Compression): ``Compression.none`` (default), ``Compression.fp16``,
+        ``Compression.bf16``, or ``Compression.powersgd(rank=..., ...)``: low-rank (PowerSGD)
+        gradients, op Average or Sum only (see docs/compression.md).
       backward_passes_per_step: backward passes to accumulate locally before reducing.
       op: ``Average`` (default) or ``Sum`` (also Min/Max/Product), or ``Adasum``: gradients
         are combined with Adasum (float parameters, a power-of-two number of ranks).  Horovod
@@ -277,6 +283,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     if process_set is not None and not _outside(process_set):
         # type and registration checked up front (a non-member becomes a local optimizer)
         process_set_engine(process_set, "DistributedOptimizer(process_set=...)")
+    if isinstance(compression, PowerSGDCompressor):
+        powersgd_policy.check_op(op)
     if op == ReduceOp.Adasum:
         members = (size() if process_set is None or process_set.process_set_id == 0
                    else process_set.size())
