@@ -105,7 +105,7 @@ class PowerSGDState:
         self.counter = policy.StepCounter(config.start_iter)
         self.q: dict[str, torch.Tensor] = {}
         self.error: dict[str, torch.Tensor] = {}
-        self.world = None   # the engine the state was built with
+        self.world = None   # weak reference to the engine the state was built with
 
     def forget_factors(self) -> None:
         """Drop Q and the error feedback (after a join, where a rank missed steps)."""
@@ -123,7 +123,10 @@ class PowerSGDState:
         n, m = policy.matrix_shape(grad.shape)
         matrix = grad.reshape(n, m)
         error = self.error.get(name)
-        matrix = matrix + error if error is not None else matrix.clone()
+        if error is not None and error.shape == matrix.shape and error.dtype == matrix.dtype:
+            matrix = matrix + error
+        else:   # (none yet, or the parameter changed shape on every rank: start afresh)
+            matrix = matrix.clone()
         q = self.q.get(name) if self.config.warm_start else None
         r = policy.factor_rank(n, m, self.config.rank)
         if q is None or q.shape != (m, r) or q.dtype != grad.dtype:
