@@ -68,7 +68,20 @@ def _values(variables) -> list[np.ndarray]:
     return [np.array(v.numpy(), copy=True) for v in variables]
 
 
-class TensorFlowKerasState(ObjectState):
+class _VariablesState(ObjectState):
+    """An ObjectState that also keeps variables' values: ``save``/``restore`` copy them
+    (``_save_model``/``_load_model``, which each state defines) beside the plain attributes."""
+
+    def save(self) -> None:
+        self._save_model()
+        super().save()
+
+    def restore(self) -> None:
+        self._load_model()
+        super().restore()
+
+
+class TensorFlowKerasState(_VariablesState):
     """State of a Keras model and its optimizer (Horovod's ``TensorFlowKerasState``).
 
     Args:
@@ -87,14 +100,6 @@ class TensorFlowKerasState(ObjectState):
         self.backend = backend
         self._save_model()
         super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
-
-    def save(self) -> None:
-        self._save_model()
-        super().save()
-
-    def restore(self) -> None:
-        self._load_model()
-        super().restore()
 
     def sync(self) -> None:
         broadcast_variables(self.model.variables, root_rank=0)
@@ -140,7 +145,7 @@ class TensorFlowKerasState(ObjectState):
         super().load_committed_state(committed)
 
 
-class TensorFlowState(ObjectState):
+class TensorFlowState(_VariablesState):
     """State of a list of TensorFlow variables (Horovod's ``TensorFlowState``).
 
     Args:
@@ -157,14 +162,6 @@ class TensorFlowState(ObjectState):
         self._bcast_op = None if eager else broadcast_variables(self.variables, root_rank=0)
         self._save_model()
         super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
-
-    def save(self) -> None:
-        self._save_model()
-        super().save()
-
-    def restore(self) -> None:
-        self._load_model()
-        super().restore()
 
     def sync(self) -> None:
         if self.session is not None:

@@ -8,7 +8,7 @@ from tests.mpi_harness import STALL_SAFETY_NET_ENV, assert_every_case_reported, 
 
 WORKER = "tensorflow/workers/tf_keras_api_worker.py"
 BOTH = ["lr_schedule_momentum_correction", "local_variables", "elastic_callbacks",
-        "fit_with_callbacks", "load_model", "keras_state"]
+        "fit_with_callbacks", "load_model", "keras_state", "tensorflow_state"]
 CASES = {
     "keras2": (["keras_is_2"] + [f"step.{n}.{h}" for n in ("current", "legacy")
                                  for h in ("minimize", "tape", "tf.function")]

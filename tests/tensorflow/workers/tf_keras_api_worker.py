@@ -304,6 +304,22 @@ def keras_state_commit_restore():
     assert state.epoch == 2
 
 
+def tensorflow_state_commit_restore():
+    """TensorFlowState (plain variables): restore() brings back the committed values and
+    attributes; sync() takes rank 0's variables on every rank."""
+    v = tf.Variable(np.full(3, float(RANK), np.float32))
+    state = hvd.elastic.TensorFlowState([v], epoch=1)
+    state.sync()   # rank 0's values everywhere
+    np.testing.assert_array_equal(v.numpy(), np.zeros(3, np.float32))
+    v.assign(np.full(3, 5.0, np.float32))
+    state.commit()
+    v.assign(np.full(3, 9.0, np.float32))
+    state.epoch = 4
+    state.restore()
+    np.testing.assert_array_equal(v.numpy(), np.full(3, 5.0, np.float32))
+    assert state.epoch == 1
+
+
 if KERAS2:
     r.case("keras_is_2", check_keras_is, "tf_keras")
     for name, factory in (("current", keras.optimizers.SGD),
@@ -330,5 +346,6 @@ r.case("elastic_callbacks", elastic_callbacks)
 r.case("fit_with_callbacks", fit_with_callbacks)
 r.case("load_model", load_model_keeps_the_optimizer)
 r.case("keras_state", keras_state_commit_restore)
+r.case("tensorflow_state", tensorflow_state_commit_restore)
 r.write()
 hvd.shutdown()
