@@ -36,12 +36,14 @@ setup(
         "nccl": ["cupy-cuda13x>=14", "nvidia-nccl-cu13"],
         "nccl-cuda12": ["cupy-cuda12x>=13", "nvidia-nccl-cu12"],
         "examples": ["scikit-learn>=1.2"],
+        # hvdlite run --config-file: horovodrun's YAML configuration file.
+        "yaml": ["pyyaml>=5.1"],
         # hvdlite.ray: RayExecutor and the Ray Train backend (HvdliteTrainer).
         "ray": ["ray[train]>=2.40"],
         # hvdlite.spark: run/run_elastic on barrier stages and the estimators (Parquet through
         # pyarrow; PySpark's pandas support stops short of pandas 3).
         "spark": ["pyspark>=4.0", "pyarrow>=14", "pandas>=2,<3", "cloudpickle>=3"],
-        "test": ["pytest>=7", "pytest-timeout>=2", "scikit-learn>=1.2", "tqdm>=4"],
+        "test": ["pytest>=7", "pytest-timeout>=2", "scikit-learn>=1.2", "tqdm>=4", "pyyaml>=5.1"],
         # The documentation site (mkdocs.yml, docs/); tests/test_docs.py builds it in strict mode.
         "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings>=1.0",
                  "mkdocstrings-python>=2.0"],

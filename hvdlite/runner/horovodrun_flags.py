@@ -5,9 +5,13 @@ Three kinds:
 
 * flags with an hvdlite meaning (``--output-filename``, ``--network-interface(s)``,
   ``--binding-args``, ``-p/--ssh-port``, ``-i/--ssh-identity-file``, ``--start-timeout``,
-  ``-cb``, ``-v``) are ordinary options of the parser;
+  ``--config-file`` (:mod:`.config_file`), ``--prefix-output-with-timestamp``,
+  ``--log-with-timestamp``, ``--thread-affinity``, ``--tcp``, ``-cb``, ``-v``) are ordinary
+  options of the parser;
 * flags whose Horovod purpose is already met (``--mpi``: hvdlite always runs over MPI;
-  ``--disable-cache``: ``hvdlite run`` caches no start-up checks) are accepted and do nothing;
+  ``--disable-cache``: ``hvdlite run`` caches no start-up checks; ``--no-autotune``;
+  ``--log-without-timestamp``: the default; ``--num-nccl-streams 1``: hvdlite's one stream) are
+  accepted and do nothing;
 * flags for features hvdlite does not have stop the launch with a message that says why and
   what to use instead (:data:`UNSUPPORTED`), rather than argparse's bare "unrecognized
   arguments" or, worse, a silently different job.
@@ -15,16 +19,22 @@ Three kinds:
 from __future__ import annotations
 
 import argparse
-from typing import Sequence
+import contextlib
+import datetime
+import os
+import sys
+from typing import Iterator, Sequence, TextIO
 
 _AUTOTUNE = ("hvdlite has no autotuner; set --fusion-threshold-mb and --cycle-time-ms "
              "(docs/knobs.md lists every knob).")
+NCCL_STREAMS = ("hvdlite runs NCCL operations on one CUDA stream per GPU (1, Horovod's default, "
+                "is accepted); several streams are not implemented.")
 
 # flag spellings -> (number of values it takes, why it is refused)
 UNSUPPORTED: dict[tuple[str, ...], tuple[int, str]] = {
     ("--gloo",): (0, "hvdlite runs over MPI only (no Gloo controller); drop --gloo."),
-    ("--jsrun",): (0, "hvdlite does not drive jsrun; it uses the installed mpiexec/mpirun "
-                      "(choose one with --mpiexec)."),
+    ("--jsrun",): (0, "hvdlite does not drive jsrun (IBM LSF); it uses the installed "
+                      "mpiexec/mpirun (choose one with --mpiexec)."),
     ("--gloo-timeout-seconds",): (1, "hvdlite has no Gloo controller; drop this flag."),
     ("--autotune",): (0, _AUTOTUNE),
     ("--autotune-log-file",): (1, _AUTOTUNE),
@@ -32,22 +42,19 @@ UNSUPPORTED: dict[tuple[str, ...], tuple[int, str]] = {
     ("--autotune-steps-per-sample",): (1, _AUTOTUNE),
     ("--autotune-bayes-opt-max-samples",): (1, _AUTOTUNE),
     ("--autotune-gaussian-process-noise",): (1, _AUTOTUNE),
-    ("--num-nccl-streams",): (1, "hvdlite runs NCCL operations on one stream; drop this flag."),
-    ("--thread-affinity",): (1, "hvdlite does not pin its background thread; bind processes "
-                                "with --binding-args or your launcher's options instead."),
-    ("--mpi-threads-disable",): (0, "hvdlite's background thread needs a thread-capable MPI "
-                                    "(MPI_THREAD_MULTIPLE); this switch does not exist."),
-    ("--tcp",): (0, "choose MPI's transport through the launcher instead, e.g. for Open MPI "
-                    "--mpi-args=\"--mca btl tcp,self,vader\"."),
-    ("--config-file",): (1, "hvdlite run reads no YAML configuration; give the flags on the "
-                            "command line or set HVDLITE_* variables."),
-    ("-prefix-timestamp", "--prefix-output-with-timestamp"): (
-        0, "hvdlite run does not timestamp output lines; Open MPI can: "
-           "--mpi-args=--timestamp-output."),
-    ("--log-with-timestamp",): (0, "hvdlite's log format is fixed; drop this flag."),
-    ("--log-without-timestamp", "--log-hide-timestamp"): (
-        0, "hvdlite's log format is fixed; drop this flag."),
+    ("--mpi-threads-disable",): (0, "hvdlite calls MPI from several threads at once (one "
+                                    "engine thread per process set, and the calling thread for "
+                                    "process-set registration and object collectives), which "
+                                    "needs MPI_THREAD_MULTIPLE."),
 }
+# read by each rank's engine thread (hvdlite.common.runtime.affinity, which the launcher does
+# not import: the core is reached only through hvdlite.common.core)
+THREAD_AFFINITY_VARIABLE = "HVDLITE_THREAD_AFFINITY"
+# the per-rank output wrapper's (rank_output's) option, and its DIR when no files are wanted
+WRAPPER_TIMESTAMP_FLAG = "--prefix-timestamp"
+WRAPPER_NO_FILES = "-"
+# Horovod's line prefix for its log with timestamps: [2026-11-29 10:00:00.123456: ...]
+LOG_TIME_FORMAT = "%Y-%m-%d %H:%M:%S.%f"
 
 
 def _port(text: str) -> int:
@@ -67,6 +74,28 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _cores(text: str) -> str:
+    """``--thread-affinity``: one core id per local rank, comma-separated (horovodrun's flag
+    takes one integer, its variable a list; both are accepted)."""
+    words = [word.strip() for word in text.split(",")]
+    for word in words:
+        if not word.isdigit():
+            raise argparse.ArgumentTypeError(
+                f"{word!r} is not a core id (a non-negative integer); give one core per local "
+                f"rank, separated by commas, e.g. 0,1")
+    return ",".join(str(int(word)) for word in words)
+
+
+def _nccl_streams(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value != 1:
+        raise argparse.ArgumentTypeError(f"{value} is not supported: {NCCL_STREAMS}")
     return value
 
 
@@ -115,6 +144,31 @@ def add_options(parser: argparse.ArgumentParser, version: str) -> None:
     group.add_argument("--start-timeout", type=_seconds, metavar="S",
                        help="seconds the check that every remote host can be reached over ssh "
                             "may take (default 30)")
+    group.add_argument("--config-file", metavar="FILE",
+                       help="horovodrun's YAML configuration file (params, timeline, stall_check, "
+                            "library_options, logging); flags on the command line win")
+    group.add_argument("-prefix-timestamp", "--prefix-output-with-timestamp",
+                       dest="prefix_output_with_timestamp", action="store_true",
+                       help="start every line of the ranks' output with the time and rank: "
+                            "'Mon Nov 30 10:00:00 2026[1]<stdout>:'")
+    stamps = group.add_mutually_exclusive_group()
+    for spellings, value, text in (
+            (("--log-with-timestamp", "--no-log-hide-timestamp"), True,
+             "start hvdlite run's own message lines with the date and time"),
+            (("--log-without-timestamp", "--log-hide-timestamp"), False,
+             "hvdlite run's own message lines without the time (the default)")):
+        stamps.add_argument(*spellings, dest="log_with_timestamp", action="store_const",
+                            const=value, help=text)
+    group.add_argument("--thread-affinity", type=_cores, metavar="CORE[,CORE]",
+                       help="pin each rank's engine thread to a core: one core id per local "
+                            "rank (sets HVDLITE_THREAD_AFFINITY)")
+    group.add_argument("--tcp", action="store_true",
+                       help="MPI and NCCL traffic between hosts over TCP only (not InfiniBand "
+                            "or other fabrics)")
+    group.add_argument("--num-nccl-streams", type=_nccl_streams, metavar="1",
+                       help="accepted with 1: hvdlite uses one NCCL stream per GPU")
+    group.add_argument("--no-autotune", action="store_true",
+                       help="accepted: hvdlite has no autotuner")
     group.add_argument("--mpi", action="store_true",
                        help="accepted: hvdlite always runs over MPI")
     group.add_argument("--disable-cache", action="store_true",
@@ -136,3 +190,61 @@ def nic_env(nics: Sequence[str]) -> dict[str, str]:
     if len(nics) == 1:
         env["FI_TCP_IFACE"] = nics[0]
     return env
+
+
+def rank_env(args: argparse.Namespace) -> dict[str, str]:
+    """Variables the ranks get from horovodrun flags that are not knobs: the engine thread's
+    core list of ``--thread-affinity`` (read by :mod:`hvdlite.common.runtime.affinity`)."""
+    if args.thread_affinity is None:
+        return {}
+    return {THREAD_AFFINITY_VARIABLE: args.thread_affinity}
+
+
+class TimestampedLines:
+    """A text stream that starts each of ``hvdlite run``'s own message lines (those that begin
+    with ``hvdlite``) with ``[date time]``, for ``--log-with-timestamp``; other text passes
+    through unchanged."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.at_line_start = True
+
+    def write(self, text: str) -> int:
+        """Write ``text``, stamping the message lines that start in it."""
+        out = []
+        for line in text.splitlines(keepends=True):
+            if self.at_line_start and line.startswith("hvdlite"):
+                out.append(f"[{datetime.datetime.now().strftime(LOG_TIME_FORMAT)}] ")
+            out.append(line)
+            self.at_line_start = line.endswith("\n")
+        return self.stream.write("".join(out))
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def launcher_log(with_timestamp: bool | None) -> Iterator[None]:
+    """Within it, ``hvdlite run``'s messages on ``sys.stderr`` carry a timestamp when
+    ``with_timestamp`` (``--log-with-timestamp``)."""
+    if not with_timestamp:
+        yield
+        return
+    previous, sys.stderr = sys.stderr, TimestampedLines(sys.stderr)
+    try:
+        yield
+    finally:
+        sys.stderr = previous
+
+
+def wrapper_command(output_dir: str | None, timestamps: bool, np: int,
+                    command: Sequence[str]) -> list[str]:
+    """``command`` run under the per-rank output wrapper (:mod:`.rank_output`) for
+    ``--output-filename output_dir`` and/or ``--prefix-output-with-timestamp`` (``command``
+    itself when neither is asked for)."""
+    if output_dir is None and not timestamps:
+        return list(command)
+    return ([sys.executable, "-m", "hvdlite.runner.rank_output"]
+            + ([WRAPPER_TIMESTAMP_FLAG] if timestamps else [])
+            + [WRAPPER_NO_FILES if output_dir is None else os.path.abspath(output_dir), str(np)]
+            + list(command))

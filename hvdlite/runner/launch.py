@@ -21,7 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Mapping, Sequence, TextIO, TypeVar
 
-from . import check_build, elastic, horovodrun_flags, host_check, mpi_flavor, slurm
+from . import (check_build, config_file, elastic, horovodrun_flags, host_check, mpi_flavor,
+               slurm)
 from hvdlite.common.core import KNOBS, Flag, Knob
 from ..version import __version__
 from .job_process import run_job, start_job
@@ -140,9 +141,15 @@ def parse_args(argv: Sequence[str],
     argv = list(argv)
     if argv[:1] == ["run"]:
         argv = argv[1:]
-    args = (parser or build_parser()).parse_args(argv)
+    parser = parser or build_parser()
+    args = parser.parse_args(argv)
     if args.command[:1] == ["--"]:
         args.command = args.command[1:]
+    if args.config_file:   # its settings where the command line gave none
+        try:
+            config_file.apply(args, build_parser)
+        except UsageError as exc:
+            parser.error(str(exc))
     return args
 
 
@@ -187,6 +194,7 @@ def job_env(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, s
     for name, value in horovodrun_flags.nic_env(args.nics or []).items():
         env.setdefault(name, value)
     env.update(knob_env(args))
+    env.update(horovodrun_flags.rank_env(args))
     return env
 
 
@@ -285,10 +293,9 @@ def plan_job(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[JobS
         except slurm.SlurmError as exc:
             raise LaunchError(str(exc)) from None
     np = process_count(args, hosts or (known[0] if known else None))
-    command = list(args.command)
-    if args.output_filename:   # every rank runs its command under the per-rank output tee
-        command = [sys.executable, "-m", "hvdlite.runner.rank_output",
-                   os.path.abspath(args.output_filename), str(np)] + command
+    # every rank runs its command under the per-rank output tee / timestamping wrapper
+    command = horovodrun_flags.wrapper_command(args.output_filename,
+                                               args.prefix_output_with_timestamp, np, args.command)
     spec = JobSpec(np=np, command=command, hosts=hosts, env=job_env(args, environ),
                    mpi_args=(_mpi_args(args.binding_args, "--binding-args")
                              + _mpi_args(args.mpi_args)),
@@ -383,6 +390,8 @@ def prepare(args: argparse.Namespace, environ: Mapping[str, str], forward: Seque
     if spec.ssh_args is not None and given:
         raise UsageError(f"-p/-i and --mpi-args' {given} both set the launcher's ssh "
                          f"arguments; give them in one place")
+    if args.tcp:
+        mpi_flavor.apply_tcp(flavor, spec)
     env = mpi_flavor.child_environment(environ, spec.env, bin_dir)
     env.update(mpi_flavor.launcher_environment(flavor, spec))
     hosts = spec.hosts
@@ -430,8 +439,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     if args.check_build:
         return check_build.main(args.mpiexec)
-    try:
-        return launch(args)
-    except LaunchError as exc:
-        print(f"hvdlite: error: {exc}", file=sys.stderr)
-        return exc.exit_status
+    with horovodrun_flags.launcher_log(args.log_with_timestamp):
+        try:
+            return launch(args)
+        except LaunchError as exc:
+            print(f"hvdlite: error: {exc}", file=sys.stderr)
+            return exc.exit_status

@@ -298,6 +298,41 @@ def _hydra_ssh(flavor: MpiFlavor, job: JobSpec) -> list[str]:
     return argv
 
 
+# --- --tcp ---------------------------------------------------------------------------------------
+def tcp_settings(flavor: MpiFlavor, mpi_args: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """The variables and launcher arguments that make MPI carry its traffic between hosts over
+    TCP only (horovodrun's ``--tcp``), and NCCL too (``NCCL_IB_DISABLE=1``, as horovodrun sets).
+
+    MPICH: its ch4 ofi netmod with libfabric's tcp provider (``MPIR_CVAR_CH4_NETMOD=ofi``,
+    ``FI_PROVIDER=tcp``; MPICH's UCX netmod would pick InfiniBand); Intel MPI: libfabric's tcp
+    provider; Open MPI: the ob1 PML with the TCP BTL (``--mca pml ob1 --mca btl
+    tcp,self,<shared memory>``), except what ``mpi_args`` already sets.  Within a host, MPI
+    keeps its shared memory (as Spectrum MPI's ``-tcp``, which horovodrun uses): only the
+    network is concerned."""
+    env = {"NCCL_IB_DISABLE": "1"}
+    if flavor.kind == MPICH:
+        env.update(MPIR_CVAR_CH4_NETMOD="ofi", FI_PROVIDER="tcp")
+        return env, []
+    if flavor.kind == INTEL_MPI:
+        env.update(FI_PROVIDER="tcp", I_MPI_OFI_PROVIDER="tcp")
+        return env, []
+    shared = "sm" if flavor.version and flavor.version[0] >= 5 else "vader"  # renamed in 5
+    args: list[str] = []
+    for name, value in (("pml", "ob1"), ("btl", f"tcp,self,{shared}")):
+        if mca_value(mpi_args, name) is None:
+            args += ["--mca", name, value]
+    return env, args
+
+
+def apply_tcp(flavor: MpiFlavor, job: JobSpec) -> None:
+    """Add :func:`tcp_settings` to ``job``: variables the job does not set itself (``-x``
+    wins), launcher arguments before ``--mpi-args``."""
+    env, args = tcp_settings(flavor, job.mpi_args)
+    for name, value in env.items():
+        job.env.setdefault(name, value)
+    job.mpi_args[:0] = args
+
+
 # --- command construction ------------------------------------------------------------------------
 def _hydra_command(launcher: str, flavor: MpiFlavor, job: JobSpec) -> list[str]:
     argv = [launcher, "-n", str(job.np)]

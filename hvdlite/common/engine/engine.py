@@ -29,6 +29,7 @@ from hvdlite.common.engine.in_flight import InFlight
 from hvdlite.common.engine.transport import MPITransport, Transport
 from hvdlite.common.errors import HvdliteError, RankExitedError
 from hvdlite.common.runtime import timeline as _timeline
+from hvdlite.common.runtime.affinity import pin_engine_thread
 
 log = logging.getLogger("hvdlite")
 
@@ -117,6 +118,7 @@ class Engine:
 
     # --- engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
+        pin_engine_thread()   # HOROVOD_THREAD_AFFINITY / --thread-affinity, if set
         take_work, controller = self.admission.take_work, self.controller
         execution, completion = self.execution, self.completion
         pause = 0.0

@@ -2,18 +2,26 @@
 the jobs with ``--output-filename`` run in tests/launcher/test_hvdlite_run.py)."""
 from __future__ import annotations
 
+import io
+import os
+import re
 import signal
 import sys
+import threading
 
 import pytest
 
 import hvdlite
+from hvdlite.common.runtime import affinity
 from hvdlite.runner import horovodrun_flags, launch, mpi_flavor, rank_output
 from hvdlite.runner.mpi_flavor import INTEL_MPI, MPICH, OPEN_MPI, MpiFlavor
 
 HYDRA = MpiFlavor(MPICH, (4, 2, 1))
 INTEL = MpiFlavor(INTEL_MPI, (2021, 10))
 OMPI4 = MpiFlavor(OPEN_MPI, (4, 1, 2))
+OMPI5 = MpiFlavor(OPEN_MPI, (5, 0, 3))
+# Horovod's prefix (safe_shell_exec.prefix_connection): time.asctime() then [rank]<stream>:
+STAMP = r"\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4}"
 
 
 def plan(argv: list[str], environ: dict | None = None) -> mpi_flavor.JobSpec:
@@ -23,8 +31,15 @@ def plan(argv: list[str], environ: dict | None = None) -> mpi_flavor.JobSpec:
 
 def test_accepted_no_op_flags_change_nothing():
     plain = plan(["-np", "2", "python", "t.py"])
-    compat = plan(["-np", "2", "--mpi", "--disable-cache", "python", "t.py"])
+    compat = plan(["-np", "2", "--mpi", "--disable-cache", "--no-autotune", "--num-nccl-streams",
+                   "1", "--log-without-timestamp", "python", "t.py"])
     assert compat == plain
+    assert plan(["-np", "2", "--log-hide-timestamp", "python", "t.py"]) == plain
+
+
+def test_num_nccl_streams_other_than_one_is_refused(capsys):
+    assert launch.main(["-np", "2", "--num-nccl-streams", "2", "python", "t.py"]) == 2
+    assert horovodrun_flags.NCCL_STREAMS in capsys.readouterr().err
 
 
 def test_check_build_short_spelling():
@@ -176,3 +191,143 @@ def test_wrapper_main_usage_and_missing_rank(tmp_path, monkeypatch, capsys):
         monkeypatch.delenv(name, raising=False)
     assert rank_output.main([str(tmp_path), "2", "true"]) == 1
     assert "none of PMI_RANK" in capsys.readouterr().err
+
+
+def test_wrapper_prefixes_each_line_with_horovod_s_timestamp(tmp_path, capfd):
+    code = ("import sys; sys.stdout.write('a\\nb\\rc'); sys.stdout.flush(); "
+            "print('e', file=sys.stderr)")
+    status = rank_output.run(str(tmp_path), 2, [sys.executable, "-c", code],
+                             environ={"PMI_RANK": "1"}, timestamps=True)
+    assert status == 0
+    out = (tmp_path / "rank.1" / "stdout").read_bytes().decode()   # \r kept
+    assert re.fullmatch(f"{STAMP}\\[1\\]<stdout>:a\n{STAMP}\\[1\\]<stdout>:b\r"
+                        f"{STAMP}\\[1\\]<stdout>:c", out), repr(out)
+    assert re.fullmatch(f"{STAMP}\\[1\\]<stderr>:e\n",
+                        (tmp_path / "rank.1" / "stderr").read_text())
+    console = capfd.readouterr()
+    assert console.out == out and re.fullmatch(f"{STAMP}\\[1\\]<stderr>:e\n", console.err)
+
+
+def test_line_prefixer_keeps_unfinished_lines_until_they_end():
+    prefixer = rank_output.LinePrefixer(lambda: b"> ")
+    assert prefixer.feed(b"ab") == b""
+    assert prefixer.feed(b"c\nd") == b"> abc\n"
+    assert prefixer.finish() == b"> d" and prefixer.finish() == b""
+
+
+def test_wrapper_command_for_timestamps_files_or_both(tmp_path):
+    wrap = [sys.executable, "-m", "hvdlite.runner.rank_output"]
+    assert horovodrun_flags.wrapper_command(None, False, 2, ["cmd"]) == ["cmd"]
+    assert horovodrun_flags.wrapper_command(None, True, 2, ["cmd"]) == wrap + [
+        "--prefix-timestamp", "-", "2", "cmd"]
+    assert horovodrun_flags.wrapper_command(str(tmp_path), True, 2, ["cmd"]) == wrap + [
+        "--prefix-timestamp", str(tmp_path), "2", "cmd"]
+    for flag in ("-prefix-timestamp", "--prefix-output-with-timestamp"):
+        assert plan(["-np", "2", flag, "cmd"]).command == wrap + [
+            "--prefix-timestamp", "-", "2", "cmd"]
+
+
+def test_wrapper_main_timestamps_without_files(tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PMI_RANK", "0")
+    assert rank_output.main(["--prefix-timestamp", "-", "1", sys.executable, "-c",
+                             "print('x')"]) == 0
+    assert re.fullmatch(f"{STAMP}\\[0\\]<stdout>:x\n", capfd.readouterr().out)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_log_with_timestamp_stamps_hvdlite_s_own_lines(capsys):
+    for flags, stamped in ((["--log-with-timestamp"], True), (["--no-log-hide-timestamp"], True),
+                           (["--log-without-timestamp"], False), ([], False)):
+        assert launch.main(["-np", "2"] + flags) == 2   # no command: hvdlite's error line
+        err = capsys.readouterr().err
+        assert bool(re.match(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\] hvdlite: error: "
+                             r"no command given", err)) == stamped, err
+    assert launch.main(["-np", "2", "--log-with-timestamp", "--log-hide-timestamp", "c"]) == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_timestamped_lines_leave_other_text_alone():
+    sink = io.StringIO()
+    stream = horovodrun_flags.TimestampedLines(sink)
+    stream.write("rank output\nhvdlite: one")
+    stream.write(" line\n")
+    text = sink.getvalue()
+    assert text.startswith("rank output\n[") and text.endswith("] hvdlite: one line\n")
+
+
+# --- --thread-affinity --------------------------------------------------------------------------
+def test_thread_affinity_flag_exports_the_core_list():
+    assert plan(["-np", "2", "--thread-affinity", "3, 1", "cmd"]).env[
+        "HVDLITE_THREAD_AFFINITY"] == "3,1"
+    assert "HVDLITE_THREAD_AFFINITY" not in plan(["-np", "2", "cmd"]).env
+    with pytest.raises(SystemExit):
+        launch.parse_args(["-np", "2", "--thread-affinity", "1,x", "cmd"])
+    assert horovodrun_flags.THREAD_AFFINITY_VARIABLE == affinity.VARIABLES[0]
+
+
+@pytest.mark.parametrize("environ,expected", [
+    ({}, (None, None)),
+    ({"HOROVOD_THREAD_AFFINITY": "4,5", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"},
+     (5, None)),
+    ({"HVDLITE_THREAD_AFFINITY": "6", "HOROVOD_THREAD_AFFINITY": "4",
+      "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}, (6, None)),
+    ({"HVDLITE_THREAD_AFFINITY": "2"}, (2, None)),   # no launcher: a one-entry list
+])
+def test_core_for_this_rank(environ, expected):
+    assert affinity.core_for_this_rank(environ) == expected
+
+
+@pytest.mark.parametrize("environ,problem", [
+    ({"HVDLITE_THREAD_AFFINITY": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"},
+     "expected 2 core ids (one per local rank), got 1"),
+    ({"HVDLITE_THREAD_AFFINITY": "a"}, "'a' is not a core id"),
+    ({"HVDLITE_THREAD_AFFINITY": "1,2"}, "no launcher variable gives this process's local rank"),
+])
+def test_core_for_this_rank_problems_as_horovod_logs_them(environ, problem):
+    core, found = affinity.core_for_this_rank(environ)
+    assert core is None and problem in found
+
+
+def test_pin_engine_thread_pins_only_the_calling_thread(caplog):
+    core = max(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    results = []
+
+    def engine_thread():
+        results.append(affinity.pin_engine_thread({"HVDLITE_THREAD_AFFINITY": str(core)}))
+        results.append(os.sched_getaffinity(threading.get_native_id()))
+
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    thread.join()
+    assert results == [core, {core}]
+    assert os.sched_getaffinity(0) == before
+    assert affinity.pin_engine_thread({"HVDLITE_THREAD_AFFINITY": "x"}) is None
+    assert "the engine thread is not pinned" in caplog.text
+
+
+# --- --tcp --------------------------------------------------------------------------------------
+def test_tcp_for_each_flavor():
+    spec = plan(["-np", "2", "--tcp", "-x", "FI_PROVIDER=sockets", "cmd"])
+    mpi_flavor.apply_tcp(HYDRA, spec)
+    assert spec.env["MPIR_CVAR_CH4_NETMOD"] == "ofi" and spec.env["NCCL_IB_DISABLE"] == "1"
+    assert spec.env["FI_PROVIDER"] == "sockets"   # -x wins
+    env, args = mpi_flavor.tcp_settings(INTEL, [])
+    assert env["I_MPI_OFI_PROVIDER"] == env["FI_PROVIDER"] == "tcp" and args == []
+    assert mpi_flavor.tcp_settings(OMPI4, [])[1] == ["--mca", "pml", "ob1",
+                                                     "--mca", "btl", "tcp,self,vader"]
+    assert mpi_flavor.tcp_settings(OMPI5, [])[1][-1] == "tcp,self,sm"
+    spec = plan(["-np", "2", "--tcp", "--mpi-args=--mca btl tcp,self", "cmd"])
+    mpi_flavor.apply_tcp(OMPI4, spec)
+    argv = mpi_flavor.build_command("mpirun", OMPI4, spec)
+    assert argv[-7:] == ["--mca", "pml", "ob1", "--mca", "btl", "tcp,self", "cmd"]
+
+
+def test_tcp_reaches_the_launcher(monkeypatch, tmp_path):
+    monkeypatch.setattr(launch, "detect_launcher", lambda explicit: ("mpirun", OMPI4))
+    args = launch.parse_args(["-np", "2", "--tcp", "cmd"])
+    argv, env = launch.prepare(args, {"PATH": "/usr/bin"}, (), str(tmp_path))
+    assert "tcp,self,vader" in argv and env["NCCL_IB_DISABLE"] == "1"
+    assert "NCCL_IB_DISABLE" not in launch.prepare(launch.parse_args(["-np", "2", "cmd"]),
+                                                   {"PATH": "/usr/bin"}, (), str(tmp_path))[1]
