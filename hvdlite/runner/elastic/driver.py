@@ -288,9 +288,14 @@ class ElasticDriver:
     def _stop_for_signal(self, world: WorldRecord) -> WorldEnd:
         self.provider.stop(world, hard=False, signum=self.signals[0])
         deadline = time.monotonic() + KILL_GRACE + 2
+        hard_at = None   # when the hard stop was sent (once)
         while not self.provider.poll(world, POLL_SECONDS):
-            if time.monotonic() > deadline or len(self.signals) > 1:
+            now = time.monotonic()
+            if hard_at is None and (now > deadline or len(self.signals) > 1):
                 self.provider.stop(world, hard=True)
+                hard_at = now
+            elif hard_at is not None and now > hard_at + KILL_GRACE + 2:
+                break   # not even a hard stop ended it: settle what can be, do not wait forever
         self.provider.settle(world)
         return WorldEnd("stopped", [], "stopped by a signal", 128 + self.signals[0])
 

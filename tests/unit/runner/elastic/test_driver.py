@@ -330,3 +330,26 @@ def test_a_world_is_placed_on_what_discovery_says_now_not_at_its_last_run():
     driver, provider, discoverer, discovery = make([finishes], {"a": 2, "b": 2}, max_np=4)
     del discovery.hosts["b"]   # the discoverer (not started here) last saw b
     assert driver.wait_for_slots(discoverer, 2) == [("a", 2)]
+
+
+def test_a_signal_stops_a_world_that_ignores_every_stop_without_waiting_forever(monkeypatch):
+    """_stop_for_signal: a polite stop, then one hard stop, then it gives up on a world that
+    never ends (rather than killing it again on every poll, forever)."""
+    import threading
+    monkeypatch.setattr(drivermod, "KILL_GRACE", 0.05)
+    driver, provider, discoverer, _ = make([finishes], {"a": 2})
+    discoverer.stop()
+    world = WorldRecord(index=0, placement=[("a", 2)], host_of={0: "a", 1: "a"}, started=0.0)
+    provider.poll = lambda world, timeout: False   # never ends, whatever it is told
+    provider.stop = lambda world, hard, signum=None: provider.stopped.append((world.index,
+                                                                              hard))
+    driver.signals.append(15)
+    ends = []
+    stopper = threading.Thread(target=lambda: ends.append(driver._stop_for_signal(world)),
+                               daemon=True)
+    stopper.start()
+    stopper.join(20)
+    assert not stopper.is_alive(), "the driver waits forever for a world that never ends"
+    [end] = ends
+    assert provider.stopped == [(0, False), (0, True)]
+    assert (end.kind, end.status) == ("stopped", 128 + 15)
