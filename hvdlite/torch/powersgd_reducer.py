@@ -6,7 +6,7 @@ gradients are complete (end of backward, or ``synchronize()``) every gradient is
 once:
 
 1. before ``start_iter`` steps: one grouped allreduce of all gradients, as without compression;
-2. then: the gradients that compress (see hvdlite/common/powersgd.py) become P = M Q, all P in
+2. then: the gradients that compress (see hvdlite/common/api/powersgd.py) become P = M Q, all P in
    one grouped allreduce (Sum); the uncompressed ones travel in one flat bucket alongside;
    each P is orthogonalized, Q = M^T P, all Q in a second grouped allreduce (the optimizer's
    op, Average or Sum, and its predivide factors); ``.grad`` becomes P Q^T.
