@@ -117,8 +117,8 @@ class HierarchicalPath(DataPath):
             return False
         if not self._spans_hosts():   # collective on first use
             return False
-        if response.kind == ALLGATHER:
-            return self._gather_room(response)
+        if response.kind == ALLGATHER:   # (a fused batch of small ones: one flat Allgatherv)
+            return len(batch) == 1 and self._gather_room(response)
         return True
 
     def _spans_hosts(self) -> bool:

@@ -1,8 +1,9 @@
 """The MPI data path for host buffers: every operation, on numpy views, through MPI calls.
 
 The fallback of the host paths (it serves any batch): allreduce (one tensor in place, or a fused
-batch through the host fusion buffer; at one rank only the copy and the scaling), allgather,
-broadcast, alltoall, reducescatter and barrier.  The intra-node paths (direct copies, the
+batch through the host fusion buffer; at one rank only the copy and the scaling), allgather and
+reducescatter (one tensor, or a fused batch as one ``Allgatherv`` / ``Reduce_scatter``: each
+rank's rows of every member back to back), broadcast, alltoall and barrier.  The intra-node paths (direct copies, the
 shared-memory window) and Adasum come before it in the engine's list.
 """
 from __future__ import annotations
@@ -39,6 +40,8 @@ class MPIPath(DataPath):
         # Roots arrive as global ranks; MPI wants the rank in this process set's communicator.
         self._local_rank_of = {g: i for i, g in enumerate(context.global_ranks)}
         self._fusion = FusionBuffer()
+        self._results = FusionBuffer()   # a fused allgather's or reducescatter's result
+        self.fused_gathers = 0           # fused allgather/reducescatter batches (tests look)
         self._max_sleep = context.max_sleep
         self._on_slow = context.on_slow
         self._across_hosts: bool | None = None   # decided collectively on first need
@@ -87,13 +90,19 @@ class MPIPath(DataPath):
             else:
                 self._allreduce_fused(batch)
         elif response.kind == ALLGATHER:
-            self._allgather(response, entry)
+            if len(batch) == 1:
+                self._allgather(response, entry)
+            else:
+                self._allgather_fused(batch)
         elif response.kind == BROADCAST:
             self._broadcast(response, entry)
         elif response.kind == ALLTOALL:
             self._alltoall(response, entry)
         elif response.kind == REDUCESCATTER:
-            self._reducescatter(response, entry)
+            if len(batch) == 1:
+                self._reducescatter(response, entry)
+            else:
+                self._reducescatter_fused(batch)
         elif response.kind == BARRIER:
             pass  # negotiation completing on every rank *is* the barrier
         else:
@@ -209,3 +218,75 @@ class MPIPath(DataPath):
         if not info.is_bool:
             scale_in_place(flat, self._postscale(response))
         entry.output = out
+
+    def _allgather_fused(self, batch: Batch) -> None:
+        """Several allgathers of one dtype as one ``Allgatherv``: each rank sends its rows of
+        every member back to back; each member's result is then cut out of every rank's
+        block, in rank order."""
+        response = batch[0][0]
+        info = dtype_info(response.dtype)
+        layouts = [row_layout(r.shape) for r, _ in batch]
+        counts = [[d * row for d in r.first_dims] for (r, _), (_, row) in zip(batch, layouts)]
+        per_rank = [sum(c[q] for c in counts) for q in range(self.size)]
+        send = self._fusion.view(per_rank[self.rank] * info.itemsize, info.np_dtype)
+        phase(batch, "MEMCPY_IN_FUSION_BUFFER")
+        np.concatenate([e.array for _, e in batch], axis=None, out=send)
+        recv = self._results.view(sum(per_rank) * info.itemsize, info.np_dtype)
+        starts = displacements(per_rank)
+        mpi_type = mpi_datatype(info)
+        phase(batch, "MPI_ALLGATHER")
+        request = self.comm.Iallgatherv([send, mpi_type], [recv, (per_rank, starts), mpi_type])
+        if recv.nbytes <= POLITE_MAX_BYTES:
+            self._wait(request)
+        else:
+            wait_inside_mpi(request)
+        phase(batch, "MEMCPY_OUT_FUSION_BUFFER")
+        for (response, entry), c, (row_shape, _) in zip(batch, counts, layouts):
+            out = entry.allocate((sum(response.first_dims),) + row_shape, info.np_dtype)
+            np.concatenate([recv[starts[q]:starts[q] + c[q]] for q in range(self.size)],
+                           out=out.reshape(-1))
+            for q in range(self.size):
+                starts[q] += c[q]
+            entry.output = out
+        self.fused_gathers += 1
+
+    def _reducescatter_fused(self, batch: Batch) -> None:
+        """Several reducescatters of one dtype and op as one ``Reduce_scatter``: the send
+        buffer holds, rank by rank, every member's rows for that rank (see ``split_rows``), so
+        each rank receives its rows of every member back to back."""
+        response = batch[0][0]
+        info = dtype_info(response.dtype)
+        layouts = [row_layout(r.shape) for r, _ in batch]
+        rows = [split_rows(r.shape[0], self.size) for r, _ in batch]
+        counts = [[n * row for n in member_rows]
+                  for member_rows, (_, row) in zip(rows, layouts)]
+        per_rank = [sum(c[q] for c in counts) for q in range(self.size)]
+        send = self._fusion.view(sum(per_rank) * info.itemsize, info.np_dtype)
+        phase(batch, "MEMCPY_IN_FUSION_BUFFER")
+        at = displacements(per_rank)
+        for (_, entry), c in zip(batch, counts):
+            src, offset = entry.array.reshape(-1), 0
+            for q in range(self.size):
+                scale_into(send[at[q]:at[q] + c[q]], src[offset:offset + c[q]],
+                           response.prescale)
+                at[q] += c[q]
+                offset += c[q]
+        mine = per_rank[self.rank]
+        recv = self._results.view(mine * info.itemsize, info.np_dtype)
+        phase(batch, "MPI_REDUCESCATTER")
+        if self.size == 1:
+            np.copyto(recv, send)
+        else:
+            self.comm.Reduce_scatter([send, mpi_datatype(info)], [recv, mpi_datatype(info)],
+                                     per_rank,
+                                     op=mpi_reduce_op(info, ReduceOp(response.reduce_op)))
+        phase(batch, "MEMCPY_OUT_FUSION_BUFFER")
+        factor = 1.0 if info.is_bool else self._postscale(response)
+        offset = 0
+        for (_, entry), c, member_rows, (row_shape, _) in zip(batch, counts, rows, layouts):
+            n = c[self.rank]
+            out = entry.allocate((member_rows[self.rank],) + row_shape, info.np_dtype)
+            scale_into(out.reshape(-1), recv[offset:offset + n], factor)
+            offset += n
+            entry.output = out
+        self.fused_gathers += 1

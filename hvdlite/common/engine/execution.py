@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import operator
 from typing import Callable
 
@@ -24,7 +25,8 @@ from hvdlite.common.engine.data_path import PathContext, select
 from hvdlite.common.engine.early import EARLY_MAX_BYTES, EarlyPlan
 from hvdlite.common.engine.fusion import plan_batches
 from hvdlite.common.engine.handle import Entry
-from hvdlite.common.engine.messages import ALLREDUCE, ERROR_FAILED_ON_RANK, ERROR_STALL, Response
+from hvdlite.common.engine.messages import (ALLGATHER, ALLREDUCE, ERROR_FAILED_ON_RANK,
+                                            ERROR_STALL, REDUCESCATTER, Response)
 from hvdlite.common.errors import (FailedOnRankError, HvdliteError, StallError,
                                    TensorMismatchError)
 from hvdlite.common.gpu import cuda
@@ -44,20 +46,33 @@ FUSE_BELOW_BYTES = 1 << 20
 FUSION_FIELDS = ("dtype", "reduce_op", "device", "prescale", "postscale")
 _fusion_fields = operator.itemgetter(*(Response._fields.index(f) for f in FUSION_FIELDS))
 
+# Kinds whose small host operations fuse beside allreduce (see fusion_key).
+_GATHERING = (ALLGATHER, REDUCESCATTER)
+
 # How a negotiation's error response is raised (anything else is a mismatch).
 _ERROR_CLASSES = {ERROR_STALL: StallError, ERROR_FAILED_ON_RANK: FailedOnRankError}
 
 
 def fusion_key(item: tuple[Response, Entry]):
-    """What a (response, entry) pair fuses by, or None if it runs alone (see plan_batches)."""
+    """What a (response, entry) pair fuses by, or None if it runs alone (see plan_batches).
+    Small allreduces fuse (on every path); small host allgathers and reducescatters too, each
+    kind with its own (the MPI path runs such a batch as one collective)."""
     response, entry = item
-    if response.kind != ALLREDUCE or entry.nbytes >= FUSE_BELOW_BYTES:
-        return None
-    return _fusion_fields(response)
+    kind = response.kind
+    if kind == ALLREDUCE:
+        return None if entry.nbytes >= FUSE_BELOW_BYTES else _fusion_fields(response)
+    if kind in _GATHERING and response.device < 0 and _nbytes(item) < FUSE_BELOW_BYTES:
+        return (kind,) + _fusion_fields(response)
+    return None
 
 
 def _nbytes(item: tuple[Response, Entry]) -> int:
-    return item[1].nbytes
+    """The bytes an item takes in a fusion buffer: its input, or an allgather's result."""
+    response, entry = item
+    if response.kind == ALLGATHER and entry.array is not None:
+        return (sum(response.first_dims) * math.prod(response.shape[1:])
+                * entry.array.itemsize)
+    return entry.nbytes
 
 
 class Execution:

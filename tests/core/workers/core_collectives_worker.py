@@ -1042,6 +1042,44 @@ def grouped_rs_mismatch():
     check_group("follow-up", got, exps)
 
 
+def mpi_path_fused() -> int:
+    """Fused allgather/reducescatter batches the MPI data path has run on this rank."""
+    from hvdlite.common.runtime import registry
+    return registry.process_set_engine(None, "test")[0].path("mpi").fused_gathers
+
+
+@case("grouped.fused_same_dtype")
+def grouped_fused_same_dtype():
+    """Small members of one dtype run as one fused Allgatherv / Reduce_scatter: rows that
+    differ per rank (none on rank 1), different row shapes, a 0-d member, fewer rows than
+    ranks; exact results, Sum and scaled Average."""
+    before = mpi_path_fused()
+    rows = [(3,), None, (2, 2), (), (1,)]
+    inputs = [[gather_member(f"gfu.ag.{i}", k, "float32", row) for k in range(SIZE)]
+              for i, row in enumerate(rows)]
+    gathered = attempt(lambda: hvd.grouped_allgather([m[RANK] for m in inputs],
+                                                     name="gfu.ag"))
+    check_gathered("fused allgather", gathered, [gather_expected(m) for m in inputs])
+    shapes = [("int32", (2 * SIZE + 1, 2)), ("int32", (1,)), ("int32", (SIZE - 1, 3)),
+              ("int32", (3 * SIZE,))]
+    rs_inputs = group_inputs("gfu.rs", "Sum", shapes)
+    got = attempt(lambda: hvd.grouped_reducescatter([m[RANK] for m in rs_inputs], op=hvd.Sum,
+                                                    name="gfu.rs"))
+    check_group("fused reducescatter Sum", got, [
+        row_slice(e, s[0], RANK) for e, (_, s) in zip(group_expected(rs_inputs, "Sum", shapes),
+                                                       shapes)])
+    fshapes = [("float32", s) for _, s in shapes]
+    f_inputs = group_inputs("gfu.rsf", "Average", fshapes, scaled=True)
+    got = attempt(lambda: hvd.grouped_reducescatter(
+        [m[RANK] for m in f_inputs], op=hvd.Average, prescale_factor=0.5, postscale_factor=3.0,
+        name="gfu.rsf"))
+    check_group("fused reducescatter Average, scaled", got, [
+        row_slice(e, s[0], RANK) for e, (_, s) in zip(
+            group_expected(f_inputs, "Average", fshapes, 0.5, 3.0), fshapes)])
+    ran = mpi_path_fused() - before
+    assert ran == 3, f"rank {RANK}: {ran} fused batches on the MPI path, expected 3"
+
+
 @case("grouped.mixed_kinds_in_flight")
 def grouped_mixed_in_flight():
     """Grouped allreduce/allgather/reducescatter, a plain allreduce and an alltoall, all in

@@ -143,9 +143,9 @@ def test_a_round_end_to_end_at_n_simulated_ranks(size):
         assert all(b == batches[0] for b in batches), batches
         # fusion planning, in the coordinator's order (rank 0's submissions): the small
         # float32 sums (a single allreduce and the group's members) share one batch; an
-        # average, the group's float64 member and a tensor too large to fuse run alone, and
-        # allgathers never fuse
-        assert batches[0] == [["a", "g.0", "g.1"], ["b"], ["c"], ["g.2"], ["ag.0"], ["ag.1"]]
+        # average, the group's float64 member and a tensor too large to fuse run alone; the
+        # two small int32 allgathers share one batch of their own
+        assert batches[0] == [["a", "g.0", "g.1"], ["b"], ["c"], ["g.2"], ["ag.0", "ag.1"]]
         requests_sent = {r: network.messages_sent[(r, "requests")] for r in range(1, size)}
         assert all(n >= 1 for n in requests_sent.values())
         # the second step: every tensor hits the response cache on every rank, so the rounds

@@ -123,3 +123,32 @@ def test_fusion_buffer_reused_and_never_shrinks():
 
 def test_fusion_buffer_zero_bytes():
     assert FusionBuffer().view(0, np.dtype(np.float32)).shape == (0,)
+
+
+def test_what_fuses_with_what_in_a_round():
+    """Execution's fusion keys: small allreduces fuse by dtype/op/scale; small host allgathers
+    and reducescatters fuse each with their own kind (by their result's bytes for an
+    allgather); GPU allgathers and large ones run alone."""
+    from hvdlite.common.engine.execution import FUSE_BELOW_BYTES, fusion_key
+    from hvdlite.common.engine.handle import Entry, Handle
+    from hvdlite.common.engine.messages import (ALLGATHER, ALLREDUCE, REDUCESCATTER, Request,
+                                                Response)
+
+    def item(kind, rows=4, dtype="float32", device=-1, first_dims=(), op=0):
+        array = np.zeros((rows, 2), dtype=dtype)
+        response = Response("t", kind, dtype, array.shape, op, device=device,
+                            first_dims=first_dims)
+        return response, Entry(Request("t", kind, dtype, array.shape), array, None, None,
+                               Handle("t", lambda: True))
+
+    gather = fusion_key(item(ALLGATHER, first_dims=(4, 1)))
+    assert gather is not None
+    assert fusion_key(item(ALLGATHER, rows=1, first_dims=(1, 9))) == gather
+    assert fusion_key(item(ALLGATHER, dtype="int32", first_dims=(4, 1))) != gather
+    assert fusion_key(item(ALLGATHER, device=0, first_dims=(4, 1))) is None
+    rows = FUSE_BELOW_BYTES // 8   # float32 rows of 2: this rank's input is small, the result is not
+    assert fusion_key(item(ALLGATHER, first_dims=(4, rows))) is None
+    scatter = fusion_key(item(REDUCESCATTER))
+    assert scatter is not None and scatter != gather
+    assert fusion_key(item(REDUCESCATTER, op=1)) != scatter
+    assert fusion_key(item(ALLREDUCE)) not in (None, gather, scatter)
