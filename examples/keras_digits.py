@@ -38,6 +38,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup-epochs", type=int, default=2)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--fp16-allreduce", action="store_true", help="compress gradients to fp16")
+    p.add_argument("--compression", choices=["none", "fp16", "bf16", "powersgd"], default=None,
+                   help="gradient compression (default none; --fp16-allreduce means fp16); "
+                        "powersgd: low-rank gradients, see docs/compression.md")
+    p.add_argument("--powersgd-rank", type=int, default=2,
+                   help="rank of the PowerSGD factors (with --compression powersgd)")
+    p.add_argument("--powersgd-start-iter", type=int, default=10,
+                   help="plain allreduce steps before PowerSGD starts")
     p.add_argument("--min-accuracy", type=float, default=0.0,
                    help="exit non-zero if the final test accuracy is below this")
     return p.parse_args(argv)
@@ -49,6 +56,15 @@ def load_data(seed: int):
     x = (digits.data / 16.0).astype(np.float32)
     y = digits.target.astype(np.int64)
     return train_test_split(x, y, test_size=0.2, random_state=seed, stratify=y)
+
+
+def choose_compression(args: argparse.Namespace):
+    """The ``compression=`` for DistributedOptimizer that the flags ask for."""
+    kind = args.compression or ("fp16" if args.fp16_allreduce else "none")
+    if kind == "powersgd":
+        return hvd.Compression.powersgd(rank=args.powersgd_rank,
+                                        start_iter=args.powersgd_start_iter)
+    return getattr(hvd.Compression, kind)
 
 
 def main(argv=None) -> int:
@@ -69,7 +85,7 @@ def main(argv=None) -> int:
                               keras.layers.Dense(64, activation="relu"),
                               keras.layers.Dense(10)])
     scaled_lr = args.lr * hvd.size()
-    compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
+    compression = choose_compression(args)
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=scaled_lr,
                                                         momentum=args.momentum),
                                    compression=compression)

@@ -1,11 +1,15 @@
 """Gradient compression for the wire: Horovod's ``Compression.none`` / ``Compression.fp16``, plus
-``Compression.bf16`` (float32's range, so no overflow on large gradients)."""
+``Compression.bf16`` (float32's range, so no overflow on large gradients) and
+``Compression.powersgd(...)`` (low-rank gradients for DistributedGradientTape and
+DistributedOptimizer, see powersgd.py)."""
 from __future__ import annotations
 
 import tensorflow as tf
 
 from hvdlite.common.core import (BF16_DOC, FP16_DOC, Compressor, NoneCompressor,
                                  casting_compressor)
+
+from .powersgd import PowerSGDCompressor, powersgd
 
 
 def _is_floating(dtype: tf.dtypes.DType) -> bool:
@@ -23,6 +27,8 @@ class Compression:
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+    powersgd = staticmethod(powersgd)
 
 
-__all__ = ["BF16Compressor", "Compression", "Compressor", "FP16Compressor", "NoneCompressor"]
+__all__ = ["BF16Compressor", "Compression", "Compressor", "FP16Compressor", "NoneCompressor",
+           "PowerSGDCompressor"]

@@ -13,6 +13,7 @@ from . import grad_layouts as layouts
 from .compression import Compression
 from .autodiff import differentiable_allreduce
 from .mpi_ops import allreduce
+from .powersgd import PowerSGDCompressor, PowerSGDReduction, tape_state
 
 
 def check_groups(num_groups, groups):
@@ -78,7 +79,8 @@ def local_layer_variables(local_layers) -> list:
 
 def make_allreduce_grads_fn(name: str, compression=Compression.none, sparse_as_dense=False,
                             op=ReduceOp.Average, gradient_predivide_factor=1.0,
-                            process_set=global_process_set, scale_local_gradients=True):
+                            process_set=global_process_set, scale_local_gradients=True,
+                            state_outlives_fn=False):
     """Return ``fn(grads, variables=None, local=None) -> averaged grads`` (None entries stay
     None).
 
@@ -92,9 +94,20 @@ def make_allreduce_grads_fn(name: str, compression=Compression.none, sparse_as_d
     Gradients of ``variables`` found in ``local`` (a :class:`LocalVariables`) are not reduced;
     with ``scale_local_gradients`` they are divided by the process set's size instead, as in
     Horovod, so that they are on the scale of the averaged ones.
+
+    With ``compression=Compression.powersgd(...)`` the dense gradients are reduced by PowerSGD
+    (:mod:`.powersgd`; sparse ones are made dense first); its state (Q, error feedback, step
+    count) belongs to the function, or with ``state_outlives_fn`` (a tape, made anew every
+    step) to ``name``, the process set and the settings.
     """
     op = resolve_op(op)
     prescale, postscale = predivide_factors(op, gradient_predivide_factor)
+    powersgd_reduce = None
+    if isinstance(compression, PowerSGDCompressor):
+        config = compression.config
+        state = tape_state(name, process_set, config) if state_outlives_fn else None
+        powersgd_reduce = PowerSGDReduction(name, config, op, prescale, postscale, process_set,
+                                            state, f"{name.split('.')[0]}(compression=powersgd)")
 
     def allreduce_grads(grads, variables=None, local=None):
         grads = list(grads)
@@ -123,6 +136,8 @@ def make_allreduce_grads_fn(name: str, compression=Compression.none, sparse_as_d
                           and prescale * postscale == 1.0):
             return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) and sparse_as_dense
                     else g for g in grads]
+        if powersgd_reduce is not None:
+            return powersgd_reduce(grads)
         kinds = [layouts.kind_of(g, sparse_as_dense) for g in grads]
         if tf.executing_eagerly():
             # Agree with the other ranks on each gradient's layout; fill in what this rank lacks.
@@ -224,7 +239,9 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
     layout first, with one small allreduce); inside ``tf.function`` ranks whose traces differ
     that way get a TensorMismatchError naming the gradients.  A gradient no rank has stays
     None.
-    ``compression``: ``Compression.fp16`` sends float gradients as float16.
+    ``compression``: ``Compression.fp16`` sends float gradients as float16;
+    ``Compression.powersgd(...)`` sends low-rank factors (docs/compression.md; its state is
+    kept across the tapes made every step, per process set and settings).
     ``process_set``: average over the ranks of this set only; ranks outside it get their local
     gradients unchanged (Horovod's behaviour).
     ``num_groups``/``groups`` are accepted for compatibility: every gradient already travels in
@@ -240,7 +257,8 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
     tape.__dict__.update(gradtape.__dict__)
     tape._hvd_setup(make_allreduce_grads_fn("DistributedGradientTape.allreduce", compression,
                                             sparse_as_dense, op, gradient_predivide_factor,
-                                            process_set, scale_local_gradients))
+                                            process_set, scale_local_gradients,
+                                            state_outlives_fn=True))
     return tape
 
 

@@ -129,8 +129,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     ``apply``/``apply_gradients`` and allreduces + applies on every N-th (summed, or averaged
     over the N passes with ``average_aggregated_gradients=True``).  ``compression``,
     ``sparse_as_dense``, ``op`` and ``gradient_predivide_factor`` are as in
-    :func:`hvdlite.tensorflow.DistributedGradientTape`.  ``num_groups``/``groups`` are accepted
-    for compatibility (all gradients already travel as one fused group).  ``process_set``:
+    :func:`hvdlite.tensorflow.DistributedGradientTape` (``Compression.powersgd(...)``: PowerSGD,
+    its state kept by this optimizer; see docs/compression.md).  ``num_groups``/``groups`` are
+    accepted for compatibility (all gradients already travel as one fused group).  ``process_set``:
     gradients are averaged over its ranks only; ranks outside it apply their local gradients
     (as in Horovod).  ``opt.register_local_var(var)`` keeps ``var``'s gradient local (model
     parallelism; see :func:`PartialDistributedOptimizer`); ``scale_local_gradients`` (default
