@@ -1,6 +1,7 @@
 """TensorFlow PowerSGD's host arithmetic on one process (hvdlite/tensorflow/powersgd.py): the
-Gram-Schmidt, the seeded initial Q, the state's error feedback and
-warm start, the dtype argument, and what the multi-rank tests cannot see cheaply."""
+Gram-Schmidt, the seeded initial Q, the state's error feedback and warm start, the dtype
+argument, and, with fake collectives, the phases' order and the reset on a new engine (an
+elastic reset), which the multi-rank tests do not reach."""
 import numpy as np
 import pytest
 
@@ -66,3 +67,55 @@ def test_refused_ops_and_per_tensor_use():
         ps.PowerSGDReduction("x", ps.PowerSGDConfig(), hvd.Adasum, 1.0, 1.0, None)
     with pytest.raises(TypeError):
         hvd.Compression.powersgd().compress(tf.ones(2))
+
+
+class FakeEngine:
+    pass
+
+
+class FakeCollectives:
+    """core.submit_group and the engine lookup of one rank alone: a group's results are its
+    inputs (one rank's Sum or Average); every group's name and op is recorded."""
+
+    def __init__(self, monkeypatch):
+        self.engine, self.calls = FakeEngine(), []
+        monkeypatch.setattr(ps, "process_set_engine", lambda ps_, what: (self.engine, None))
+        monkeypatch.setattr(ps.core, "submit_group", self.submit_group)
+
+    def submit_group(self, kind, arrays, name=None, dtypes=None, process_set=None, **kwargs):
+        self.calls.append((name.rsplit(".", 1)[-1], kwargs["reduce_op"],
+                           [a.dtype.name for a in arrays]))
+        return type("Handle", (), {"wait": lambda _self: [a.copy() for a in arrays]})()
+
+
+def test_plain_then_compressed_and_a_new_engine_starts_over(monkeypatch):
+    """start_iter plain steps, then uncompressed + P + Q; a new engine (an elastic reset)
+    starts over with plain steps and no Q or error; one rank alone gets its gradient back
+    where the rank is full (error feedback then makes up the rest)."""
+    import hvdlite.tensorflow as hvd
+    fake = FakeCollectives(monkeypatch)
+    config = ps.PowerSGDConfig(rank=1, start_iter=1)
+    reduce = ps.PowerSGDReduction("g", config, hvd.Average, 1.0, 1.0, None)
+    grads = [np.random.default_rng(1).standard_normal((6, 5)), np.ones(5)]
+    out = reduce.reduce(["g.0", "g.1"], grads)
+    assert [c[0] for c in fake.calls] == ["plain"]
+    np.testing.assert_array_equal(out[0], grads[0])
+    out = reduce.reduce(["g.0", "g.1"], grads)
+    assert [c[0] for c in fake.calls[1:]] == ["uncompressed", "P", "Q"]
+    assert fake.calls[2][1] == hvd.Sum and fake.calls[3][1] == hvd.Average
+    np.testing.assert_array_equal(out[1], grads[1])
+    np.testing.assert_allclose(out[0] + reduce.state.error["g.0"], grads[0], atol=1e-12)
+    assert set(reduce.state.q) == {"g.0"}
+    fake.engine = FakeEngine()   # hvd.elastic's reset makes a new engine
+    reduce.reduce(["g.0", "g.1"], grads)
+    assert fake.calls[-1][0] == "plain" and not reduce.state.q and not reduce.state.error
+
+
+def test_wire_dtype_casts_the_factors(monkeypatch):
+    import hvdlite.tensorflow as hvd
+    fake = FakeCollectives(monkeypatch)
+    config = ps.powersgd(rank=1, start_iter=0, dtype="bfloat16").config
+    reduce = ps.PowerSGDReduction("g", config, hvd.Sum, 1.0, 1.0, None)
+    out = reduce.reduce(["g.0"], [np.ones((6, 5), np.float32)])
+    assert [c[2] for c in fake.calls] == [["bfloat16"], ["bfloat16"]]
+    assert out[0].dtype == np.float32
