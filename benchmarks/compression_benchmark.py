@@ -27,10 +27,8 @@ and the speedup of samples/s over none's in the same job; and where the step's t
 
 ``--keep-freed-memory`` runs the ranks with glibc's malloc keeping freed memory: PowerSGD's
 gradient-size temporaries then cost no page faults (docs/benchmarks.md, "Gradient compression
-across hosts": that is most of its arithmetic's time here).  ``--inplace-math`` is a what-if:
-the ranks replace PowerSGD's arithmetic with the same math done in place (no temporaries of
-gradient size, Q as (P^T M)^T), the change docs/benchmarks.md proposes for hvdlite, measured
-without changing hvdlite's files.
+across hosts": before hvdlite's PowerSGD did its arithmetic in place, that was most of its
+time here).
 
 While a capped job runs every loopback connection on the machine is capped: keep them short.
 """
@@ -79,9 +77,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run the ranks with glibc's malloc keeping freed memory (KEEP_FREED_ENV) "
                         "instead of returning it to the kernel: PowerSGD's temporaries of "
                         "gradient size then cost no page faults (what an allocator fix would do)")
-    p.add_argument("--inplace-math", action="store_true",
-                   help="what-if: PowerSGD's arithmetic done in place (compression_ranks.py's "
-                        "inplace_math(), the same results; hvdlite's files are not changed)")
     p.add_argument("--timeout", type=float, default=420, help="seconds per job")
     p.add_argument("--json", metavar="PATH", help="write every job's results here")
     args = p.parse_args(argv)
@@ -106,8 +101,6 @@ def ranks_argv(args, json_path: Path, digits: bool = False) -> list[str]:
     """compression_ranks.py's command line for one job."""
     argv = [sys.executable, str(RANKS_SCRIPT), "--json", str(json_path),
             "--start-iter", str(args.start_iter), "--warmup", str(args.warmup)]
-    if args.inplace_math:
-        argv.append("--inplace-math")
     if digits:
         return argv + ["--digits", "--compressions", "none,powersgd2",
                        "--steps", str(DIGITS_STEPS), "--warmup", "20"]

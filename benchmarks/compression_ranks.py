@@ -65,9 +65,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--digits", action="store_true",
                    help="time the digits example's model instead (1 rank)")
-    p.add_argument("--inplace-math", action="store_true",
-                   help="what-if: replace PowerSGD's arithmetic with the same math done in place "
-                        "(inplace_math(); hvdlite's files are not changed)")
     p.add_argument("--json", metavar="PATH", help="rank 0 writes the results here")
     return p.parse_args(argv)
 
@@ -177,65 +174,6 @@ class _TimedHandle:
         return getattr(self._handle, name)
 
 
-def inplace_math() -> None:
-    """What-if, for the benchmark only: the same PowerSGD math with no gradient-size temporaries
-    (M formed in the gradient's buffer, the error updated in its own buffer, P Q^T written into
-    the gradient) and Q as (P^T M)^T instead of M^T P, whose transposed product is slow for
-    r > 1.  Replaces PowerSGDState.start/finish_local/finish and PowerSGDReducer._power_step in
-    this process; hvdlite's files are untouched."""
-    from hvdlite.torch import powersgd as math_module
-    state_cls, reducer_cls = math_module.PowerSGDState, powersgd_reducer.PowerSGDReducer
-
-    def start(self, name, grad):
-        n, m = policy.matrix_shape(grad.shape)
-        matrix = grad.view(n, m)   # (the gradient is overwritten by finish() anyway)
-        error = self.error.get(name)
-        if error is not None and error.shape == matrix.shape and error.dtype == matrix.dtype:
-            matrix.add_(error)
-        q = self.q.get(name) if self.config.warm_start else None
-        r = policy.factor_rank(n, m, self.config.rank)
-        if q is None or q.shape != (m, r) or q.dtype != grad.dtype:
-            step = 0 if self.config.warm_start else self.counter.steps
-            q = math_module.initial_q(m, r, policy.factor_seed(self.config, name, step),
-                                      grad.dtype, grad.device)
-        return matrix, q
-
-    def finish_local(self, name, matrix, p, q_local):
-        if not self.config.error_feedback:
-            return
-        error = self.error.get(name)
-        if error is None or error.shape != matrix.shape or error.dtype != matrix.dtype:
-            error = self.error[name] = torch.empty_like(matrix)
-        torch.addmm(matrix, p, q_local.T, alpha=-1, out=error)
-
-    def finish(self, name, p, q, grad):
-        torch.mm(p, q.T, out=grad.view(p.shape[0], q.shape[0]))
-        if self.config.warm_start:
-            self.q[name] = q
-
-    def power_step(self, names, grads):
-        if not grads:
-            return
-        state = self.state
-        started = [state.start(name, g) for name, g in zip(names, grads)]
-        ps = [matrix @ q for matrix, q in started]
-        handle, wire = self._allreduce_group(ps, "P", powersgd_reducer.ReduceOp.Sum, False)
-        handle.wait()
-        qs = []
-        for (matrix, _), p_wire, name in zip(started, wire, names):
-            p = powersgd_reducer.orthogonalize_(p_wire.to(matrix.dtype), state.config.epsilon)
-            q_local = (p.T @ matrix).T.contiguous()
-            state.finish_local(name, matrix, p, q_local)
-            qs.append((p, q_local))
-        handle, wire = self._allreduce_group([q for _, q in qs], "Q", self._op, True)
-        handle.wait()
-        for (p, _), q_wire, name, grad in zip(qs, wire, names, grads):
-            state.finish(name, p, q_wire.to(grad.dtype), grad)
-
-    state_cls.start, state_cls.finish_local, state_cls.finish = start, finish_local, finish
-    reducer_cls._power_step = power_step
-
-
 def run_config(name: str, args, make_model, data, phases: Phases, comm) -> dict:
     """Warm-up and timed steps of one compression; the slowest rank's times per step."""
     torch.manual_seed(args.seed)   # (the same initial model on every rank)
@@ -298,8 +236,6 @@ def main(argv=None) -> int:
             torch.randint(0, classes, (args.batch_size,), generator=gen))
     params = sum(p.numel() for p in make_model().parameters())
     phases = Phases()
-    if args.inplace_math:
-        inplace_math()
     results = []
     for name in names:
         results.append(run_config(name, args, make_model, data, phases, comm))
@@ -312,7 +248,6 @@ def main(argv=None) -> int:
             "ranks": hvd.size(), "hosts": hosts, "params": params,
             "model": "digits" if args.digits else {"widths": widths, "classes": classes},
             "batch_size": args.batch_size, "start_iter": args.start_iter,
-            "inplace_math": args.inplace_math,
             "warmup": max(args.warmup, args.start_iter + 1), "steps": args.steps,
             "results": results}, indent=2) + "\n")
     hvd.shutdown()

@@ -119,14 +119,21 @@ class PowerSGDState:
 
     def start(self, name: str, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The matrix M to compress for ``grad`` (with the error feedback added) and this step's
-        starting Q."""
+        starting Q.  M is formed in the gradient's own memory where it can be (``finish``
+        overwrites the gradient anyway): a new gradient-sized tensor every step costs more than
+        the arithmetic (large ones are fresh pages from the kernel each time)."""
         n, m = policy.matrix_shape(grad.shape)
-        matrix = grad.reshape(n, m)
         error = self.error.get(name)
-        if error is not None and error.shape == matrix.shape and error.dtype == matrix.dtype:
-            matrix = matrix + error
-        else:   # (none yet, or the parameter changed shape on every rank: start afresh)
-            matrix = matrix.clone()
+        if error is not None and (error.shape != (n, m) or error.dtype != grad.dtype):
+            error = None   # the parameter changed shape on every rank: start afresh
+        if grad.is_contiguous():
+            matrix = grad.view(n, m)
+            if error is not None:
+                matrix.add_(error)
+        else:   # (channels-last and other layouts: work on a copy)
+            matrix = grad.reshape(n, m).clone()
+            if error is not None:
+                matrix.add_(error)
         q = self.q.get(name) if self.config.warm_start else None
         r = policy.factor_rank(n, m, self.config.rank)
         if q is None or q.shape != (m, r) or q.dtype != grad.dtype:
@@ -136,14 +143,22 @@ class PowerSGDState:
 
     def finish_local(self, name: str, matrix: torch.Tensor, p: torch.Tensor,
                      q_local: torch.Tensor) -> None:
-        """Keep what this rank's compression lost (M - P Q_local^T), for its next step."""
-        if self.config.error_feedback:
-            self.error[name] = matrix - p @ q_local.T
+        """Keep what this rank's compression lost (M - P Q_local^T), for its next step, in a
+        buffer kept from step to step."""
+        if not self.config.error_feedback:
+            return
+        error = self.error.get(name)
+        if error is None or error.shape != matrix.shape or error.dtype != matrix.dtype:
+            error = self.error[name] = torch.empty_like(matrix)
+        torch.addmm(matrix, p, q_local.T, alpha=-1, out=error)
 
     def finish(self, name: str, p: torch.Tensor, q: torch.Tensor,
                grad: torch.Tensor) -> None:
         """Write the reduced approximation P Q^T into ``grad``; keep Q for a warm start."""
-        grad.copy_((p @ q.T).view_as(grad))
+        if grad.is_contiguous():
+            torch.mm(p, q.T, out=grad.view(p.shape[0], q.shape[0]))
+        else:
+            grad.copy_((p @ q.T).view_as(grad))
         if self.config.warm_start:
             self.q[name] = q
 

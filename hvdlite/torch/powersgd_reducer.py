@@ -183,7 +183,9 @@ class PowerSGDReducer(Reducer):
         qs = []
         for (matrix, _), p_wire, name in zip(started, wire, names):
             p = orthogonalize_(p_wire.to(matrix.dtype), state.config.epsilon)
-            q_local = matrix.T @ p
+            # (P^T M)^T: the same numbers as M^T P, and several times faster for r > 1 (the
+            # transposed product of a large M is slow on the CPU)
+            q_local = (p.T @ matrix).T.contiguous()
             state.finish_local(name, matrix, p, q_local)
             qs.append((p, q_local))
         handle, wire = self._allreduce_group([q for _, q in qs], "Q", self._op, True)

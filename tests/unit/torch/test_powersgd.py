@@ -82,10 +82,20 @@ def test_initial_q_matches_reference():
     np.testing.assert_allclose(q.numpy(), reference_q(config, "w", 7, 2), atol=1e-14)
 
 
+def laid_out(array: np.ndarray, contiguous: bool) -> torch.Tensor:
+    """``array`` as a tensor: contiguous, or the same values in a transposed (non-contiguous,
+    as channels-last) layout."""
+    if contiguous:
+        return torch.from_numpy(array.copy())
+    return torch.from_numpy(np.ascontiguousarray(array.transpose(2, 1, 0))).permute(2, 1, 0)
+
+
 @pytest.mark.parametrize("world", [1, 3])
 @pytest.mark.parametrize("warm_start, error_feedback", [(True, True), (False, False)])
-def test_state_math_matches_reference(world, warm_start, error_feedback):
-    """PowerSGDState on every simulated rank, with the allreduces done by summing here."""
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_state_math_matches_reference(world, warm_start, error_feedback, contiguous):
+    """PowerSGDState on every simulated rank, with the allreduces done by summing here; the
+    arithmetic works in the gradient's memory where it is contiguous, on a copy where not."""
     config = Compression.powersgd(rank=2, start_iter=0, warm_start=warm_start,
                                   error_feedback=error_feedback).config
     ref = Reference(config, world)
@@ -94,13 +104,14 @@ def test_state_math_matches_reference(world, warm_start, error_feedback):
     for _ in range(3):
         grads = [{"w": rng.standard_normal((8, 3, 4))} for _ in range(world)]
         want = ref.step(grads)["w"]   # (8 x 12 at rank 2: compressed, 2.4 times)
-        started = [s.start("w", torch.from_numpy(g["w"])) for s, g in zip(states, grads)]
+        started = [s.start("w", laid_out(g["w"], contiguous)) for s, g in zip(states, grads)]
         p = orthogonalize_(sum(m @ q for m, q in started))
         q_locals = [m.T @ p for m, _ in started]
         for s, (m, _), q_local in zip(states, started, q_locals):
             s.finish_local("w", m, p, q_local)
         q = sum(q_locals) / world
-        out = torch.zeros(8, 3, 4, dtype=torch.float64)
+        out = laid_out(np.zeros((8, 3, 4)), contiguous)
+        assert out.is_contiguous() == contiguous
         for s in states:
             s.finish("w", p, q, out)
             s.counter.advance()
