@@ -19,8 +19,6 @@ every hvdlite TensorFlow collective does.
 """
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 import tensorflow as tf
 
@@ -120,22 +118,8 @@ def is_float(dtype: np.dtype) -> bool:
     return dtype.kind == "f" or dtype == BFLOAT16
 
 
-class PowerSGDState:
-    """One reduction's PowerSGD state: per gradient name its warm-start Q and its error
-    feedback, the step count, and the engine it was built with (a new one resets it)."""
-
-    def __init__(self, config: PowerSGDConfig) -> None:
-        self.config = config
-        self.counter = policy.StepCounter(config.start_iter)
-        self.q: dict[str, np.ndarray] = {}
-        self.error: dict[str, np.ndarray] = {}
-        self.world = None   # weak reference to the engine the state was built with
-
-    def reset(self) -> None:
-        """A new world: start over, with plain allreduces for ``start_iter`` steps."""
-        self.q.clear()
-        self.error.clear()
-        self.counter.reset()
+class PowerSGDState(policy.FactorState):
+    """One reduction's PowerSGD state (see FactorState), with its arithmetic on numpy arrays."""
 
     def start(self, name: str, grad: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The matrix M to compress for ``grad`` (error feedback added) and the starting Q."""
@@ -201,13 +185,7 @@ class PowerSGDReduction:
     def reduce(self, names: list, arrays) -> list:
         """One step's reduction of ``arrays`` (numpy), named ``names``."""
         state = self.state
-        engine = process_set_engine(self.process_set, "PowerSGD")[0]
-        if state.world is None or state.world() is not engine:
-            # First step, or a new world (an elastic reset makes a new engine): start over on
-            # every rank alike.  (Held weakly: the old engine's resources must not linger.)
-            if state.world is not None:
-                state.reset()
-            state.world = weakref.ref(engine)
+        state.follow(process_set_engine(self.process_set, "PowerSGD")[0])
         arrays = [np.asarray(a) for a in arrays]
         if state.counter.compressing:
             out = self._compressed(names, arrays)

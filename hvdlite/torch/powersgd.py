@@ -96,26 +96,8 @@ def initial_q(m: int, r: int, seed: int, dtype: torch.dtype,
     return orthogonalize_(q)
 
 
-class PowerSGDState:
-    """One optimizer's PowerSGD state: per parameter name its warm-start Q and its error
-    feedback, the step count, and the world it was built in (a new one resets it)."""
-
-    def __init__(self, config: PowerSGDConfig) -> None:
-        self.config = config
-        self.counter = policy.StepCounter(config.start_iter)
-        self.q: dict[str, torch.Tensor] = {}
-        self.error: dict[str, torch.Tensor] = {}
-        self.world = None   # weak reference to the engine the state was built with
-
-    def forget_factors(self) -> None:
-        """Drop Q and the error feedback (after a join, where a rank missed steps)."""
-        self.q.clear()
-        self.error.clear()
-
-    def reset(self) -> None:
-        """A new world: start over, with plain allreduces for ``start_iter`` steps."""
-        self.forget_factors()
-        self.counter.reset()
+class PowerSGDState(policy.FactorState):
+    """One optimizer's PowerSGD state (see FactorState), with its arithmetic on torch tensors."""
 
     def start(self, name: str, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The matrix M to compress for ``grad`` (with the error feedback added) and this step's

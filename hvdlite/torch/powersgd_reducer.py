@@ -17,8 +17,6 @@ in flight between steps, so the overlap with backward that the plain path has is
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from hvdlite.common.core import ReduceOp, process_set_engine
@@ -95,13 +93,7 @@ class PowerSGDReducer(Reducer):
 
     def _reduce(self, params: list) -> None:
         state = self.state
-        engine = process_set_engine(self.process_set, "DistributedOptimizer")[0]
-        if state.world is None or state.world() is not engine:
-            # First step, or a new world (an elastic reset makes a new engine): start over on
-            # every rank alike.  (Held weakly: the old engine's resources must not linger.)
-            if state.world is not None:
-                state.reset()
-            state.world = weakref.ref(engine)
+        state.follow(process_set_engine(self.process_set, "DistributedOptimizer")[0])
         if state.counter.needs_agreement:
             self._agree_on_count()
         grads = []

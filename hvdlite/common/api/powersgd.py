@@ -9,6 +9,7 @@ so a TensorFlow adapter can reuse them.  See docs/compression.md.
 from __future__ import annotations
 
 import math
+import weakref
 import zlib
 from dataclasses import dataclass
 from typing import Sequence
@@ -142,5 +143,38 @@ class StepCounter:
         self.needs_agreement = False
 
 
-__all__ = ["PowerSGDConfig", "StepCounter", "SUPPORTED_OPS", "check_op", "compresses",
-           "compression_rate", "factor_rank", "factor_seed", "matrix_shape", "split"]
+class FactorState:
+    """What PowerSGD keeps across steps, whatever the framework: per gradient name its
+    warm-start Q and its error feedback (the framework's arrays), the step count, and the engine
+    it was built with (a new engine, after an elastic reset, starts it over on every rank)."""
+
+    def __init__(self, config: PowerSGDConfig) -> None:
+        self.config = config
+        self.counter = StepCounter(config.start_iter)
+        self.q: dict = {}
+        self.error: dict = {}
+        self._world = None   # weak reference to the engine the state was built with
+
+    def forget_factors(self) -> None:
+        """Drop Q and the error feedback (after a join, where a rank missed steps)."""
+        self.q.clear()
+        self.error.clear()
+
+    def reset(self) -> None:
+        """A new world: start over, with plain allreduces for ``start_iter`` steps."""
+        self.forget_factors()
+        self.counter.reset()
+
+    def follow(self, engine: object) -> None:
+        """Called at every step with the engine that reduces it: the first one is remembered
+        (weakly: an old engine's resources must not linger), and a different one resets the
+        state, alike on every rank."""
+        if self._world is None or self._world() is not engine:
+            if self._world is not None:
+                self.reset()
+            self._world = weakref.ref(engine)
+
+
+__all__ = ["FactorState", "PowerSGDConfig", "StepCounter", "SUPPORTED_OPS", "check_op",
+           "compresses", "compression_rate", "factor_rank", "factor_seed", "matrix_shape",
+           "split"]
