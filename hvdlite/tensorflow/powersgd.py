@@ -217,10 +217,7 @@ class PowerSGDReduction:
         compressed, whole = policy.split([a.shape for a in arrays], self.config)
         whole += [i for i in compressed if not is_float(arrays[i].dtype)]
         compressed = [i for i in compressed if is_float(arrays[i].dtype)]
-        by_dtype: dict = {}   # (one flat array per dtype: no precision lost in packing)
-        for i in sorted(whole):
-            by_dtype.setdefault(arrays[i].dtype, []).append(i)
-        groups = list(by_dtype.values())
+        groups = policy.groups_by_dtype(sorted(whole), [a.dtype for a in arrays])
         bucket = None
         if groups:   # vectors and small matrices: one flat group, in flight meanwhile
             flats = [np.concatenate([arrays[i].reshape(-1) for i in group]) for group in groups]

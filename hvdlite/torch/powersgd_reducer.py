@@ -142,10 +142,7 @@ class PowerSGDReducer(Reducer):
         state = self.state
         names = [self.names[p] for p in params]
         compressed, whole = powersgd_policy.split([g.shape for g in grads], state.config)
-        by_dtype: dict = {}   # (one flat tensor per dtype: no precision lost in packing)
-        for i in whole:
-            by_dtype.setdefault(grads[i].dtype, []).append(i)
-        groups = list(by_dtype.values())
+        groups = powersgd_policy.groups_by_dtype(whole, [g.dtype for g in grads])
         bucket = None
         if groups:   # vectors and small matrices: one flat bucket, in flight meanwhile
             flats = [torch.cat([grads[i].reshape(-1) for i in group]) for group in groups]

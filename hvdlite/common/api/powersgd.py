@@ -108,6 +108,15 @@ def split(shapes: Sequence[Sequence[int]], config: PowerSGDConfig) -> tuple[list
     return compressed, [i for i in range(len(shapes)) if i not in chosen]
 
 
+def groups_by_dtype(indices: Sequence[int], dtypes: Sequence) -> list[list[int]]:
+    """The uncompressed gradients ``indices`` grouped by their dtype (``dtypes[i]``), in order:
+    each group travels as one flat buffer, so nothing is cast in packing."""
+    groups: dict = {}
+    for i in indices:
+        groups.setdefault(dtypes[i], []).append(i)
+    return list(groups.values())
+
+
 def factor_seed(config: PowerSGDConfig, name: str, step: int = 0) -> int:
     """Seed of the random initial Q of the gradient called ``name`` at ``step`` (0 with warm
     start): derived from the name, not from an order or a global generator, so every rank draws
@@ -176,5 +185,5 @@ class FactorState:
 
 
 __all__ = ["FactorState", "PowerSGDConfig", "StepCounter", "SUPPORTED_OPS", "check_op",
-           "compresses", "compression_rate", "factor_rank", "factor_seed", "matrix_shape",
-           "split"]
+           "compresses", "compression_rate", "factor_rank", "factor_seed", "groups_by_dtype",
+           "matrix_shape", "split"]
