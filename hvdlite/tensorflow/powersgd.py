@@ -19,6 +19,8 @@ every hvdlite TensorFlow collective does.
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import tensorflow as tf
 
@@ -152,6 +154,26 @@ def tape_state(name: str, process_set, config: PowerSGDConfig) -> PowerSGDState:
     return state
 
 
+# Every live state and the process set it reduces over, for _after_join.
+_LIVE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _after_join(process_set) -> None:
+    """hvd.join() on ``process_set`` returned on every rank of it: the states over that set
+    start over alike (see FactorState.after_join)."""
+    joined = process_set_engine(process_set, "join")[0]
+    for state, state_set in list(_LIVE.items()):
+        try:
+            engine = process_set_engine(state_set, "join")[0]
+        except ValueError:   # its process set was removed since: it cannot reduce anyway
+            continue
+        if engine is joined:
+            state.after_join()
+
+
+core.on_join(_after_join)
+
+
 class PowerSGDReduction:
     """``reduction(grads) -> reduced grads`` (dense or None entries; None stays None): PowerSGD
     over ``process_set`` (module docstring); ``op`` Average or Sum, else ValueError."""
@@ -164,6 +186,7 @@ class PowerSGDReduction:
         self.prescale, self.postscale = prescale, postscale
         self.process_set = process_set
         self.state = state if state is not None else PowerSGDState(config)
+        _LIVE[self.state] = process_set
         self.wire = _WIRE.get(config.wire_dtype)
 
     def __call__(self, grads: list) -> list:
@@ -186,6 +209,11 @@ class PowerSGDReduction:
         """One step's reduction of ``arrays`` (numpy), named ``names``."""
         state = self.state
         state.follow(process_set_engine(self.process_set, "PowerSGD")[0])
+        if state.counter.needs_agreement:   # after a join: the ranks' counts may differ
+            count = core.allreduce(np.array([state.counter.steps], dtype=np.int64),
+                                   name=f"{self.name}.powersgd.steps", op=ReduceOp.Max,
+                                   process_set=self.process_set)
+            state.counter.agree(int(count[0]))
         arrays = [np.asarray(a) for a in arrays]
         if state.counter.compressing:
             out = self._compressed(names, arrays)

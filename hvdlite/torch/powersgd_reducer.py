@@ -64,8 +64,7 @@ class PowerSGDReducer(Reducer):
     def forget_first_step(self) -> None:
         """After hvd.join(): a joined rank missed steps, so every rank drops Q and the error
         feedback (restarting them alike) and agrees on the step count at the next step."""
-        self.state.forget_factors()
-        self.state.counter.needs_agreement = True
+        self.state.after_join()
 
     # --- the reduction -------------------------------------------------------------------------
     def reduce_gradients(self) -> None:

@@ -10,9 +10,9 @@ from tests.mpi_harness import assert_case_passed
 pytest.importorskip("tensorflow")
 
 WORKER = "tensorflow/workers/tf_powersgd_worker.py"
-CASES = ["tape_eager_average", "tape_function_sum", "tape_process_set", "keras_function",
-         "keras_eager_sum", "keras_backward_passes", "legacy_optimizer_eager", "wire_fp16_bf16",
-         "adasum_refused"]
+CASES = ["tape_eager_average", "join_then_continue", "tape_function_sum", "tape_process_set",
+         "keras_function", "keras_eager_sum", "keras_backward_passes", "legacy_optimizer_eager",
+         "wire_fp16_bf16", "adasum_refused"]
 
 
 @pytest.mark.parametrize("np_", [2, 3])

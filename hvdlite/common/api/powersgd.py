@@ -174,6 +174,13 @@ class FactorState:
         self.forget_factors()
         self.counter.reset()
 
+    def after_join(self) -> None:
+        """hvd.join() returned on every rank of the state's set: a joined rank missed steps
+        (its error feedback and Q lag, its step count too), so every rank drops Q and the error
+        feedback alike, and the ranks agree on the step count at the next step."""
+        self.forget_factors()
+        self.counter.needs_agreement = True
+
     def follow(self, engine: object) -> None:
         """Called at every step with the engine that reduces it: the first one is remembered
         (weakly: an old engine's resources must not linger), and a different one resets the

@@ -148,6 +148,36 @@ def tape_case(case, traced, op=hvd.Average, steps=5, process_set=None, **kw):
 
 
 r.case("tape_eager_average", tape_case, "tape_eager_average", False)
+
+
+def join_then_continue():
+    """The last rank runs out of data a step early and joins: the others' step runs with its
+    zeros standing in; after join() every rank restarts Q and error feedback, agrees on the
+    step count (the others reduced 4 plain steps, it 3: without agreeing, its next step would
+    be plain while theirs is compressed), and the ranks train on identically."""
+    compression = hvd.Compression.powersgd(rank=2, start_iter=4, seed=99)
+    ws = [tf.Variable(w) for w in initial_weights()]
+
+    def step(case, s):
+        x, y = data(case, s, RANK)
+        with tf.GradientTape() as tape:
+            loss = loss_of(ws, tf.constant(x), tf.constant(y))
+        tape = hvd.DistributedGradientTape(tape, compression=compression)
+        for w, g in zip(ws, tape.gradient(loss, ws)):
+            w.assign_sub(LR * g)
+
+    for s in range(3 if RANK == SIZE - 1 else 4):
+        step("join", s)
+    hvd.join()
+    bits = COMM.allgather(b"".join(w.numpy().tobytes() for w in ws))
+    assert len(set(bits)) > 1, "the joined rank should lag one step"
+    hvd.broadcast_variables(ws, root_rank=0)
+    for s in range(2):
+        step("join.after", s)
+        same_in_set([w.numpy() for w in ws], None)
+
+
+r.case("join_then_continue", join_then_continue)
 r.case("tape_function_sum", tape_case, "tape_function_sum", True, op=hvd.Sum)
 r.case("tape_process_set", tape_case, "tape_process_set", True,
        process_set=next(p for p in SETS_HERE if p.included()))
