@@ -55,3 +55,28 @@ def test_job_survives_a_killed_worker_and_grows_back_after_the_cooldown(tmp_path
     assert all(started[w] == [warm == "warm"] * len(started[w]) for w in (1, 2)), started
     print(f"\nkilled worker: reset took {reset_seconds(worlds, 1)}; grown back: "
           f"{reset_seconds(worlds, 2)}", file=sys.stderr)
+
+
+def test_powersgd_starts_over_in_every_world(tmp_path):
+    """The same job with PowerSGD: a world resumes from the commit with every rank's Q and error
+    feedback started over alike (plain steps first again), the ranks stay bitwise identical,
+    and training converges."""
+    log = tmp_path / "log"
+    log.mkdir()
+    plan = [{"world": 0, "step": 6, "rank": 1, "action": "sigkill"},
+            {"world": 1, "step": 2, "rank": "all", "action": "pause", "pause": 4}]
+    job = run_command(HVDLITE_RUN + ["-np", "2", "--min-np", "1", "--max-np", "2",
+                                     "-H", "localhost:1,127.0.0.1:1",
+                                     "--blacklist-cooldown-range", "1", "1",
+                                     sys.executable, str(WORKER)],
+                      0, timeout=300, env={"ELASTIC_LOG": str(log),
+                                           "ELASTIC_PLAN": json.dumps(plan),
+                                           "ELASTIC_POWERSGD": "1"})
+    assert job.returncode == 0, job.output
+    here = {socket.gethostname()}
+    worlds = read_logs(log)
+    done = check_history(job, worlds, [2, 1, 2], [here, here, here])
+    assert done[0]["loss"] < 1e-3, done[0]["loss"]
+    # the last world counted its own steps from 0 (so it began with plain steps again)
+    resumed_at = of(worlds[2], "synced")[0]["step"]
+    assert [e["powersgd_steps"] for e in done.values()] == [done[0]["step"] - resumed_at] * 2, done

@@ -22,6 +22,8 @@ Environment:
                    remove_host   write "hosts" to ELASTIC_DISCOVERY, then kill every process
                                  of this rank's (simulated) host
   ELASTIC_EPOCHS number of epochs (default 3)
+  ELASTIC_POWERSGD  "1": the optimizer compresses with PowerSGD (rank 1, 2 plain steps; its Q
+                 and error feedback start over in every world)
 """
 import hashlib
 import json
@@ -66,7 +68,10 @@ Y = X @ TRUE_W
 torch.manual_seed(99)
 model = torch.nn.Linear(FEATURES, OUTPUTS, bias=False)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5)
-optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+optimizer = hvd.DistributedOptimizer(
+    optimizer, named_parameters=model.named_parameters(),
+    compression=(hvd.Compression.powersgd(rank=1, start_iter=2)
+                 if os.environ.get("ELASTIC_POWERSGD") == "1" else hvd.Compression.none))
 sampler = hvd.elastic.ElasticSampler(list(range(N)), shuffle=True, seed=7)
 kill_in_commit = False
 
@@ -148,7 +153,9 @@ def train(state):
 
 
 final = train(state)
+reducer_state = getattr(optimizer._reducer, "state", None)   # (PowerSGD's, if compressing)
 log("done", step=state.step, checksum=final, seen=state.seen,
+    powersgd_steps=None if reducer_state is None else reducer_state.counter.steps,
     weights=model.weight.detach().reshape(-1).tolist(),
     loss=((model(X) - Y) ** 2).mean().item())
 hvd.shutdown()
