@@ -3,7 +3,8 @@
 
 Trains a bandwidth-bound MLP (default 1024-4096-4096-1024-16, 25.2 M parameters, batch 8 per
 rank, synthetic data, fixed seed) with ``hvd.DistributedOptimizer(..., compression=X)`` for each
-compression X (``compression_ranks.py`` does the steps), in these jobs:
+compression X (``compression_ranks.py`` does the steps; with ``--framework keras`` the same MLP
+in Keras through ``hvdlite.tensorflow.keras``, ``compression_keras_ranks.py``), in these jobs:
 
 * 1 rank, no network: each compression's compute overhead (its step time against none's);
 * the same at 1 rank for the digits example's model (examples/pytorch_digits.py), PowerSGD
@@ -48,7 +49,8 @@ from tests.mpi_harness import mpiexec_path  # noqa: E402
 from tests.multihost import link  # noqa: E402
 from tests.multihost.hosts import BedUnavailable, HostBed, host_list  # noqa: E402
 
-RANKS_SCRIPT = REPO / "benchmarks" / "compression_ranks.py"
+RANKS_SCRIPTS = {"torch": REPO / "benchmarks" / "compression_ranks.py",
+                 "keras": REPO / "benchmarks" / "compression_keras_ranks.py"}
 # glibc: serve large blocks from the heap and keep it, so that freed gradient-size temporaries
 # are reused instead of being unmapped and faulted in again (zeroed) at the next step.
 KEEP_FREED_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
@@ -66,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="skip the unshaped job across hosts")
     p.add_argument("--no-single", action="store_true", help="skip the 1-rank jobs")
     p.add_argument("--no-digits", action="store_true", help="skip the digits model's 1-rank job")
+    p.add_argument("--framework", choices=sorted(RANKS_SCRIPTS), default="torch",
+                   help="the ranks' framework (default torch; keras: no digits job and no "
+                        "split of where the time went)")
     p.add_argument("--widths", default="1024,4096,4096,1024")
     p.add_argument("--classes", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=8, help="per rank")
@@ -99,7 +104,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def ranks_argv(args, json_path: Path, digits: bool = False) -> list[str]:
     """compression_ranks.py's command line for one job."""
-    argv = [sys.executable, str(RANKS_SCRIPT), "--json", str(json_path),
+    argv = [sys.executable, str(RANKS_SCRIPTS[args.framework]), "--json", str(json_path),
             "--start-iter", str(args.start_iter), "--warmup", str(args.warmup)]
     if digits:
         return argv + ["--digits", "--compressions", "none,powersgd2",
@@ -165,6 +170,8 @@ def where(r: dict) -> str:
     """Where a step's time went: PowerSGD's reduction split into its parts, or the time
     ``optimizer.step()`` still waited for the plain path's allreduces."""
     ph = r["phases_ms"]
+    if not ph:   # (the Keras ranks time whole steps only)
+        return ""
     if r["compression"].startswith("powersgd"):
         return (f"compute {r['step_ms'] - ph['reduce']:.1f}, reduce {ph['reduce']:.1f} = wait "
                 f"P {ph['wait_P']:.1f} + Q {ph['wait_Q']:.1f} + uncompressed "
@@ -229,8 +236,9 @@ def run_bed(args, jobs: list[tuple[str, str | None, float | None]], out_dir: Pat
 
 
 def title_of(document: dict, rate: str | None) -> str:
-    where_ = (f"{document['ranks']} rank" if document["ranks"] == 1 else
-              f"{document['hosts']} hosts, {document['ranks']} ranks")
+    where_ = f"{document.get('framework', 'torch')}, " + (
+        f"{document['ranks']} rank" if document["ranks"] == 1 else
+        f"{document['hosts']} hosts, {document['ranks']} ranks")
     shaping = ("" if document["ranks"] == 1 else "; link unshaped (loopback)" if rate is None
                else f"; lo capped at {link.format_rate(link.parse_rate(rate))}, one link "
                     f"shared by every host both ways; floor = 2(H-1) x bytes / rate")
@@ -259,7 +267,7 @@ def main(argv=None) -> int:
             floors(single, None)
             documents["single"] = single
             print("\n".join(table(single, title_of(single, None))), flush=True)
-    if not args.no_digits:
+    if not args.no_digits and args.framework == "torch":
         digits = run_single(args, out_dir / f"compression-{tag}-digits.json", digits=True)
         ok &= digits is not None
         if digits:

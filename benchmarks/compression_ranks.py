@@ -44,8 +44,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import hvdlite.torch as hvd  # noqa: E402
-from hvdlite.common.api import powersgd as policy  # noqa: E402
 from hvdlite.torch import powersgd_reducer  # noqa: E402
+from compression_bytes import step_bytes  # noqa: E402  (benchmarks/ is on sys.path)
 
 COMPRESSIONS = ("none", "fp16", "powersgd1", "powersgd2", "powersgd4")
 PHASES = ("reduce", "wait_uncompressed", "wait_P", "wait_Q", "orthogonalize", "factors",
@@ -88,35 +88,6 @@ def compression_of(name: str, start_iter: int):
     if name.startswith("powersgd"):
         return hvd.Compression.powersgd(rank=int(name[len("powersgd"):]), start_iter=start_iter)
     return getattr(hvd.Compression, name)
-
-
-def step_bytes(shapes: list[tuple[int, ...]], name: str) -> dict:
-    """The bytes one step's allreduces carry for compression ``name`` (float32 gradients), with
-    PowerSGD's compression-rate rule (hvdlite/common/api/powersgd.py): every compressed n x m
-    gradient sends P (n x r) and Q (m x r), the others travel whole."""
-    whole = sum(4 * _numel(s) for s in shapes)
-    if name == "none":
-        return {"total": whole, "uncompressed": whole, "P": 0, "Q": 0}
-    if name == "fp16":
-        return {"total": whole // 2, "uncompressed": whole // 2, "P": 0, "Q": 0}
-    config = policy.PowerSGDConfig(rank=int(name[len("powersgd"):]))
-    compressed, rest = policy.split(shapes, config)
-    p_bytes = q_bytes = 0
-    for i in compressed:
-        n, m = policy.matrix_shape(shapes[i])
-        r = policy.factor_rank(n, m, config.rank)
-        p_bytes += 4 * n * r
-        q_bytes += 4 * m * r
-    rest_bytes = sum(4 * _numel(shapes[i]) for i in rest)
-    return {"total": p_bytes + q_bytes + rest_bytes, "uncompressed": rest_bytes,
-            "P": p_bytes, "Q": q_bytes}
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 class Phases:

@@ -27,7 +27,8 @@ def _unavailable(message: str) -> None:
     pytest.skip(message)
 
 
-def test_compression_benchmark_tiny_run(tmp_path):
+@pytest.mark.parametrize("framework", ["torch", "keras"])
+def test_compression_benchmark_tiny_run(tmp_path, framework):
     reason = unavailable_reason()
     if reason:
         _unavailable(f"multi-host tests need Linux namespaces: {reason}")
@@ -36,15 +37,16 @@ def test_compression_benchmark_tiny_run(tmp_path):
         reason = f"lo already has a root qdisc ({link.root_qdisc()[2]}); not touching it"
     if reason:
         _unavailable(f"the benchmark's capped job needs tc on lo as root: {reason}")
-    pytest.importorskip("torch")
+    pytest.importorskip("torch" if framework == "torch" else "tensorflow")
     out = tmp_path / "compression.json"
     proc = subprocess.Popen(   # (its own process group: a timeout kills all it started)
         [sys.executable, str(REPO / "benchmarks" / "compression_benchmark.py"),
          "--widths", "64,256", "--steps", "2", "--warmup", "1", "--start-iter", "1",
-         "--no-digits", "--no-unshaped", "--link", RATE, "--timeout", "60", "--json", str(out)],
+         "--no-digits", "--no-unshaped", "--link", RATE, "--timeout", "150", "--json", str(out),
+         "--framework", framework],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        output, _ = proc.communicate(timeout=120)
+        output, _ = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
@@ -56,6 +58,7 @@ def test_compression_benchmark_tiny_run(tmp_path):
     assert set(documents) == {"single", RATE}, output
     assert documents["single"]["ranks"] == 1
     capped = documents[RATE]
+    assert capped.get("framework", "torch") == framework
     assert capped["ranks"] == 4 and capped["hosts"] == 2
     results = {r["compression"]: r for r in capped["results"]}
     assert list(results) == COMPRESSIONS

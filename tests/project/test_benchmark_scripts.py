@@ -168,3 +168,20 @@ def test_launcher_benchmark_short_run(tmp_path):
     assert set(rows) == {"4 KiB", "1 MiB", "8 x 4 KiB"}
     assert all(set(r) == {"mpiexec.hvd", "mpiexec.raw", "torchrun.hvd", "torchrun.raw"}
                for r in rows.values())
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_grouped_benchmark_short_run(tmp_path, np_):
+    """benchmarks/grouped_benchmark.py checks every kind's grouped result against numpy before
+    timing it (a wrong result fails the job) and reports grouped against raw per kind."""
+    out = tmp_path / "grouped.json"
+    job = run_job(np_, [sys.executable, str(REPO / "benchmarks" / "grouped_benchmark.py"),
+                        "--counts", "3,7", "--iterations", "3", "--blocks", "1",
+                        "--json", str(out)], timeout=180)
+    assert not job.timed_out, job.output
+    assert job.returncode == 0, job.output
+    rows = json.loads(out.read_text())
+    assert [(r["kind"], r["count"]) for r in rows] == [
+        (kind, n) for kind in ("allreduce", "allgather", "reducescatter") for n in (3, 7)]
+    assert all(r["raw_us"] > 0 and r["grouped_us"] > 0 for r in rows)
+    assert "grouped/raw" in job.stdout
