@@ -229,8 +229,7 @@ class MPIPath(DataPath):
         counts = [[d * row for d in r.first_dims] for (r, _), (_, row) in zip(batch, layouts)]
         per_rank = [sum(c[q] for c in counts) for q in range(self.size)]
         send = self._fusion.view(per_rank[self.rank] * info.itemsize, info.np_dtype)
-        phase(batch, "MEMCPY_IN_FUSION_BUFFER")
-        np.concatenate([e.array for _, e in batch], axis=None, out=send)
+        pack(batch, send, [c[self.rank] for c in counts], 1.0)
         recv = self._results.view(sum(per_rank) * info.itemsize, info.np_dtype)
         starts = displacements(per_rank)
         mpi_type = mpi_datatype(info)
