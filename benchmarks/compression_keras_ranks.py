@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,7 +38,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import hvdlite.tensorflow.keras as hvd  # noqa: E402
-from compression_bytes import step_bytes  # noqa: E402  (benchmarks/ is on sys.path)
+from compression_steps import (job_document, print_result, run_ranks,  # noqa: E402
+                               step_result)   # (benchmarks/ is on sys.path)
 
 COMPRESSIONS = ("none", "fp16", "powersgd1", "powersgd2", "powersgd4")
 
@@ -91,13 +91,9 @@ def run_config(name: str, args, widths: list[int], data, comm) -> dict:
             times.append(time.perf_counter() - t0)
     per_rank = comm.allgather(times)
     step_s = [max(r[i] for r in per_rank) for i in range(args.steps)]
-    median = statistics.median(step_s)
     shapes = [tuple(int(d) for d in w.shape) for w in model.trainable_weights]
     del optimizer, model
-    return {"compression": name, "step_ms": 1e3 * median,
-            "step_ms_all": [1e3 * s for s in step_s],
-            "samples_per_s": args.batch_size * comm.Get_size() / median,
-            "bytes": step_bytes(shapes, name), "phases_ms": {}}
+    return step_result(name, step_s, args.batch_size, comm.Get_size(), shapes, {})
 
 
 def main(argv=None) -> int:
@@ -115,26 +111,15 @@ def main(argv=None) -> int:
     for name in [n for n in args.compressions.split(",") if n]:
         results.append(run_config(name, args, widths, data, comm))
         if hvd.rank() == 0:
-            r = results[-1]
-            print(f"{name:>10} {r['step_ms']:9.1f} ms/step {r['samples_per_s']:9.1f} samples/s "
-                  f"{r['bytes']['total'] / 2**20:9.2f} MiB/step", flush=True)
+            print_result(results[-1])
     if args.json and hvd.rank() == 0:
-        Path(args.json).write_text(json.dumps({
-            "framework": "keras", "ranks": hvd.size(), "hosts": hosts, "params": params,
-            "model": {"widths": widths, "classes": args.classes},
-            "batch_size": args.batch_size, "start_iter": args.start_iter,
-            "warmup": max(args.warmup, args.start_iter + 1), "steps": args.steps,
-            "results": results}, indent=2) + "\n")
+        model = {"widths": widths, "classes": args.classes}
+        Path(args.json).write_text(json.dumps(job_document(
+            args, hvd.size(), hosts, params, model, results, framework="keras"), indent=2)
+            + "\n")
     hvd.shutdown()
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except Exception:   # noqa: BLE001 - take every rank down rather than leave them waiting
-        import traceback
-        traceback.print_exc()
-        sys.stderr.flush()
-        from mpi4py import MPI
-        MPI.COMM_WORLD.Abort(1)
+    run_ranks(main)

@@ -45,7 +45,8 @@ sys.path.insert(0, str(REPO))
 
 import hvdlite.torch as hvd  # noqa: E402
 from hvdlite.torch import powersgd_reducer  # noqa: E402
-from compression_bytes import step_bytes  # noqa: E402  (benchmarks/ is on sys.path)
+from compression_steps import (job_document, print_result, run_ranks,  # noqa: E402
+                               step_result)   # (benchmarks/ is on sys.path)
 
 COMPRESSIONS = ("none", "fp16", "powersgd1", "powersgd2", "powersgd4")
 PHASES = ("reduce", "wait_uncompressed", "wait_P", "wait_Q", "orthogonalize", "factors",
@@ -175,16 +176,12 @@ def run_config(name: str, args, make_model, data, phases: Phases, comm) -> dict:
     # the slowest rank's time of each step
     per_rank = comm.allgather((times, [{k: s.get(k, 0.0) for k in PHASES} for s in splits]))
     step_s = [max(r[0][i] for r in per_rank) for i in range(args.steps)]
-    median = statistics.median(step_s)
     # phases: each rank's median, averaged over the ranks (a mean keeps the parts additive)
     phase_ms = {k: 1e3 * statistics.fmean(statistics.median(s[k] for s in r[1])
                                           for r in per_rank) for k in PHASES}
     shapes = [tuple(p.shape) for p in model.parameters()]
     del optimizer, model
-    return {"compression": name, "step_ms": 1e3 * median,
-            "step_ms_all": [1e3 * s for s in step_s],
-            "samples_per_s": args.batch_size * comm.Get_size() / median,
-            "bytes": step_bytes(shapes, name), "phases_ms": phase_ms}
+    return step_result(name, step_s, args.batch_size, comm.Get_size(), shapes, phase_ms)
 
 
 def main(argv=None) -> int:
@@ -211,26 +208,14 @@ def main(argv=None) -> int:
     for name in names:
         results.append(run_config(name, args, make_model, data, phases, comm))
         if hvd.rank() == 0:
-            r = results[-1]
-            print(f"{name:>10} {r['step_ms']:9.1f} ms/step {r['samples_per_s']:9.1f} samples/s "
-                  f"{r['bytes']['total'] / 2**20:9.2f} MiB/step", flush=True)
+            print_result(results[-1])
     if args.json and hvd.rank() == 0:
-        Path(args.json).write_text(json.dumps({
-            "ranks": hvd.size(), "hosts": hosts, "params": params,
-            "model": "digits" if args.digits else {"widths": widths, "classes": classes},
-            "batch_size": args.batch_size, "start_iter": args.start_iter,
-            "warmup": max(args.warmup, args.start_iter + 1), "steps": args.steps,
-            "results": results}, indent=2) + "\n")
+        model = "digits" if args.digits else {"widths": widths, "classes": classes}
+        Path(args.json).write_text(json.dumps(job_document(
+            args, hvd.size(), hosts, params, model, results), indent=2) + "\n")
     hvd.shutdown()
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except Exception:   # noqa: BLE001 - take every rank down rather than leave them waiting
-        import traceback
-        traceback.print_exc()
-        sys.stderr.flush()
-        from mpi4py import MPI
-        MPI.COMM_WORLD.Abort(1)
+    run_ranks(main)
