@@ -32,6 +32,8 @@ setup(
         # Pin torch yourself (e.g. torch==2.13.0 for the CPU wheel); an unpinned torch pulls CUDA.
         "torch": ["torch>=2.1"],
         "tensorflow": ["tensorflow-cpu>=2.16"],
+        # hvdlite.jax (and Keras 3 on its JAX backend): jax arrays and pytrees, optax optimizers.
+        "jax": ["jax>=0.4.30", "optax>=0.2"],
         # The GPU data path: CuPy (CUDA runtime, device arrays, kernels) and its NCCL binding.
         "nccl": ["cupy-cuda13x>=14", "nvidia-nccl-cu13"],
         "nccl-cuda12": ["cupy-cuda12x>=13", "nvidia-nccl-cu12"],
