@@ -19,7 +19,8 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 stamp=".venv/.hvdlite-installed"
-want="$(cat setup.py scripts/bootstrap.sh | sha256sum | cut -c1-16) $TORCH_SPEC $TF_SPEC $TF_KERAS_SPEC $JAX_SPEC"
+want="$(cat setup.py scripts/bootstrap.sh | sha256sum | cut -c1-16)"
+want="$want $TORCH_SPEC $TF_SPEC $TF_KERAS_SPEC $JAX_SPEC"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[bootstrap] installing hvdlite and its test/example/docs dependencies"
   .venv/bin/python -m pip install --quiet --upgrade pip
