@@ -49,6 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--epoch-seconds", type=float, default=0.0,
                    help="make each epoch last at least this long (to watch a job react to a "
                         "failure or a new host)")
+    p.add_argument("--compression", choices=["none", "fp16", "bf16", "powersgd"],
+                   default="none", help="gradient compression; powersgd (rank 2, 10 plain "
+                   "steps first) starts its factors and error feedback over in every world")
     p.add_argument("--min-accuracy", type=float, default=0.0,
                    help="exit non-zero if the final test accuracy is below this")
     return p.parse_args(argv)
@@ -92,8 +95,12 @@ def main(argv=None) -> int:
                                                         random_state=args.seed, stratify=y)
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"),
                               keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)])
+    compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16,
+                   "bf16": hvd.Compression.bf16,
+                   "powersgd": hvd.Compression.powersgd(rank=2, start_iter=10)}[args.compression]
     optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=args.lr * hvd.size(),
-                                                              momentum=args.momentum))
+                                                              momentum=args.momentum),
+                                         compression=compression)
     model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])

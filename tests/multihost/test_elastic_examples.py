@@ -1,8 +1,9 @@
 """The elastic examples keep training when a worker is killed from outside, as a node failure
 would: examples/pytorch_elastic_digits.py on hvdnode1 and hvdnode2 (one rank each) loses the
 worker on hvdnode2 in its third epoch, goes on alone from the last commit, and grows back to two
-ranks when hvdnode2's blacklist cooldown ends; examples/keras_elastic_digits.py loses its
-worker on hvdnode2 and finishes on hvdnode1.  Both must reach their accuracy bar."""
+ranks when hvdnode2's blacklist cooldown ends; examples/keras_elastic_digits.py, compressing
+with PowerSGD (whose factors and error feedback start over in the new world), loses its worker on
+hvdnode2 and finishes on hvdnode1.  Both must reach their accuracy bar."""
 from __future__ import annotations
 
 import re
@@ -83,7 +84,7 @@ def test_keras_elastic_example_survives_a_killed_worker(host_bed):
     status, out, err = _run_and_kill(
         host_bed, ["-np", "2", "--min-np", "1", "--max-np", "2", "-H", "hvdnode1:1,hvdnode2:1"],
         "keras_elastic_digits.py", ["--epochs", "8", "--epoch-seconds", "0.3",
-                                    "--min-accuracy", "0.9"],
+                                    "--compression", "powersgd", "--min-accuracy", "0.9"],
         when=r"^epoch +1 ", victim_host="hvdnode2")
     assert status == 0, f"{out[-3000:]}\n{err[-3000:]}"
     assert "blacklisted hvdnode2" in err, err[-3000:]
