@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("data_paths", ("hvdlite.common.data_paths",)),
     ("api", ("hvdlite.common.api",)),
     ("door", ("hvdlite.common.core",)),
-    ("adapters", ("hvdlite.torch", "hvdlite.tensorflow", "hvdlite.keras", "hvdlite.runner",
+    ("adapters", ("hvdlite.torch", "hvdlite.tensorflow", "hvdlite.jax", "hvdlite.keras", "hvdlite.runner",
                   "hvdlite.ray", "hvdlite.spark")),
 ]
 # Package markers that import nothing and belong to no layer.
