@@ -224,6 +224,36 @@ KNOBS: tuple[Knob, ...] = (
     Knob("RESULT_POOL_MB", "result_pool_bytes", Number(float, MIB), 512.0, OWN,
          "most idle result memory each rank keeps for reuse; 0 turns the pool off", unit="MiB",
          details="See [How it works](how-it-works.md#result-memory)."),
+    Knob("AUTOTUNE", "autotune", Switch(), False, RANK0,
+         "1: rank 0 tunes the fusion threshold, cycle time, response cache and (where the job "
+         "spans hosts) hierarchical allreduce/allgather while the job runs, then keeps the "
+         "best; needs scikit-learn",
+         flags=(on_off_flag("--autotune", sets="1", help="tune the engine's settings at run "
+                            "time (needs scikit-learn)"),
+                on_off_flag("--no-autotune", sets="0", help="no autotuning (the default)")),
+         horovod="yes", details="See [Autotune](autotune.md)."),
+    Knob("AUTOTUNE_LOG", "autotune_log", Text("path"), None, RECORDER,
+         "CSV file rank 0 writes every autotune sample into (Horovod's columns), then the best",
+         flags=(value_flag("--autotune-log-file", metavar="FILE", value_type=str,
+                           conversion=ABSOLUTE),), horovod="yes"),
+    Knob("AUTOTUNE_WARMUP_SAMPLES", "autotune_warmup_samples", Number(int), 3, RANK0,
+         "autotune samples discarded before the first scored one", unit="samples",
+         flags=(value_flag("--autotune-warmup-samples", metavar="N", value_type=int),),
+         horovod="yes"),
+    Knob("AUTOTUNE_STEPS_PER_SAMPLE", "autotune_steps_per_sample", Number(int), 10, RANK0,
+         "steps (a tensor's repetitions) in each of the five parts of an autotune sample",
+         unit="steps",
+         flags=(value_flag("--autotune-steps-per-sample", metavar="N", value_type=int),),
+         horovod="yes"),
+    Knob("AUTOTUNE_BAYES_OPT_MAX_SAMPLES", "autotune_bayes_opt_max_samples", Number(int), 20,
+         RANK0, "Bayesian optimization samples of fusion threshold and cycle time for each "
+         "combination of the on/off settings", unit="samples",
+         flags=(value_flag("--autotune-bayes-opt-max-samples", metavar="N", value_type=int),),
+         horovod="yes"),
+    Knob("AUTOTUNE_GAUSSIAN_PROCESS_NOISE", "autotune_gaussian_process_noise", Number(float),
+         0.8, RANK0, "noise the Gaussian process assumes in the (normalized) scores",
+         flags=(value_flag("--autotune-gaussian-process-noise", metavar="NOISE"),),
+         horovod="yes"),
 )
 KNOB_BY_NAME: dict[str, Knob] = {knob.name: knob for knob in KNOBS}
 
@@ -262,6 +292,12 @@ class Config:
     watchdog_port: int = _default("watchdog_port")
     timeline_filename: str | None = _default("timeline_filename")
     timeline_mark_cycles: bool = _default("timeline_mark_cycles")
+    autotune: bool = _default("autotune")
+    autotune_log: str | None = _default("autotune_log")
+    autotune_warmup_samples: int = _default("autotune_warmup_samples")
+    autotune_steps_per_sample: int = _default("autotune_steps_per_sample")
+    autotune_bayes_opt_max_samples: int = _default("autotune_bayes_opt_max_samples")
+    autotune_gaussian_process_noise: float = _default("autotune_gaussian_process_noise")
 
     @property
     def cycle_seconds(self) -> float:

@@ -21,13 +21,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                     "hvdlite.common.memory")),
     ("gpu", ("hvdlite.common.gpu",)),
     ("runtime", ("hvdlite.common.runtime",)),
+    ("tuning", ("hvdlite.common.tuning",)),
     ("intranode", ("hvdlite.common.intranode",)),
     ("engine", ("hvdlite.common.engine",)),
     ("data_paths", ("hvdlite.common.data_paths",)),
     ("api", ("hvdlite.common.api",)),
     ("door", ("hvdlite.common.core",)),
-    ("adapters", ("hvdlite.torch", "hvdlite.tensorflow", "hvdlite.jax", "hvdlite.keras", "hvdlite.runner",
-                  "hvdlite.ray", "hvdlite.spark")),
+    ("adapters", ("hvdlite.torch", "hvdlite.tensorflow", "hvdlite.jax", "hvdlite.keras",
+                  "hvdlite.runner", "hvdlite.ray", "hvdlite.spark")),
 ]
 # Package markers that import nothing and belong to no layer.
 NEUTRAL = {"hvdlite.common"}

@@ -41,7 +41,7 @@ class Admission:
         # the table's lock and entries under short names for the submission hot path
         self._lock, self._entries = in_flight.lock, in_flight.entries
         self._busy = busy
-        self._config = config
+        self.config = config
         self._completion = completion
         self._queue: queue.SimpleQueue = queue.SimpleQueue()   # entries (or None = wake up)
         # Producers that announced a stream of submissions (DistributedOptimizer during
@@ -133,7 +133,7 @@ class Admission:
 
     def _gather_stream(self, new: list) -> None:
         """While a stream is open, add what arrives within one cycle time to ``new``."""
-        deadline = time.perf_counter() + self._config.cycle_seconds
+        deadline = time.perf_counter() + self.config.cycle_seconds
         self._stream_closed.clear()
         while self.open_streams:
             left = deadline - time.perf_counter()

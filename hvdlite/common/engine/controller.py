@@ -136,6 +136,19 @@ class Controller:
         self._someone_joined = False                       # as of the last round
         self._stall_scan_at = NEVER   # no pending tensor is due for a stall report before
 
+    def use_config(self, config: Config) -> bool:
+        """Run with ``config`` from the next round on (autotune; between rounds, on every rank
+        alike).  A new cache capacity empties the cache, as Horovod's ``set_capacity`` does:
+        pending tensors it knew are then negotiated in full.  True if the cache was emptied."""
+        self.config = config
+        self.max_sleep = config.wait_sleep_cap
+        if config.cache_capacity == self.cache.capacity:
+            return False
+        self.cache = ResponseCache(config.cache_capacity)
+        for entry in self.pending.values():
+            entry.slot = None
+        return True
+
     @property
     def busy(self) -> bool:
         """Work is pending here (a joined rank keeps running rounds for the others)."""

@@ -63,6 +63,10 @@ class Engine:
         self.stream_close = self.admission.stream_close
         self.path = self.execution.path
         self.rounds_with_work = 0   # negotiation rounds that took new entries (tests, benchmarks)
+        # Autotune (the global set only, as in Horovod): switches settings between rounds.
+        self.retuner = None
+        if config.autotune and global_ranks is None:
+            self.retuner = _new_retuner(self, comm)
         self._thread = threading.Thread(target=self._run, name="hvdlite-engine", daemon=True)
 
     # --- user threads ------------------------------------------------------------------------
@@ -116,6 +120,14 @@ class Engine:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
+    def use_config(self, config: Config) -> None:
+        """Run with ``config`` from the next round on: autotune calls it between rounds, at the
+        same round on every rank (a switch inside a round would mix settings)."""
+        self.config = config
+        self.admission.config = config
+        cache_emptied = self.controller.use_config(config)
+        self.execution.use_config(config, cache_emptied)
+
     # --- engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
         pin_engine_thread()   # HOROVOD_THREAD_AFFINITY / --thread-affinity, if set
@@ -149,6 +161,8 @@ class Engine:
                                           or not everyone)
                     completion.stop_after_shutdown(outcome.shutdown_ranks)
                     return
+                if self.retuner is not None:
+                    self.retuner.after_round(outcome)
                 # Everyone has work but nothing matched (tensors submitted in different orders):
                 # pace the rounds by the cycle time instead of spinning.
                 pause = (self.config.cycle_seconds
@@ -169,3 +183,18 @@ class Engine:
             completion.fail_everything(error, reason, per_entry=per_entry)
             # after the waiters are told: a broken MPI must not keep them waiting
             execution.close_paths(collective=False, abort=True)
+
+
+def _new_retuner(engine: Engine, comm):
+    """The autotune driver of ``engine`` (collective: every rank of the set builds one)."""
+    from hvdlite.common.engine.retune import (Retuner, configured_setting, spans_hosts,
+                                              tuning_options)
+    from hvdlite.common.tuning.bayes import require_sklearn
+    from hvdlite.common.tuning.manager import ParameterManager
+    from hvdlite.common.tuning.parameter_space import ParameterSpace
+    require_sklearn()   # on every rank: a missing package fails init() everywhere alike
+    config = engine.config
+    space = ParameterSpace.around(configured_setting(config),
+                                  spans_hosts(comm) if comm is not None else False)
+    manager = ParameterManager(space, tuning_options(config), root=engine.controller.rank == 0)
+    return Retuner(engine, manager)

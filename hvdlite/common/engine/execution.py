@@ -106,6 +106,19 @@ class Execution:
         self._early_allowed = False   # the last round's verdict: every rank's switch is on
         self.early_reductions = 0
 
+    def use_config(self, config: Config, cache_emptied: bool) -> None:
+        """Run with ``config`` from the next round on (autotune; between rounds, on every rank
+        alike): fusion threshold and hierarchical switches; ``cache_emptied``: the response
+        cache was emptied, so no early reduction may be predicted from its old slots."""
+        self.config = config
+        for path in self.paths:
+            if path.name == "hierarchical":
+                path.allreduce_on = config.hierarchical_allreduce
+                path.allgather_on = config.hierarchical_allgather
+        if cache_emptied:
+            self._early = EarlyPlan(self.controller.cache.held)
+            self._early_allowed = False
+
     def _data_stall(self, waited: float) -> None:
         """Called while a batch's data exchange waits long for peers (see Controller)."""
         self.controller.local_stall(waited, "an allreduce's data exchange")
