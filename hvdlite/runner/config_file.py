@@ -16,14 +16,13 @@ The schema is horovodrun's (``horovod/runner/common/util/config_parser.py``,
 
 Each key stands for the horovodrun flag of the same meaning (:data:`SCHEMA`), and its value is
 parsed by ``hvdlite run``'s own parser, so a file says exactly what the flags would, with the
-same checks and the same refusals (``autotune: {enabled: true}`` is refused as ``--autotune``
-is).  A flag given on the command line wins over the file wherever it stands (horovodrun's
+same checks and the same refusals.  A flag given on the command line wins over the file wherever it stands (horovodrun's
 implementation; its help text speaks of position, its code does not).  Unlike horovodrun,
 which ignores keys it does not know, an unknown key is an error naming it and the valid ones (a
 misspelt key would otherwise change nothing, silently); ``logging: hide_timestamp``, which
 Horovod's own example file uses but its parser ignores, counts as the opposite of
-``with_timestamp``.  The autotune section's other keys only matter with ``enabled: true``
-(horovodrun exports them only then) and are accepted.
+``with_timestamp``.  The autotune section's other keys are exported whatever ``enabled`` says
+(horovodrun exports them only with ``enabled: true``; without it no rank reads them).
 
 PyYAML is an optional dependency (``pip install pyyaml``, or the ``hvdlite[yaml]`` extra).
 """
@@ -52,10 +51,6 @@ def _switch(on: str | None, off: str | None) -> Tokens:
     return tokens
 
 
-def _ignored(value: Any) -> list:
-    return []
-
-
 def _controller(value: Any) -> list:
     if not isinstance(value, str) or value.lower() not in ("mpi", "gloo"):
         raise ValueError(f"no such controller: {value!r} (mpi or gloo)")
@@ -72,10 +67,12 @@ SCHEMA: dict[str, dict[str, Tokens]] = {
                                                  "--no-hierarchical-allreduce"),
                "hierarchical_allgather": _switch("--hierarchical-allgather",
                                                  "--no-hierarchical-allgather")},
-    "autotune": {"enabled": _switch("--autotune", None),
-                 **{key: _ignored for key in ("log_file", "warmup_samples", "steps_per_sample",
-                                              "bayes_opt_max_samples",
-                                              "gaussian_process_noise")}},
+    "autotune": {"enabled": _switch("--autotune", "--no-autotune"),
+                 "log_file": _value("--autotune-log-file"),
+                 "warmup_samples": _value("--autotune-warmup-samples"),
+                 "steps_per_sample": _value("--autotune-steps-per-sample"),
+                 "bayes_opt_max_samples": _value("--autotune-bayes-opt-max-samples"),
+                 "gaussian_process_noise": _value("--autotune-gaussian-process-noise")},
     "timeline": {"filename": _value("--timeline-filename"),
                  "mark_cycles": _switch("--timeline-mark-cycles", "--no-timeline-mark-cycles")},
     "stall_check": {"enabled": _switch("--stall-check", "--no-stall-check"),
@@ -173,8 +170,8 @@ def apply(args: argparse.Namespace, make_parser: Callable[[], argparse.ArgumentP
     parser.error = _raise   # argparse (and the horovodrun refusals) report through this
     base = vars(parser.parse_args(["cmd"]))
     for key, words in found:
-        if (key == "controller" and args.mpi) or (key == "autotune.enabled" and args.no_autotune):
-            continue   # the command line chose already (horovodrun: --mpi/--gloo, --no-autotune)
+        if key == "controller" and args.mpi:
+            continue   # the command line chose already (horovodrun: --mpi/--gloo)
         try:
             parsed = vars(parser.parse_args(words + ["cmd"]))
         except _ParseError as exc:

@@ -9,7 +9,7 @@ Three kinds:
   ``--log-with-timestamp``, ``--thread-affinity``, ``--tcp``, ``-cb``, ``-v``) are ordinary
   options of the parser;
 * flags whose Horovod purpose is already met (``--mpi``: hvdlite always runs over MPI;
-  ``--disable-cache``: ``hvdlite run`` caches no start-up checks; ``--no-autotune``;
+  ``--disable-cache``: ``hvdlite run`` caches no start-up checks;
   ``--log-without-timestamp``: the default; ``--num-nccl-streams 1``: hvdlite's one stream) are
   accepted and do nothing;
 * flags for features hvdlite does not have stop the launch with a message that says why and
@@ -25,8 +25,6 @@ import os
 import sys
 from typing import Iterator, Sequence, TextIO
 
-_AUTOTUNE = ("hvdlite has no autotuner; set --fusion-threshold-mb and --cycle-time-ms "
-             "(docs/knobs.md lists every knob).")
 NCCL_STREAMS = ("hvdlite runs NCCL operations on one CUDA stream per GPU (1, Horovod's default, "
                 "is accepted); several streams are not implemented.")
 
@@ -36,12 +34,6 @@ UNSUPPORTED: dict[tuple[str, ...], tuple[int, str]] = {
     ("--jsrun",): (0, "hvdlite does not drive jsrun (IBM LSF); it uses the installed "
                       "mpiexec/mpirun (choose one with --mpiexec)."),
     ("--gloo-timeout-seconds",): (1, "hvdlite has no Gloo controller; drop this flag."),
-    ("--autotune",): (0, _AUTOTUNE),
-    ("--autotune-log-file",): (1, _AUTOTUNE),
-    ("--autotune-warmup-samples",): (1, _AUTOTUNE),
-    ("--autotune-steps-per-sample",): (1, _AUTOTUNE),
-    ("--autotune-bayes-opt-max-samples",): (1, _AUTOTUNE),
-    ("--autotune-gaussian-process-noise",): (1, _AUTOTUNE),
     ("--mpi-threads-disable",): (0, "hvdlite calls MPI from several threads at once (one "
                                     "engine thread per process set, and the calling thread for "
                                     "process-set registration and object collectives), which "
@@ -167,8 +159,6 @@ def add_options(parser: argparse.ArgumentParser, version: str) -> None:
                             "or other fabrics)")
     group.add_argument("--num-nccl-streams", type=_nccl_streams, metavar="1",
                        help="accepted with 1: hvdlite uses one NCCL stream per GPU")
-    group.add_argument("--no-autotune", action="store_true",
-                       help="accepted: hvdlite has no autotuner")
     group.add_argument("--mpi", action="store_true",
                        help="accepted: hvdlite always runs over MPI")
     group.add_argument("--disable-cache", action="store_true",

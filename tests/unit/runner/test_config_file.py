@@ -50,10 +50,9 @@ logging:
   level: INFO
   hide_timestamp: true
 """
-# The same with what hvdlite refuses turned into what it runs: the MPI controller, no
-# autotuning, MPI threads, one NCCL stream, no Gloo timeout.
+# The same with what hvdlite refuses turned into what it runs: the MPI controller, MPI
+# threads, one NCCL stream, no Gloo timeout.
 RUNNABLE = (HOROVOD_EXAMPLE.replace("controller: gloo", "controller: mpi")
-            .replace("enabled: true\n  log_file", "enabled: false\n  log_file")
             .replace("mpi_threads_disable: true", "mpi_threads_disable: false")
             .replace("num_nccl_streams: 2", "num_nccl_streams: 1")
             .replace("  gloo_timeout_seconds: 60\n", ""))
@@ -82,7 +81,11 @@ def test_horovod_s_example_sets_every_knob_it_names(tmp_path, monkeypatch):
         "HVDLITE_TIMELINE": str(tmp_path / "horovod_timeline.json"),
         "HVDLITE_TIMELINE_MARK_CYCLES": "1", "HVDLITE_STALL_CHECK_DISABLE": "0",
         "HVDLITE_STALL_CHECK_TIME_SECONDS": "120", "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "240",
-        "HVDLITE_LOG_LEVEL": "INFO"}
+        "HVDLITE_LOG_LEVEL": "INFO", "HVDLITE_AUTOTUNE": "1",
+        "HVDLITE_AUTOTUNE_LOG": str(tmp_path / "horovod_autotune_log.txt"),
+        "HVDLITE_AUTOTUNE_WARMUP_SAMPLES": "5", "HVDLITE_AUTOTUNE_STEPS_PER_SAMPLE": "20",
+        "HVDLITE_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "50",
+        "HVDLITE_AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "0.9"}
     assert horovodrun_flags.rank_env(args) == {"HVDLITE_THREAD_AFFINITY": "1"}
     assert args.log_with_timestamp is False and args.num_nccl_streams == 1
 
@@ -94,8 +97,7 @@ def test_every_key_of_horovod_s_example_is_known():
 
 
 @pytest.mark.parametrize("flags,reason_of", [
-    ([], "--gloo"), (["--mpi"], "--autotune"),
-    (["--mpi", "--no-autotune"], "--mpi-threads-disable"),
+    ([], "--gloo"), (["--mpi"], "--mpi-threads-disable"),
 ])
 def test_horovod_s_example_as_is_is_refused_where_hvdlite_differs(flags, reason_of, tmp_path,
                                                                    capsys):
@@ -111,8 +113,10 @@ def test_horovod_s_example_as_is_is_refused_where_hvdlite_differs(flags, reason_
      horovodrun_flags.NCCL_STREAMS),
     (("mpi_threads_disable: false", "gloo_timeout_seconds: 60"),
      "library_options.gloo_timeout_seconds", "hvdlite has no Gloo controller"),
-    (("enabled: false\n  log_file", "enabled: true\n  log_file"), "autotune.enabled",
-     "hvdlite has no autotuner"),
+    (("warmup_samples: 5", "warmup_samples: -1"), "autotune.warmup_samples",
+     "must be a non-negative"),
+    (("enabled: true\n  log_file", "enabled: perhaps\n  log_file"), "autotune.enabled",
+     "'perhaps' is not true or false"),
     (("controller: mpi", "controller: nccl"), "controller", "no such controller: 'nccl'"),
     (("fusion_threshold_mb: 32", "fusion_threshold_mb: -1"), "params.fusion_threshold_mb",
      "must be a non-negative number"),
@@ -158,7 +162,8 @@ def test_autotune_off_and_empty_or_null_sections_are_accepted(tmp_path):
     text = ("autotune:\n  enabled: false\n  warmup_samples: 3\nparams:\n"
             "timeline: {filename: null}\n")
     args = parse(["-np", "2", "--config-file", "CONFIG", "cmd"], tmp_path, text)
-    assert launch.knob_env(args) == {}
+    assert launch.knob_env(args) == {"HVDLITE_AUTOTUNE": "0",
+                                     "HVDLITE_AUTOTUNE_WARMUP_SAMPLES": "3"}
     assert launch.knob_env(parse(["-np", "2", "--config-file", "CONFIG", "cmd"], tmp_path,
                                  "")) == {}
 
@@ -178,3 +183,9 @@ def test_missing_file_and_missing_pyyaml(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "yaml", None)   # import yaml raises ImportError
     assert launch.main(["-np", "2", "--config-file", str(tmp_path / "none.yaml"), "cmd"]) == 2
     assert "--config-file needs PyYAML: pip install pyyaml" in capsys.readouterr().err
+
+
+def test_no_autotune_on_the_command_line_wins_over_the_file(tmp_path):
+    args = parse(["-np", "2", "--no-autotune", "--config-file", "CONFIG", "cmd"], tmp_path)
+    env = launch.knob_env(args)
+    assert env["HVDLITE_AUTOTUNE"] == "0" and env["HVDLITE_AUTOTUNE_WARMUP_SAMPLES"] == "5"

@@ -31,7 +31,7 @@ def plan(argv: list[str], environ: dict | None = None) -> mpi_flavor.JobSpec:
 
 def test_accepted_no_op_flags_change_nothing():
     plain = plan(["-np", "2", "python", "t.py"])
-    compat = plan(["-np", "2", "--mpi", "--disable-cache", "--no-autotune", "--num-nccl-streams",
+    compat = plan(["-np", "2", "--mpi", "--disable-cache", "--num-nccl-streams",
                    "1", "--log-without-timestamp", "python", "t.py"])
     assert compat == plain
     assert plan(["-np", "2", "--log-hide-timestamp", "python", "t.py"]) == plain
@@ -331,3 +331,30 @@ def test_tcp_reaches_the_launcher(monkeypatch, tmp_path):
     assert "tcp,self,vader" in argv and env["NCCL_IB_DISABLE"] == "1"
     assert "NCCL_IB_DISABLE" not in launch.prepare(launch.parse_args(["-np", "2", "cmd"]),
                                                    {"PATH": "/usr/bin"}, (), str(tmp_path))[1]
+
+
+def test_autotune_flags_export_horovod_s_knobs(tmp_path):
+    """Each of horovodrun's autotune flags sets its knob for every rank (read under its
+    HOROVOD_AUTOTUNE* name too)."""
+    log = tmp_path / "tune.csv"
+    env = launch.knob_env(launch.parse_args([
+        "-np", "2", "--autotune", "--autotune-log-file", str(log),
+        "--autotune-warmup-samples", "2", "--autotune-steps-per-sample", "4",
+        "--autotune-bayes-opt-max-samples", "9", "--autotune-gaussian-process-noise", "0.5",
+        "python", "t.py"]))
+    assert env == {"HVDLITE_AUTOTUNE": "1", "HVDLITE_AUTOTUNE_LOG": str(log),
+                   "HVDLITE_AUTOTUNE_WARMUP_SAMPLES": "2",
+                   "HVDLITE_AUTOTUNE_STEPS_PER_SAMPLE": "4",
+                   "HVDLITE_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "9",
+                   "HVDLITE_AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "0.5"}
+    assert launch.knob_env(launch.parse_args(["-np", "2", "--no-autotune", "python", "t.py"])) \
+        == {"HVDLITE_AUTOTUNE": "0"}
+    assert not any(flag[0].startswith("--autotune") for flag in horovodrun_flags.UNSUPPORTED)
+
+
+@pytest.mark.parametrize("flag", ["--autotune-warmup-samples", "--autotune-steps-per-sample",
+                                  "--autotune-bayes-opt-max-samples"])
+def test_autotune_counts_must_be_whole_non_negative(flag, capsys):
+    for bad in ("-1", "2.5"):
+        assert launch.main(["-np", "2", "--autotune", flag, bad, "python", "t.py"]) == 2
+        assert flag in capsys.readouterr().err
