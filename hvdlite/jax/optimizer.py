@@ -50,7 +50,7 @@ def DistributedOptimizer(optimizer: optax.GradientTransformation,
 
     Args:
       optimizer: the transformation to wrap (``optax.adam(1e-3)``, an ``optax.chain``, ...).
-      compression: ``Compression.none`` (default), ``Compression.fp16`` or
+      compression (Compression): ``Compression.none`` (default), ``Compression.fp16`` or
         ``Compression.bf16``: floating-point gradients travel in 16 bits.
       backward_passes_per_step: k > 1 accumulates the gradients of k calls of ``update``
         locally (summed, as in Horovod; averaged with ``average_aggregated_gradients=True``) and

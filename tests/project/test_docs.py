@@ -79,7 +79,8 @@ PUBLIC_MODULES = ("hvdlite", "hvdlite.torch", "hvdlite.tensorflow", "hvdlite.ten
                   "hvdlite.tensorflow.keras.callbacks", "hvdlite.keras", "hvdlite.runner",
                   "hvdlite.torch.elastic", "hvdlite.tensorflow.elastic",
                   "hvdlite.tensorflow.keras.elastic", "hvdlite.keras.elastic", "hvdlite.ray",
-                  "hvdlite.spark", "hvdlite.spark.torch", "hvdlite.spark.keras")
+                  "hvdlite.spark", "hvdlite.spark.torch", "hvdlite.spark.keras", "hvdlite.jax",
+                  "hvdlite.jax.elastic")
 
 
 def test_reference_names_are_public():
