@@ -203,7 +203,7 @@ def reducescatter(xs: list, name: str | None, op: ReduceOp, prescale: float, pos
     """This rank's rows of each array of ``xs`` reduced across the set."""
     ps = _set(process_set)
     _traced_check(xs, ps, "reducescatter")
-    for x in xs:
+    for x in xs if is_traced(*xs) else ():   # (eagerly the core checks, and announces)
         if x.ndim == 0:
             raise ValueError("hvdlite: reducescatter of a scalar; pass an array with at least "
                              "one dimension (its rows are split across the ranks).")

@@ -15,6 +15,7 @@ makes every rank raise ``TensorMismatchError``); errors reach the caller as
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Sequence
 
 import jax
@@ -25,7 +26,7 @@ from hvdlite.common.core import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDU
                                  ProcessSet, ReduceOp, global_process_set, resolve_op)
 
 from . import autodiff
-from .bridge import original_error  # noqa: F401 - public here
+from .bridge import is_traced, original_error
 from .compression import Compression
 
 Array = jax.Array
@@ -40,7 +41,12 @@ def _check_name(name) -> None:
         raise TypeError(f"name must be a string, got {type(name).__name__}")
 
 
-def _announced(kind: str, name, process_set):
+def _announced(kind: str, name, process_set, tensor):
+    """Eagerly, an unnamed op whose checks fail takes its name and tells the other ranks (see
+    ``core.announced``).  Traced, nothing is announced: the checks run when tracing, alike on
+    every rank, and unnamed traced ops are named when they run, apart from the eager ones."""
+    if is_traced(tensor):
+        return contextlib.nullcontext()
     return core.announced(kind, name, None if process_set is global_process_set else process_set)
 
 
@@ -56,7 +62,7 @@ def allreduce(tensor, average: bool | None = None, name: str | None = None,
     ``postscale_factor`` the result.  ``compression`` (``Compression.fp16``/``bf16``) casts
     floating-point data for the wire.  Differentiable for Average/Sum: the gradient is the same
     allreduce of the incoming gradient."""
-    with _announced(ALLREDUCE, name, process_set):
+    with _announced(ALLREDUCE, name, process_set, tensor):
         _check_name(name)
         op = resolve_op(op, average)
         compressed, ctx = compression.compress(_array(tensor))
@@ -75,8 +81,10 @@ def grouped_allreduce(tensors: Sequence, average: bool | None = None, name: str 
     tensors = list(tensors)
     if not tensors:
         return []
-    with core.announced_group(ALLREDUCE, name, None if process_set is global_process_set
-                              else process_set, len(tensors)):
+    announce = (contextlib.nullcontext() if is_traced(*tensors) else core.announced_group(
+        ALLREDUCE, name, None if process_set is global_process_set else process_set,
+        len(tensors)))
+    with announce:
         _check_name(name)
         op = resolve_op(op, average)
         pairs = [compression.compress(_array(t)) for t in tensors]
@@ -91,7 +99,7 @@ def allgather(tensor, name: str | None = None,
     """Concatenation of every rank's ``tensor`` along dimension 0, in rank order (a scalar is
     one row; eagerly the number of rows may differ per rank, inside jit it must not).
     Differentiable: each rank gets its rows of the incoming gradients averaged over the set."""
-    with _announced(ALLGATHER, name, process_set):
+    with _announced(ALLGATHER, name, process_set, tensor):
         _check_name(name)
         tensor = _array(tensor)
     return autodiff.allgather([tensor], name, process_set, grouped=False)[0]
@@ -113,7 +121,7 @@ def broadcast(tensor, root_rank: int, name: str | None = None,
     """Return ``root_rank``'s ``tensor`` on every rank (``root_rank``: a global rank in the
     set).  Differentiable: the root gets the average of every rank's gradient, the others
     zeros."""
-    with _announced(BROADCAST, name, process_set):
+    with _announced(BROADCAST, name, process_set, tensor):
         _check_name(name)
         tensor = _array(tensor)
     return autodiff.broadcast(tensor, int(root_rank), name, process_set)
@@ -127,7 +135,7 @@ def alltoall(tensor, splits=None, name: str | None = None,
     divided evenly.  Returns the received array, or ``(array, received_splits)`` when
     ``splits`` is given (Horovod's convention).  Inside jit only even splits are possible.
     Differentiable: each received row's gradient goes back to where the row came from."""
-    with _announced(ALLTOALL, name, process_set):
+    with _announced(ALLTOALL, name, process_set, tensor):
         _check_name(name)
         tensor = _array(tensor)
     out, received = autodiff.alltoall(tensor, splits, name, process_set)
@@ -143,7 +151,7 @@ def reducescatter(tensor, name: str | None = None, compression=Compression.none,
     rows and N ranks the first R % N ranks get R // N + 1 rows, the others R // N.  Sum,
     Average (default), Min, Max, Product.  Differentiable for Sum/Average: the allgather of the
     incoming gradients, times the set's size for Sum, times both scale factors."""
-    with _announced(REDUCESCATTER, name, process_set):
+    with _announced(REDUCESCATTER, name, process_set, tensor):
         _check_name(name)
         op = resolve_op(op)
         compressed, ctx = compression.compress(_array(tensor))

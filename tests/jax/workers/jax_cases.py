@@ -30,6 +30,7 @@ CASES = _per_mode() + [
     "mismatch.dtype_in_jit",
     "mismatch.allgather_rows_in_jit",
     "mismatch.eager",
+    "mismatch.eager_failure_announced",
     "jit.independent_collectives_in_order",
     "jit.retrace_on_one_rank",
     "jit.eager_and_jit_interleaved",

@@ -417,6 +417,18 @@ def mismatch_eager():
     same(hvd.allreduce(jnp.ones(2), op=hvd.Sum), np.full(2, SIZE, np.float32))
 
 
+def eager_failure_announced():
+    """An unnamed eager op that fails its checks on rank 0 only: the others get
+    FailedOnRankError naming rank 0 (no hang), and later unnamed ops stay paired."""
+    if RANK == 0:
+        expect_raises(ValueError, lambda: hvd.allreduce(jnp.ones(2), average=True, op=hvd.Sum),
+                      "supersedes")
+    else:
+        expect_raises(hvd.FailedOnRankError, lambda: hvd.allreduce(jnp.ones(2)), "rank 0")
+    same(hvd.allreduce(jnp.full(2, float(RANK)), op=hvd.Sum),
+         np.full(2, float(sum(range(SIZE))), np.float32))
+
+
 def independent_in_order():
     a, b = every("ind.a", (4,)), every("ind.b", (2,), np.int32)
 
@@ -658,6 +670,7 @@ SINGLE = {"allgather.uneven_eager": allgather_uneven_eager,
           "mismatch.dtype_in_jit": mismatch_dtype_in_jit,
           "mismatch.allgather_rows_in_jit": mismatch_allgather_rows_in_jit,
           "mismatch.eager": mismatch_eager,
+          "mismatch.eager_failure_announced": eager_failure_announced,
           "jit.independent_collectives_in_order": independent_in_order,
           "jit.retrace_on_one_rank": retrace_on_one_rank,
           "jit.eager_and_jit_interleaved": eager_and_jit_interleaved,
