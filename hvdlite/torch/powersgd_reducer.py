@@ -32,24 +32,24 @@ class PowerSGDReducer(Reducer):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.state = PowerSGDState(self._compression.config)
+        self.state = PowerSGDState(self.compression.config)
         self._ready: set = set()   # parameters whose gradient is complete for this step
 
     # --- hooks: count passes, reduce at the end of backward ------------------------------------
     def on_grad_ready(self, p: torch.Tensor) -> None:
-        if self._delay[p] <= 0:
+        if self.passes_left[p] <= 0:
             raise OptimizerMisuseError(
                 f"Gradients of {self.names[p]!r} were computed more than "
                 f"backward_passes_per_step={self.passes} times before step()/synchronize(). "
                 f"Call optimizer.step() after each backward pass, or raise "
                 f"backward_passes_per_step to accumulate gradients locally.")
-        self._delay[p] -= 1
+        self.passes_left[p] -= 1
         self.fresh = False
         self.reduced.discard(p)
         self.handles[p] = (None, None, None)   # (pending(): a pass was accumulated)
-        if self._delay[p] == 0:
+        if self.passes_left[p] == 0:
             self._ready.add(p)
-            self._finish_at_end_of_backward()
+            self.finish_at_end_of_backward()
 
     def in_flight(self) -> bool:
         return bool(self._ready)
@@ -58,8 +58,8 @@ class PowerSGDReducer(Reducer):
         super().restart_counts()
         self._ready.clear()
 
-    def _plan_buckets(self) -> None:
-        self._replan = False   # the PowerSGD plan replaces the per-gradient buckets
+    def plan_buckets(self) -> None:
+        self.replan = False   # the PowerSGD plan replaces the per-gradient buckets
 
     def forget_first_step(self) -> None:
         """After hvd.join(): a joined rank missed steps, so every rank drops Q and the error
@@ -69,8 +69,8 @@ class PowerSGDReducer(Reducer):
     # --- the reduction -------------------------------------------------------------------------
     def reduce_gradients(self) -> None:
         """Reduce every gradient not yet reduced, PowerSGD's way, into ``.grad``."""
-        self._close_stream()
-        self._finish_task = None
+        self.close_stream()
+        self.finish_task = None
         params = [p for p in self.names if p.requires_grad and p not in self.reduced]
         try:
             if params:
@@ -115,7 +115,7 @@ class PowerSGDReducer(Reducer):
         self.state.counter.agree(int(count.item()))
 
     def _to_wire(self, tensors: list) -> list:
-        dtype = self._compression.wire_dtype
+        dtype = self.compression.wire_dtype
         return [t.to(dtype) if dtype is not None and t.is_floating_point() else t.contiguous()
                 for t in tensors]
 
@@ -123,7 +123,7 @@ class PowerSGDReducer(Reducer):
         """Start one grouped in-place allreduce of ``tensors`` (cast to the wire dtype); returns
         (handle, wire tensors)."""
         wire = [t if t.is_contiguous() else t.contiguous() for t in self._to_wire(tensors)]
-        pre, post = (self._prescale, self._postscale) if scaled else (1.0, 1.0)
+        pre, post = (self.prescale, self.postscale) if scaled else (1.0, 1.0)
         handle = grouped_allreduce_async_(wire, name=self._name(what), op=op,
                                           prescale_factor=pre, postscale_factor=post,
                                           **self._ps_kwargs())
@@ -131,7 +131,7 @@ class PowerSGDReducer(Reducer):
 
     def _reduce_plain(self, grads: list) -> None:
         """Before ``start_iter``: every gradient allreduced as it is (one grouped call)."""
-        handle, wire = self._allreduce_group(grads, "plain", self._op, True)
+        handle, wire = self._allreduce_group(grads, "plain", self.op, True)
         handle.wait()
         for grad, reduced in zip(grads, wire):
             if reduced is not grad:
@@ -145,7 +145,7 @@ class PowerSGDReducer(Reducer):
         bucket = None
         if groups:   # vectors and small matrices: one flat bucket, in flight meanwhile
             flats = [torch.cat([grads[i].reshape(-1) for i in group]) for group in groups]
-            bucket = self._allreduce_group(flats, "uncompressed", self._op, True)
+            bucket = self._allreduce_group(flats, "uncompressed", self.op, True)
         try:
             self._power_step([names[i] for i in compressed], [grads[i] for i in compressed])
         finally:
@@ -176,7 +176,7 @@ class PowerSGDReducer(Reducer):
             q_local = (p.T @ matrix).T.contiguous()
             state.finish_local(name, matrix, p, q_local)
             qs.append((p, q_local))
-        handle, wire = self._allreduce_group([q for _, q in qs], "Q", self._op, True)
+        handle, wire = self._allreduce_group([q for _, q in qs], "Q", self.op, True)
         handle.wait()
         for (p, _), q_wire, name, grad in zip(qs, wire, names, grads):
             state.finish(name, p, q_wire.to(grad.dtype), grad)

@@ -79,10 +79,10 @@ class Reducer:
         self.names: dict = {}              # param -> its name on the wire
         self.passes = passes               # backward_passes_per_step
         self.process_set = process_set
-        self._op = op
-        self._compression = compression
+        self.op = op
+        self.compression = compression
         # (prescale, postscale) of every gradient's reduction: gradient_predivide_factor
-        self._prescale, self._postscale = scales
+        self.prescale, self.postscale = scales
         self._sparse_as_dense = sparse_as_dense
         # As in Horovod, on a rank outside process_set there are no hooks and no reductions.
         self._member = member
@@ -91,7 +91,7 @@ class Reducer:
         self.hook_handles: dict = {}       # param -> its gradient hook's handle
         self._grad_hook = param_owners.gradient_hook(self)
         param_owners.unhook_when_collected(self, self.hook_handles)
-        self._delay: dict = {}             # param -> backward passes until its reduction
+        self.passes_left: dict = {}             # param -> backward passes until its reduction
         self.handles: dict = {}            # param -> (handle or None, ctx, wire tensor)
         self.grad_layouts = GradLayouts(sparse_as_dense, process_set)
         self.layouts = self.grad_layouts.known   # param -> sparse_dim of its gradient, 0 dense
@@ -101,7 +101,7 @@ class Reducer:
         # Parameters reduced since the last step/zero_grad whose gradient has not changed since
         # (a later synchronize must not reduce them again: with op=Sum that would be wrong).
         self.reduced: set = set()
-        self._finish_task = None     # autograd graph task whose end finishes the reductions
+        self.finish_task = None     # autograd graph task whose end finishes the reductions
         self._fired = 0              # hooks fired in this backward pass
         self._stream_engine = None   # the engine told that this backward's gradients stream in
         # Small gradients travel in flat buckets (see buckets.py), planned at the end of a
@@ -111,7 +111,7 @@ class Reducer:
         # Parameters the plan leaves to go on their own for reasons that stay true (too large,
         # in a user group, ...); reducing any other one on its own asks for a new plan.
         self._settled: set = set()
-        self._replan = True
+        self.replan = True
         self._forget_after_reduction = False   # (hvd.join() with reductions in flight)
         _live.add(self)
 
@@ -123,7 +123,7 @@ class Reducer:
         names, self.prefix = param_owners.take_over(self, names, self.prefix, self.index)
         self.names.update(names)
         for p in names:
-            self._delay[p] = self.passes
+            self.passes_left[p] = self.passes
         if self._member:
             param_owners.hook(names, self._grad_hook, self.hook_handles)
 
@@ -133,12 +133,12 @@ class Reducer:
         handle = self.hook_handles.pop(p, None)
         if handle is not None:
             handle.remove()
-            self._replan = True   # its bucket would no longer fill up in the hooks
+            self.replan = True   # its bucket would no longer fill up in the hooks
 
     # --- gradient hooks ----------------------------------------------------------------------
     def on_grad_ready(self, p: torch.Tensor) -> None:
-        if self._delay[p] <= 0:
-            self._close_stream()
+        if self.passes_left[p] <= 0:
+            self.close_stream()
             raise OptimizerMisuseError(_TOO_MANY_PASSES.format(name=self.names[p],
                                                                n=self.passes))
         self._fired += 1
@@ -146,14 +146,14 @@ class Reducer:
         if self._stream_engine is None and self._fired < expected:
             self._open_stream()
         elif self._fired >= expected:
-            self._close_stream()
-        self._delay[p] -= 1
+            self.close_stream()
+        self.passes_left[p] -= 1
         self.fresh = False
         self.reduced.discard(p)
-        if self._delay[p] > 0:
+        if self.passes_left[p] > 0:
             self.handles[p] = (None, None, None)
             return
-        self._finish_at_end_of_backward()
+        self.finish_at_end_of_backward()
         bucket = self.bucket_of.get(p)
         if bucket is not None:
             bucket.ready += 1
@@ -169,13 +169,13 @@ class Reducer:
             for member in members:
                 self.handles[member] = self._allreduce_grad_async(member)
 
-    def _finish_at_end_of_backward(self) -> None:
+    def finish_at_end_of_backward(self) -> None:
         """Once per backward pass that completes some gradient: queue :meth:`_end_of_backward`
         as autograd's final callback (it runs after every hook of the pass).  Not again while
         one is pending: a backward nested in this one (reentrant activation checkpointing runs
         one per checkpointed segment) would otherwise finish at the end of each segment."""
-        if self._finish_task is None:
-            self._finish_task = torch._C._current_graph_task_id()
+        if self.finish_task is None:
+            self.finish_task = torch._C._current_graph_task_id()
             Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
@@ -187,7 +187,7 @@ class Reducer:
         backward pass, this runs at its end, before the rest of the outer pass: the gradients
         still to come are then reduced as zeros, and again at the outer pass's end once they
         arrive on top of those zeros, which gives the same result.)"""
-        self._finish_task = None
+        self.finish_task = None
         if self.in_flight():
             self.reduce_gradients()
 
@@ -211,7 +211,7 @@ class Reducer:
 
     def _reduce_grad_async(self, p: torch.Tensor, name: str):
         if p not in self._settled:
-            self._replan = True   # (first reductions, and members of a bucket that could not go)
+            self.replan = True   # (first reductions, and members of a bucket that could not go)
         if p.grad is None:
             # No gradient on this rank (parameter unused in this step): still take part with
             # zeros, because other ranks may have one and would otherwise wait forever.
@@ -222,28 +222,28 @@ class Reducer:
             # Horovod's sparse_as_dense: the wire carries a dense gradient; it is made sparse
             # again once reduced (see GradLayouts.sparse_again).
             p.grad = p.grad.to_dense()
-        wire, ctx = self._compression.compress(p.grad)
+        wire, ctx = self.compression.compress(p.grad)
         if not wire.is_contiguous():
             wire = wire.contiguous()
-        handle = allreduce_async_(wire, name=name, op=self._op, prescale_factor=self._prescale,
-                                  postscale_factor=self._postscale,
+        handle = allreduce_async_(wire, name=name, op=self.op, prescale_factor=self.prescale,
+                                  postscale_factor=self.postscale,
                                   process_set=self.process_set)
         return handle, ctx, wire
 
     def _sparse_allreduce_grad_async(self, p: torch.Tensor, name: str):
         """Allgather-based reduction of a sparse gradient (sparse_as_dense=False).  Compression
         does not apply: it casts dense tensors, and the sparse path sends indices anyway."""
-        check_sparse_op(self._op, f"sparse gradient of parameter {name!r}")
+        check_sparse_op(self.op, f"sparse gradient of parameter {name!r}")
         self.layouts[p] = p.grad.sparse_dim()
         # Same factors as the dense path, so a sparse and a dense gradient are scaled alike.
-        handle = sparse_allreduce_async(p.grad, name, self._op, self.process_set,
-                                        prescale_factor=self._prescale,
-                                        postscale_factor=self._postscale)
+        handle = sparse_allreduce_async(p.grad, name, self.op, self.process_set,
+                                        prescale_factor=self.prescale,
+                                        postscale_factor=self.postscale)
         return handle, _SPARSE, None
 
     # --- buckets -----------------------------------------------------------------------------
     def _submit_bucket(self, bucket: GradientBucket) -> None:
-        bucket.handle = bucket.submit(self._op, self._prescale, self._postscale,
+        bucket.handle = bucket.submit(self.op, self.prescale, self.postscale,
                                       self.process_set)
 
     def _flush_bucket(self, bucket: GradientBucket) -> None:
@@ -262,20 +262,20 @@ class Reducer:
         """Some bucket is in flight or has gradients waiting for the rest of it."""
         return any(b.busy for b in self.buckets)
 
-    def _plan_buckets(self) -> None:
+    def plan_buckets(self) -> None:
         """(Re)build the buckets from what every rank agrees on (see buckets.py); called with
         nothing in flight.  Gradients are expected last layer first, so parameters are taken
         in reverse order.  Buckets whose members did not change are kept."""
-        self._replan = False
-        cap = bucket_cap(self._op, self._compression, self.process_set)
+        self.replan = False
+        cap = bucket_cap(self.op, self.compression, self.process_set)
         settled, candidates = set(), []
         for p in reversed(list(self.names)):
-            if p in self._cohort_of or goes_alone(p, cap, self._compression):
+            if p in self._cohort_of or goes_alone(p, cap, self.compression):
                 settled.add(p)
             elif (p in self.hook_handles and p.requires_grad
                   and (self._sparse_as_dense or self.layouts.get(p) == 0)):
                 candidates.append(p)
-        self.buckets = plan_buckets(candidates, cap, self._compression, self.names,
+        self.buckets = plan_buckets(candidates, cap, self.compression, self.names,
                                     len(self.prefix or "allreduce."), self.buckets,
                                     self.process_set)
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
@@ -294,7 +294,7 @@ class Reducer:
         engine.stream_open()
         self._stream_engine = engine
 
-    def _close_stream(self) -> None:
+    def close_stream(self) -> None:
         """The backward pass is over (or abandoned): count its hooks afresh next time."""
         self._fired = 0
         engine, self._stream_engine = self._stream_engine, None
@@ -304,8 +304,8 @@ class Reducer:
     # --- waiting -----------------------------------------------------------------------------
     def reduce_gradients(self) -> None:
         """Reduce every gradient not yet in flight, wait for all, write them into ``.grad``."""
-        self._close_stream()   # parameters without a gradient never fire their hooks
-        self._finish_task = None   # (a backward that raised never ran its final callback)
+        self.close_stream()   # parameters without a gradient never fire their hooks
+        self.finish_task = None   # (a backward that raised never ran its final callback)
         bucket_of = self.bucket_of
         handles = self.handles
         for p in self.names:
@@ -337,7 +337,7 @@ class Reducer:
                 if ctx is _SPARSE:
                     p.grad = output     # new coalesced sparse tensor, identical on all ranks
                     continue
-                result = self._compression.decompress(wire, ctx)
+                result = self.compression.decompress(wire, ctx)
                 if result is not p.grad:
                     p.grad.copy_(result)
                 if sparse_again is not None:
@@ -357,7 +357,7 @@ class Reducer:
                         sparse_again(p)
                 reduced_in_buckets.extend(bucket.params)
                 if bucket.reshaped is not None:   # (on every rank alike: it was reduced)
-                    self._replan = True   # a member changed shape: plan for the new one
+                    self.replan = True   # a member changed shape: plan for the new one
             if first_error is None:
                 self.reduced.update(handles)
                 self.reduced.update(reduced_in_buckets)
@@ -369,8 +369,8 @@ class Reducer:
             self.restart_counts()   # nothing is in flight; the next backward starts afresh
             raise first_error
         self.fresh = True
-        if self._replan:
-            self._plan_buckets()
+        if self.replan:
+            self.plan_buckets()
         if self._forget_after_reduction:
             self.forget_first_step()
 
@@ -388,21 +388,21 @@ class Reducer:
         self.layouts.clear()
         self._settled = set()
         self.buckets, self.bucket_of = [], {}
-        self._replan = True
+        self.replan = True
 
     # --- accumulation ------------------------------------------------------------------------
     def restart_counts(self) -> None:
         """The next backward pass starts a new accumulation of ``passes`` passes."""
         self.reduced.clear()
         passes = self.passes
-        delay = self._delay
+        delay = self.passes_left
         for p in delay:
             delay[p] = passes
 
     def restart_accumulation(self) -> None:
         """Forget the backward passes accumulated towards the next reduction (nothing may be in
         flight: see :meth:`refuse_in_flight`)."""
-        self._close_stream()
+        self.close_stream()
         self.handles.clear()
         self._cohorts.clear()
         self._reset_buckets()
@@ -426,7 +426,7 @@ class Reducer:
         self.refuse_in_flight("zero_grad()")
         # A backward left unfinished (an error, unused parameters and no step) must not keep
         # the engine gathering.
-        self._close_stream()
+        self.close_stream()
         self.reduced.clear()
         if self.fresh:
             # Reduced gradients discarded without a step(): a GAN's discriminator after the
