@@ -17,12 +17,13 @@ from . import portable_callbacks as callbacks  # noqa: F401
 from . import portable_elastic as elastic  # noqa: F401
 
 Compression = adapter().Compression
+barrier = adapter().barrier   # (process_set=...): every rank waits for the others
 
 __all__ = list(core.__all__) + [
     "Compression", "DistributedOptimizer", "DistributedOptimizerMixin",
-    "PartialDistributedOptimizer", "allgather",
-    "allreduce", "broadcast", "broadcast_global_variables", "broadcast_variables", "callbacks",
-    "elastic", "load_model", "reducescatter"]
+    "PartialDistributedOptimizer", "allgather", "allreduce", "barrier", "broadcast",
+    "broadcast_global_variables", "broadcast_variables", "callbacks", "elastic", "load_model",
+    "reducescatter"]
 
 
 def load_model(filepath: str, custom_optimizers: Any = None, custom_objects: Any = None,

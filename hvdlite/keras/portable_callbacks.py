@@ -1,20 +1,19 @@
 """Horovod's Keras callbacks on any Keras 3 backend (used under JAX and torch): broadcast the
 initial state, average the epoch metrics, warm up and schedule the learning rate.
 
-Their behaviour is :mod:`hvdlite.tensorflow.keras.callbacks`' (Horovod's): only the transport
-differs, host arrays through hvdlite's engine, and on JAX the trainer's step state is synced
-into the variables before a callback reads or assigns them (:func:`.backends.sync_model_state`).
+Their logic is :mod:`.callback_logic`'s, which :mod:`hvdlite.tensorflow.keras.callbacks` shares;
+only the broadcast is this module's own: host arrays through hvdlite's engine, after the JAX
+trainer's step state is synced into the variables (:func:`.backends.sync_model_state`).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import keras
-import numpy as np
-
-from hvdlite.common import core
 
 from .backends import sync_model_state
+from .callback_logic import (BestModelCheckpointLogic, LearningRateScheduleLogic,
+                             LearningRateWarmupLogic, MetricAverageLogic)
 from .collectives import broadcast_variables
 from .optimizer import IdentitySet
 
@@ -57,154 +56,21 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.broadcast_done = True
 
 
-class MetricAverageCallback(keras.callbacks.Callback):
-    """Replace each epoch's metrics (``logs``) by their average over all ranks; put it before
-    callbacks that read them (checkpoints, early stopping)."""
-
-    def __init__(self, device: str = "") -> None:
-        super().__init__()
-
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        if not logs:
-            return
-        keys = sorted(k for k, v in logs.items()
-                      if np.ndim(v) == 0 and isinstance(np.asarray(v).item(), (int, float)))
-        if not keys:
-            return
-        values = np.array([float(logs[k]) for k in keys], dtype=np.float64)
-        averaged = core.allreduce(values, name="MetricAverageCallback.epoch")
-        for k, v in zip(keys, averaged.tolist()):
-            logs[k] = v
+class MetricAverageCallback(MetricAverageLogic, keras.callbacks.Callback):
+    """Average each epoch's metrics over the ranks (see
+    :class:`.callback_logic.MetricAverageLogic`)."""
 
 
-class LearningRateScheduleCallback(keras.callbacks.Callback):
-    """Set the learning rate to ``initial_lr * multiplier(epoch)`` from ``start_epoch`` until
-    ``end_epoch`` (exclusive); ``multiplier`` is a number or a function of the (fractional, when
-    ``staircase=False``) epoch.  ``momentum_correction`` scales a momentum held in a variable by
-    new_lr/old_lr for the batch where the rate changes (Keras 3's optimizers keep momentum as a
-    Python float: left alone)."""
-
-    def __init__(self, initial_lr: float | None, multiplier: float | Callable[[float], float],
-                 start_epoch: int = 0, end_epoch: int | None = None, staircase: bool = True,
-                 momentum_correction: bool = True, steps_per_epoch: int | None = None) -> None:
-        super().__init__()
-        self.initial_lr = initial_lr
-        self.start_epoch = start_epoch
-        self.end_epoch = end_epoch
-        self.staircase = staircase
-        self.momentum_correction = momentum_correction
-        self.steps_per_epoch = steps_per_epoch
-        self.current_epoch = None
-        self.restore_momentum = None
-        if not callable(multiplier):
-            self.staircase = True
-            self.multiplier = lambda epoch: multiplier
-        else:
-            self.multiplier = multiplier
-
-    def _lr_variable(self) -> Any:
-        lr = self.model.optimizer.learning_rate
-        if not hasattr(lr, "assign"):
-            raise ValueError(f"{type(self).__name__} needs an optimizer whose learning_rate is "
-                             f"a variable, not a LearningRateSchedule.")
-        return lr
-
-    def _lr_value(self) -> float:
-        sync_model_state(self.model)
-        return float(np.asarray(self._lr_variable().numpy()))
-
-    def _autodetect_steps_per_epoch(self) -> int:
-        params = self.params or {}
-        if params.get("steps"):
-            return params["steps"]
-        if params.get("samples") and params.get("batch_size"):
-            return params["samples"] // params["batch_size"]
-        raise ValueError(f"Could not autodetect the number of steps per epoch. Please specify "
-                         f"the steps_per_epoch parameter to the {type(self).__name__}().")
-
-    def _adjust_learning_rate(self, epoch: float) -> None:
-        old_lr = self._lr_value()
-        new_lr = self.initial_lr * self.multiplier(epoch)
-        self._lr_variable().assign(new_lr)
-        momentum = getattr(self.model.optimizer, "momentum", None)
-        if self.momentum_correction and hasattr(momentum, "assign") and old_lr:
-            self.restore_momentum = float(momentum.numpy())
-            momentum.assign(self.restore_momentum * new_lr / old_lr)
-
-    def on_train_begin(self, logs: dict | None = None) -> None:
-        if self.initial_lr is None:
-            self.initial_lr = self._lr_value()
-        if not self.staircase and not self.steps_per_epoch:
-            self.steps_per_epoch = self._autodetect_steps_per_epoch()
-
-    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        self.current_epoch = epoch
-
-    def on_batch_begin(self, batch: int, logs: dict | None = None) -> None:
-        if (self.current_epoch < self.start_epoch
-                or (self.end_epoch is not None and self.current_epoch >= self.end_epoch)):
-            return
-        if self.staircase and batch == 0:
-            self._adjust_learning_rate(self.current_epoch)
-        elif not self.staircase:
-            self._adjust_learning_rate(self.current_epoch + float(batch) / self.steps_per_epoch)
-
-    def on_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        if self.restore_momentum is not None:
-            sync_model_state(self.model)
-            self.model.optimizer.momentum.assign(self.restore_momentum)
-            self.restore_momentum = None
-
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        if logs is not None:
-            logs["lr"] = self._lr_value()
+class LearningRateScheduleCallback(LearningRateScheduleLogic, keras.callbacks.Callback):
+    """Schedule the learning rate by epoch (see
+    :class:`.callback_logic.LearningRateScheduleLogic`)."""
 
 
-class LearningRateWarmupCallback(LearningRateScheduleCallback):
-    """Ramp the learning rate from ``initial_lr / size()`` to ``initial_lr`` over
-    ``warmup_epochs`` epochs, per batch (Goyal et al., "Accurate, Large Minibatch SGD")."""
-
-    def __init__(self, initial_lr: float | None, warmup_epochs: int = 5,
-                 momentum_correction: bool = True, steps_per_epoch: int | None = None,
-                 verbose: int = 0) -> None:
-        def multiplier(epoch: float) -> float:
-            # Shift so the rate reaches round values at the end of each epoch, as Horovod does.
-            epoch += 1.0 / self.steps_per_epoch
-            return 1.0 / core.size() * (epoch * (core.size() - 1) / warmup_epochs + 1)
-
-        super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs,
-                         staircase=False, momentum_correction=momentum_correction,
-                         steps_per_epoch=steps_per_epoch)
-        self.verbose = verbose
-
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        super().on_epoch_end(epoch, logs)
-        if epoch == self.end_epoch - 1 and self.verbose > 0 and core.rank() == 0:
-            print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
-                  f"{self._lr_value():g}.")
+class LearningRateWarmupCallback(LearningRateWarmupLogic, LearningRateScheduleCallback):
+    """Warm the learning rate up from ``initial_lr / size()`` (see
+    :class:`.callback_logic.LearningRateWarmupLogic`)."""
 
 
-class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
-    """Keras's ``ModelCheckpoint`` with ``save_best_only=True`` that writes on rank 0 only
-    (Horovod's callback of the same name); ``filepath`` ends in ``.keras`` or ``.h5``."""
-
-    def __init__(self, monitor: str = "val_loss", verbose: int = 0, mode: str = "auto",
-                 save_freq: str | int = "epoch", filepath: str | None = None) -> None:
-        super().__init__(filepath="unset.keras" if filepath is None else filepath,
-                         monitor=monitor, verbose=verbose if core.rank() == 0 else 0,
-                         save_best_only=True, save_weights_only=False, mode=mode,
-                         save_freq=save_freq)
-        if filepath is None:
-            self.filepath = None
-
-    def on_train_begin(self, logs: dict | None = None) -> None:
-        path = self.filepath
-        if path is None or not str(path).endswith((".keras", ".h5")):
-            raise ValueError(f"BestModelCheckpoint needs a filepath ending in .keras or .h5 "
-                             f"(got {path!r}): pass filepath=... or set callback.filepath "
-                             f"before model.fit.")
-        super().on_train_begin(logs)
-
-    def _save_model(self, epoch, batch, logs):
-        if core.rank() == 0:   # other ranks hold the same weights; one writer
-            super()._save_model(epoch, batch, logs)
+class BestModelCheckpoint(BestModelCheckpointLogic, keras.callbacks.ModelCheckpoint):
+    """Save the best model on rank 0 only (see
+    :class:`.callback_logic.BestModelCheckpointLogic`)."""

@@ -14,17 +14,18 @@ import keras
 import numpy as np
 
 from hvdlite.common.core import (HorovodInternalError, HostsUpdatedInterrupt, ObjectState,
-                                 State, broadcast_object, elastic_run_fn, rank)
+                                 State, broadcast_object, rank)
 
-from .backends import sync_model_state
+from .backends import adapter, sync_model_state
 from .collectives import broadcast_variables
 
 
 def run(func: Callable) -> Callable:
     """Decorator running ``func(state, ...)`` elastically (Horovod's ``hvd.elastic.run``): on
     a failed collective or a host change the state is restored (or synced) and ``func`` runs
-    again in the new world."""
-    return elastic_run_fn(func)
+    again in the new world.  It is the backend adapter's ``run`` (``hvdlite.jax``'s knows a
+    collective that failed inside the jitted step by JAX's runtime error)."""
+    return adapter().elastic.run(func)
 
 
 def _values(variables: list) -> list[np.ndarray]:
