@@ -250,6 +250,12 @@ ROUND_TRIPS = {
     "EARLY_REDUCTIONS": ("early_reductions", "0", False),
     "WATCHDOG": ("watchdog", "0", False),
     "WATCHDOG_PORT": ("watchdog_port", "29511", 29511),
+    "AUTOTUNE": ("autotune", "1", True),
+    "AUTOTUNE_LOG": ("autotune_log", "/tmp/tune.csv", "/tmp/tune.csv"),
+    "AUTOTUNE_WARMUP_SAMPLES": ("autotune_warmup_samples", "5", 5),
+    "AUTOTUNE_STEPS_PER_SAMPLE": ("autotune_steps_per_sample", "20", 20),
+    "AUTOTUNE_BAYES_OPT_MAX_SAMPLES": ("autotune_bayes_opt_max_samples", "50", 50),
+    "AUTOTUNE_GAUSSIAN_PROCESS_NOISE": ("autotune_gaussian_process_noise", "0.9", 0.9),
 }
 
 
@@ -317,12 +323,13 @@ def test_a_knob_has_one_value_flag_or_on_off_flags():
 
 def test_whose_value_counts_is_as_init_uses_it():
     """init(): rank 0's values everywhere, but each rank's own memory and log level (and the
-    start timeout, read before the world exists); the timeline is rank 0's alone (only rank 0
-    opens it)."""
+    start timeout, read before the world exists); the timeline and the autotune log are rank
+    0's alone (only rank 0 writes them)."""
     assert {k.name for k in KNOBS if k.agree == OWN} == {"LOG_LEVEL", "RESULT_POOL_MB",
                                                           "START_TIMEOUT"}
     assert {k.name for k in KNOBS if k.agree == RECORDER} == {"TIMELINE",
-                                                              "TIMELINE_MARK_CYCLES"}
+                                                              "TIMELINE_MARK_CYCLES",
+                                                              "AUTOTUNE_LOG"}
     rank0 = Config.from_env({"HVDLITE_FUSION_THRESHOLD": "1", "HVDLITE_LOG_LEVEL": "debug",
                              "HVDLITE_RESULT_POOL_MB": "1", "HVDLITE_TIMELINE": "/tmp/a"})
     own = Config.from_env({"HVDLITE_FUSION_THRESHOLD": "2", "HVDLITE_LOG_LEVEL": "error",
