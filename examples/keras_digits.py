@@ -1,8 +1,10 @@
 """Keras ``model.fit`` data-parallel training on scikit-learn's bundled digits data set.
 
-Runs anywhere without a download:
+Runs anywhere without a download, on any Keras 3 backend:
 
-    hvdlite run -np 2 python examples/keras_digits.py
+    hvdlite run -np 2 python examples/keras_digits.py                   # TensorFlow
+    hvdlite run -np 2 python examples/keras_digits.py --backend jax     # jax.jit-ed step
+    hvdlite run -np 2 python examples/keras_digits.py --backend torch
 
 The Horovod Keras recipe, unchanged but for the import:
   * each rank fits on its own shard of the training set;
@@ -21,15 +23,18 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 from sklearn.model_selection import train_test_split  # noqa: E402
 
-import hvdlite.tensorflow.keras as hvd  # noqa: E402
+BACKENDS = ["tensorflow", "jax", "torch"]
+hvd = None   # hvdlite.keras, imported once --backend has chosen Keras's backend
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", choices=BACKENDS,
+                   default=os.environ.get("KERAS_BACKEND", "tensorflow"),
+                   help="Keras 3 backend (sets KERAS_BACKEND; default: it, or tensorflow)")
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
     p.add_argument("--lr", type=float, default=0.05, help="learning rate for one rank "
@@ -62,17 +67,25 @@ def choose_compression(args: argparse.Namespace):
     """The ``compression=`` for DistributedOptimizer that the flags ask for."""
     kind = args.compression or ("fp16" if args.fp16_allreduce else "none")
     if kind == "powersgd":
+        if args.backend != "tensorflow":
+            raise SystemExit("keras_digits: --compression powersgd needs --backend tensorflow")
         return hvd.Compression.powersgd(rank=args.powersgd_rank,
                                         start_iter=args.powersgd_start_iter)
     return getattr(hvd.Compression, kind)
 
 
 def main(argv=None) -> int:
+    global hvd
     args = parse_args(argv)
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
-    hvd.init()
+    os.environ["KERAS_BACKEND"] = args.backend   # before Keras is imported
+    if args.backend == "tensorflow":
+        import tensorflow as tf
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        tf.config.threading.set_inter_op_parallelism_threads(1)
     import keras
+    import hvdlite.keras
+    hvd = hvdlite.keras   # hvdlite.tensorflow.keras's objects on TensorFlow
+    hvd.init()
     keras.utils.set_random_seed(args.seed + hvd.rank())   # different init: the broadcast fixes it
 
     x_train, x_test, y_train, y_test = load_data(args.seed)
@@ -100,7 +113,8 @@ def main(argv=None) -> int:
                                                  verbose=1),
     ]
     if hvd.rank() == 0:
-        print(f"training on {hvd.size()} ranks, {len(x_train)} samples per rank, "
+        print(f"training on {hvd.size()} ranks ({keras.backend.backend()} backend), "
+              f"{len(x_train)} samples per rank, "
               f"{args.epochs} epochs", flush=True)
     t0 = time.perf_counter()
     model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs,
