@@ -74,24 +74,20 @@ def allreduce(xs: list, name: str | None, op: ReduceOp, prescale: float, postsca
 # --- broadcast -------------------------------------------------------------------------------
 def broadcast(xs: list, root_rank: int, name: str | None, process_set: ProcessSet | None
               ) -> list:
-    """Broadcast each array of ``xs`` from ``root_rank``, all in one callback (``name``: the
-    name of the first; with several the others are ``<name>.<i>`` or take names alike)."""
+    """Broadcast the one array of ``xs`` from ``root_rank``."""
     ps = _set(process_set)
     _traced_check(xs, ps, "broadcast")
 
-    def compute(label, *arrays):
-        if len(arrays) == 1:
-            return [core.broadcast(arrays[0], root_rank, name=label, process_set=ps)]
-        handles = [core.broadcast_async(a, root_rank, name=f"{label}.{i}", process_set=ps)
-                   for i, a in enumerate(arrays)]
-        return [h.wait() for h in handles]
+    def compute(label, array):
+        return [core.broadcast(array, root_rank, name=label, process_set=ps)]
 
     return run(BROADCAST, name, ps, compute, xs, lambda: _same_specs(xs))
 
 
 def broadcast_named(xs: list, names: list[str], root_rank: int,
                     process_set: ProcessSet | None) -> list:
-    """Broadcast each array under its own name (all submitted, then waited for)."""
+    """Broadcast each array under its own name (all submitted, then waited for; one callback
+    inside a traced function)."""
     ps = _set(process_set)
     _traced_check(xs, ps, "broadcast")
 
