@@ -279,6 +279,18 @@ FLAG_CASES = {
                                  "hierarchical_allgather", True),
     "--no-hierarchical-allgather": ([], "HVDLITE_HIERARCHICAL_ALLGATHER", "0",
                                     "hierarchical_allgather", False),
+    "--autotune": ([], "HVDLITE_AUTOTUNE", "1", "autotune", True),
+    "--no-autotune": ([], "HVDLITE_AUTOTUNE", "0", "autotune", False),
+    "--autotune-log-file": (["/tmp/x/../at.csv"], "HVDLITE_AUTOTUNE_LOG", "/tmp/at.csv",
+                            "autotune_log", "/tmp/at.csv"),
+    "--autotune-warmup-samples": (["2"], "HVDLITE_AUTOTUNE_WARMUP_SAMPLES", "2",
+                                  "autotune_warmup_samples", 2),
+    "--autotune-steps-per-sample": (["4"], "HVDLITE_AUTOTUNE_STEPS_PER_SAMPLE", "4",
+                                    "autotune_steps_per_sample", 4),
+    "--autotune-bayes-opt-max-samples": (["9"], "HVDLITE_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", "9",
+                                         "autotune_bayes_opt_max_samples", 9),
+    "--autotune-gaussian-process-noise": (["0.5"], "HVDLITE_AUTOTUNE_GAUSSIAN_PROCESS_NOISE",
+                                          "0.5", "autotune_gaussian_process_noise", 0.5),
 }
 
 
@@ -300,7 +312,8 @@ def test_every_flag_exports_its_variable_in_the_variable_s_unit(flag):
 @pytest.mark.parametrize("pair", [("--no-stall-check", "--stall-check"),
                                   ("--timeline-mark-cycles", "--no-timeline-mark-cycles"),
                                   ("--hierarchical-allreduce", "--no-hierarchical-allreduce"),
-                                  ("--hierarchical-allgather", "--no-hierarchical-allgather")])
+                                  ("--hierarchical-allgather", "--no-hierarchical-allgather"),
+                                  ("--autotune", "--no-autotune")])
 def test_on_off_flags_exclude_each_other(pair, capsys):
     """As in horovodrun (a mutually exclusive group)."""
     assert launch.main(["-np", "2", *pair, "cmd"]) == 2
