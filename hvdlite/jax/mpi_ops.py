@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hvdlite.common import core
 from hvdlite.common.core import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER,
@@ -34,6 +35,19 @@ Array = jax.Array
 
 def _array(x) -> Any:
     return x if isinstance(x, (jax.Array, jax.core.Tracer)) else jnp.asarray(x)
+
+
+def _as_tree(tensor):
+    """``(leaves, treedef)`` when ``tensor`` is a pytree container (dict, list, tuple, optax
+    state, ...) holding arrays, else None (an array, a scalar, or a list of numbers, which
+    becomes one array)."""
+    if isinstance(tensor, (jax.Array, jax.core.Tracer, np.ndarray, int, float, complex, bool)):
+        return None
+    leaves, treedef = jax.tree_util.tree_flatten(tensor)
+    if treedef.num_nodes == 1 or not any(
+            isinstance(x, (jax.Array, jax.core.Tracer, np.ndarray)) for x in leaves):
+        return None
+    return leaves, treedef
 
 
 def _check_name(name) -> None:
@@ -61,7 +75,13 @@ def allreduce(tensor, average: bool | None = None, name: str | None = None,
     spelling.  ``prescale_factor`` multiplies the input before the reduction,
     ``postscale_factor`` the result.  ``compression`` (``Compression.fp16``/``bf16``) casts
     floating-point data for the wire.  Differentiable for Average/Sum: the gradient is the same
-    allreduce of the incoming gradient."""
+    allreduce of the incoming gradient.  A pytree (dict, list, optax state, ...) of arrays is
+    reduced leaf by leaf in one :func:`grouped_allreduce` and returned as a tree alike."""
+    tree = _as_tree(tensor)
+    if tree is not None:
+        reduced = grouped_allreduce(tree[0], average, name, compression, op, prescale_factor,
+                                    postscale_factor, process_set)
+        return jax.tree_util.tree_unflatten(tree[1], reduced)
     with _announced(ALLREDUCE, name, process_set, tensor):
         _check_name(name)
         op = resolve_op(op, average)
@@ -98,7 +118,12 @@ def allgather(tensor, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> Array:
     """Concatenation of every rank's ``tensor`` along dimension 0, in rank order (a scalar is
     one row; eagerly the number of rows may differ per rank, inside jit it must not).
-    Differentiable: each rank gets its rows of the incoming gradients averaged over the set."""
+    Differentiable: each rank gets its rows of the incoming gradients averaged over the set.
+    A pytree of arrays is gathered leaf by leaf in one :func:`grouped_allgather`."""
+    tree = _as_tree(tensor)
+    if tree is not None:
+        return jax.tree_util.tree_unflatten(tree[1], grouped_allgather(tree[0], name,
+                                                                      process_set))
     with _announced(ALLGATHER, name, process_set, tensor):
         _check_name(name)
         tensor = _array(tensor)
@@ -120,7 +145,13 @@ def broadcast(tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> Array:
     """Return ``root_rank``'s ``tensor`` on every rank (``root_rank``: a global rank in the
     set).  Differentiable: the root gets the average of every rank's gradient, the others
-    zeros."""
+    zeros.  A pytree of arrays is broadcast leaf by leaf (each leaf as its own differentiable
+    broadcast, named ``<name>.<i>`` when named)."""
+    tree = _as_tree(tensor)
+    if tree is not None:
+        leaves = [broadcast(leaf, root_rank, None if name is None else f"{name}.{i}",
+                            process_set) for i, leaf in enumerate(tree[0])]
+        return jax.tree_util.tree_unflatten(tree[1], leaves)
     with _announced(BROADCAST, name, process_set, tensor):
         _check_name(name)
         tensor = _array(tensor)

@@ -14,7 +14,7 @@ def _per_mode() -> list[str]:
     cases += ["allreduce.scaled", "allreduce.compressed", "allreduce.average_flag",
               "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
               "alltoall", "reducescatter", "grouped_reducescatter", "process_set",
-              "broadcast_parameters",
+              "broadcast_parameters", "pytree",
               "grad.allreduce", "grad.allgather", "grad.broadcast", "grad.alltoall",
               "grad.reducescatter", "grad.grouped", "grad.min_raises",
               "optimizer.sgd", "optimizer.adam_bpps2"]

@@ -265,6 +265,26 @@ def broadcast_parameters_case(mode):
         assert float(got["a"]) == root and got["lr"] == 0.1 * root, got
 
 
+def pytree_case(mode):
+    def tree(q):
+        return {"w": ints("pt.w", q, (2, 3)), "b": [ints("pt.b", q, (4,), np.int32),
+                                                    ints("pt.s", q, ())]}
+
+    trees = [tree(q) for q in range(SIZE)]
+    mine = jax.tree_util.tree_map(jnp.asarray, trees[RANK])
+    flat = [jax.tree_util.tree_leaves(t) for t in trees]
+    got = run(lambda t: hvd.allreduce(t, op=hvd.Sum), mode, mine)
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(mine)
+    for i, g in enumerate(jax.tree_util.tree_leaves(got)):
+        same(g, reduce_ref([f[i] for f in flat], "Sum", flat[0][i].dtype))
+    got = run(lambda t: hvd.allgather(t), mode, mine)
+    for i, g in enumerate(jax.tree_util.tree_leaves(got)):
+        same(g, np.concatenate([np.atleast_1d(f[i]) for f in flat]))
+    got = run(lambda t: hvd.broadcast(t, SIZE - 1), mode, mine)
+    for i, g in enumerate(jax.tree_util.tree_leaves(got)):
+        same(g, flat[SIZE - 1][i])
+
+
 # --- gradients ---------------------------------------------------------------------------------
 def grad_fn(loss, mode):
     g = jax.grad(loss)
@@ -657,7 +677,7 @@ PER_MODE = {"allreduce.scaled": allreduce_scaled, "allreduce.compressed": allred
             "grouped_allgather": grouped_allgather, "broadcast": broadcast_case,
             "alltoall": alltoall_case, "reducescatter": reducescatter_case,
             "grouped_reducescatter": grouped_reducescatter, "process_set": process_set_case,
-            "broadcast_parameters": broadcast_parameters_case,
+            "broadcast_parameters": broadcast_parameters_case, "pytree": pytree_case,
             "grad.allreduce": grad_allreduce, "grad.allgather": grad_allgather,
             "grad.broadcast": grad_broadcast, "grad.alltoall": grad_alltoall,
             "grad.reducescatter": grad_reducescatter, "grad.grouped": grad_grouped,
