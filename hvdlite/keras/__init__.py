@@ -8,29 +8,41 @@ the same functions, classes and callbacks.  With ``KERAS_BACKEND=jax`` or ``torc
 the backend's own hvdlite adapter (``hvdlite.jax`` inside the jitted step, ``hvdlite.torch``).
 A script written for ``horovod.keras`` runs after changing only its import.
 
-Under TensorFlow the names are looked up in :mod:`hvdlite.tensorflow.keras` when first used
-(PEP 562): that adapter's own modules use this package's backend-neutral pieces
-(:mod:`.callback_logic`, :mod:`.elastic_logic`), so importing it here eagerly would make the
-two packages wait for each other.
+The names are looked up in that module when first used (PEP 562), so that importing this
+package costs nothing: the TensorFlow adapter uses its backend-neutral pieces
+(:mod:`.callback_logic`, :mod:`.elastic_logic`) without loading Keras or another adapter.
 """
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
 from .backends import TENSORFLOW, backend_name
 
-if backend_name() == TENSORFLOW:
-    def __getattr__(name: str):
-        import hvdlite.tensorflow.keras as tf_keras
-        if name == "__all__":
-            return [n for n in dir(tf_keras) if not n.startswith("_")]
-        if name in ("callbacks", "elastic"):
-            import importlib
-            return importlib.import_module(f"{__name__}.{name}")
-        return getattr(tf_keras, name)
+_SUBMODULES = ("callbacks", "elastic")   # hvd.callbacks.*, hvd.elastic.*: for the backend
 
-    def __dir__() -> list[str]:
+
+def api() -> ModuleType:
+    """The module whose names ``hvdlite.keras`` offers for the running Keras backend."""
+    if backend_name() == TENSORFLOW:
         import hvdlite.tensorflow.keras as tf_keras
-        return sorted(set(dir(tf_keras)) | {"callbacks", "elastic"})
-else:
-    from .portable import *  # noqa: F401,F403 - the API for the JAX and torch backends
-    from .portable import (Compression, load_model, broadcast_global_variables,  # noqa: F401
-                           allreduce, allgather, broadcast, reducescatter, broadcast_variables)
-    from . import callbacks  # noqa: F401,E402
-    from . import elastic  # noqa: F401,E402
+        return tf_keras
+    # (not ``from . import portable``: that asks this module for the name first, which would
+    # come back here)
+    return importlib.import_module(f"{__name__}.portable")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    module = api()
+    if name == "__all__":
+        return sorted(set(getattr(module, "__all__", None)
+                          or [n for n in dir(module) if not n.startswith("_")])
+                      | set(_SUBMODULES))
+    return getattr(module, name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(dir(api())) | set(_SUBMODULES) | set(globals()))

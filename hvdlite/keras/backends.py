@@ -27,8 +27,9 @@ def backend_name() -> str:
 
 
 def adapter() -> ModuleType:
-    """The hvdlite adapter for the running backend's tensors (``allreduce``,
-    ``grouped_allreduce``, ``allgather``, ``broadcast``, ``Compression`` with one signature)."""
+    """The hvdlite adapter for the JAX or torch backend's tensors (``allreduce``,
+    ``grouped_allreduce``, ``allgather``, ``broadcast``, ``barrier``, ``elastic.run``,
+    ``Compression``, with one signature)."""
     name = backend_name()
     if name == TORCH:
         import hvdlite.torch as torch_adapter
@@ -36,9 +37,9 @@ def adapter() -> ModuleType:
     if name == JAX:
         import hvdlite.jax as jax_adapter
         return jax_adapter
-    if name == TENSORFLOW:
-        import hvdlite.tensorflow as tf_adapter
-        return tf_adapter
+    if name == TENSORFLOW:   # (hvdlite.tensorflow.keras has its own graph-node collectives)
+        raise NotImplementedError("under the TensorFlow backend hvdlite.keras is "
+                                  "hvdlite.tensorflow.keras, which uses hvdlite.tensorflow")
     raise NotImplementedError(f"hvdlite.keras supports the tensorflow, jax and torch Keras "
                               f"backends, not {name!r}.")
 

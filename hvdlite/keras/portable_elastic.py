@@ -1,23 +1,22 @@
 """Horovod's elastic API for Keras 3 on any backend (used under JAX and torch): ``KerasState``,
 the callbacks that commit it and keep its epoch and batch, and ``run``.  See docs/elastic.md.
 
-Saved states are numpy copies of the model's and optimizer's variables (on JAX, synced from the
-trainer's step state first); ``sync`` broadcasts rank 0's variables through hvdlite's engine.
+The state's logic is :mod:`.elastic_logic`'s (shared with TensorFlow's); ``sync`` broadcasts rank
+0's variables through hvdlite's engine.
 As under TensorFlow, Keras decides an epoch's number of steps when ``fit`` starts, so the
 first epoch after a reset is not shortened by ``UpdateBatchStateCallback``.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import keras
-import numpy as np
 
-from hvdlite.common.core import (HorovodInternalError, HostsUpdatedInterrupt, ObjectState,
-                                 State, broadcast_object, rank)
+from hvdlite.common.core import HorovodInternalError, HostsUpdatedInterrupt, ObjectState, State
 
-from .backends import adapter, sync_model_state
+from .backends import adapter
 from .collectives import broadcast_variables
+from .elastic_logic import KerasVariablesState
 
 
 def run(func: Callable) -> Callable:
@@ -28,12 +27,10 @@ def run(func: Callable) -> Callable:
     return adapter().elastic.run(func)
 
 
-def _values(variables: list) -> list[np.ndarray]:
-    return [np.array(v.numpy(), copy=True) for v in variables]
-
-
-class KerasState(ObjectState):
-    """State of a Keras model and its optimizer (Horovod's ``hvd.elastic.KerasState``).
+class KerasState(KerasVariablesState):
+    """State of a Keras model and its optimizer (Horovod's ``hvd.elastic.KerasState``; see
+    :class:`.elastic_logic.KerasVariablesState`): rank 0's variables reach the other ranks as
+    host arrays through hvdlite's engine.
 
     Args:
         model: a built Keras model.
@@ -42,69 +39,9 @@ class KerasState(ObjectState):
         kwargs: more attributes kept as plain objects (epoch, batch, ...).
     """
 
-    def __init__(self, model: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        if not model.built:
-            raise ValueError("Model must be built first. Run `model.build(input_shape)`.")
-        self.model = model
-        self.optimizer = optimizer or model.optimizer
-        self._save_model()
-        super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
-
-    def _optimizer_variables(self) -> list:
-        return list(getattr(self.optimizer, "variables", []) or [])
-
-    def _build_optimizer(self) -> None:
-        if not getattr(self.optimizer, "built", True):
-            self.optimizer.build(self.model.trainable_variables)
-
-    def save(self) -> None:
-        self._save_model()
-        super().save()
-
-    def restore(self) -> None:
-        self._load_model()
-        super().restore()
-
-    def sync(self) -> None:
-        sync_model_state(self.model)
-        broadcast_variables(self.model.variables, 0, name="KerasState.model")
-        if broadcast_object(bool(getattr(self.optimizer, "built", True)),
-                            name="elastic.optimizer_built"):
-            self._build_optimizer()
-        broadcast_variables(self._optimizer_variables(), 0, name="KerasState.optimizer")
-        self._save_model()
-        super().sync()
-
-    def _save_model(self) -> None:
-        sync_model_state(self.model)
-        self._saved_model_state = _values(self.model.variables)
-        self._saved_optimizer_state = _values(self._optimizer_variables())
-
-    def _load_model(self) -> None:
-        sync_model_state(self.model)
-        for var, value in zip(self.model.variables, self._saved_model_state):
-            var.assign(value)
-        if len(self._saved_optimizer_state) > len(self._optimizer_variables()):
-            self._build_optimizer()   # a new process's optimizer is built at its first step
-        variables = self._optimizer_variables()
-        if len(variables) != len(self._saved_optimizer_state):
-            raise ValueError(f"KerasState: the optimizer has {len(variables)} variables but "
-                             f"{len(self._saved_optimizer_state)} were saved; run one step "
-                             f"(or optimizer.build) before making the state, in every world.")
-        for var, value in zip(variables, self._saved_optimizer_state):
-            var.assign(value)
-
-    def committed_state(self) -> Any:
-        committed = super().committed_state()
-        committed["model"] = list(self._saved_model_state)
-        committed["optimizer"] = list(self._saved_optimizer_state)
-        return committed
-
-    def load_committed_state(self, committed: Any) -> None:
-        self._saved_model_state = list(committed["model"])
-        self._saved_optimizer_state = list(committed["optimizer"])
-        self._load_model()
-        super().load_committed_state(committed)
+    def broadcast_variables(self, variables: list, name: str) -> None:
+        """Assign rank 0's values of ``variables`` on every rank."""
+        broadcast_variables(variables, 0, name=name)
 
 
 class CommitStateCallback(keras.callbacks.Callback):

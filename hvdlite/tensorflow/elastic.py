@@ -16,6 +16,8 @@ from hvdlite.common.core import (HorovodInternalError, HostsUpdatedInterrupt, Hv
                                  ObjectState, State, broadcast_object, departed_ranks,
                                  elastic_run_fn, rank)
 
+from hvdlite.keras.elastic_logic import KerasVariablesState
+
 from .mpi_ops import broadcast_variables
 
 # What a failed hvdlite collective says inside a graph, where TensorFlow reports a Python
@@ -42,28 +44,6 @@ def run(func):
     return elastic_run_fn(func, translate=_translate)
 
 
-def _optimizer_variables(optimizer) -> list:
-    if optimizer is None:
-        return []
-    variables = getattr(optimizer, "variables", [])
-    return list(variables() if callable(variables) else variables)
-
-
-def _optimizer_built(optimizer) -> bool:
-    """Whether a Keras optimizer has made its per-variable state (Keras does at the first
-    step; an optimizer without the notion counts as built)."""
-    return bool(getattr(optimizer, "built", True))
-
-
-def _build_optimizer(optimizer, model) -> None:
-    if not _optimizer_built(optimizer) and hasattr(optimizer, "build"):
-        optimizer.build(model.trainable_variables)
-
-
-def _model_built(model) -> bool:
-    return model.built if hasattr(model, "build") else True
-
-
 def _values(variables) -> list[np.ndarray]:
     return [np.array(v.numpy(), copy=True) for v in variables]
 
@@ -81,8 +61,10 @@ class _VariablesState(ObjectState):
         super().restore()
 
 
-class TensorFlowKerasState(_VariablesState):
-    """State of a Keras model and its optimizer (Horovod's ``TensorFlowKerasState``).
+class TensorFlowKerasState(KerasVariablesState):
+    """State of a Keras model and its optimizer (Horovod's ``TensorFlowKerasState``; see
+    :class:`hvdlite.keras.elastic_logic.KerasVariablesState`): rank 0's variables reach the
+    other ranks by TensorFlow broadcasts.
 
     Args:
         model: a built Keras model.
@@ -93,56 +75,12 @@ class TensorFlowKerasState(_VariablesState):
 
     def __init__(self, model: Any, optimizer: Any = None, backend: Any = None,
                  **kwargs: Any) -> None:
-        self.model = model
-        if not _model_built(model):
-            raise ValueError("Model must be built first. Run `model.build(input_shape)`.")
-        self.optimizer = optimizer or model.optimizer
         self.backend = backend
-        self._save_model()
-        super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
+        super().__init__(model, optimizer=optimizer, **kwargs)
 
-    def sync(self) -> None:
-        broadcast_variables(self.model.variables, root_rank=0)
-        # Keras makes an optimizer's variables at its first step: a new worker's has none yet
-        # while rank 0's (restored) has them.  Every rank makes them where rank 0 has them.
-        if broadcast_object(_optimizer_built(self.optimizer), name="elastic.optimizer_built"):
-            _build_optimizer(self.optimizer, self.model)
-        optimizer_variables = _optimizer_variables(self.optimizer)
-        if optimizer_variables:
-            broadcast_variables(optimizer_variables, root_rank=0)
-        self._save_model()
-        super().sync()
-
-    def _save_model(self) -> None:
-        self._saved_model_state = _values(self.model.variables)
-        self._saved_optimizer_state = _values(_optimizer_variables(self.optimizer))
-
-    def _load_model(self) -> None:
-        for var, value in zip(self.model.variables, self._saved_model_state):
-            var.assign(value)
-        if len(self._saved_optimizer_state) > len(_optimizer_variables(self.optimizer)):
-            # A new process's optimizer makes its variables at its first step: make them now.
-            _build_optimizer(self.optimizer, self.model)
-        optimizer_variables = _optimizer_variables(self.optimizer)
-        if len(optimizer_variables) != len(self._saved_optimizer_state):
-            raise ValueError(f"TensorFlowKerasState: the optimizer has "
-                             f"{len(optimizer_variables)} variables but "
-                             f"{len(self._saved_optimizer_state)} were saved; run one step "
-                             f"(or optimizer.build) before making the state, in every world.")
-        for var, value in zip(optimizer_variables, self._saved_optimizer_state):
-            var.assign(value)
-
-    def committed_state(self) -> Any:
-        committed = super().committed_state()
-        committed["model"] = list(self._saved_model_state)
-        committed["optimizer"] = list(self._saved_optimizer_state)
-        return committed
-
-    def load_committed_state(self, committed: Any) -> None:
-        self._saved_model_state = list(committed["model"])
-        self._saved_optimizer_state = list(committed["optimizer"])
-        self._load_model()
-        super().load_committed_state(committed)
+    def broadcast_variables(self, variables: list, name: str) -> None:
+        """Assign rank 0's values of ``variables`` on every rank."""
+        broadcast_variables(variables, root_rank=0)
 
 
 class TensorFlowState(_VariablesState):

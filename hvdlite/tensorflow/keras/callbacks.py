@@ -5,17 +5,13 @@ from __future__ import annotations
 
 from hvdlite.keras.callback_logic import (BestModelCheckpointLogic, LearningRateScheduleLogic,
                                           LearningRateWarmupLogic, MetricAverageLogic)
+from hvdlite.keras.elastic_logic import optimizer_variables
 
 from ..gradient_tape import LocalVariables
 from ..mpi_ops import broadcast_variables
 from .keras2 import keras_of_tf
 
 keras = keras_of_tf()   # tf.keras's Keras: Keras 3, or tf-keras's Keras 2 (TF_USE_LEGACY_KERAS=1)
-
-
-def _optimizer_variables(optimizer):
-    variables = getattr(optimizer, "variables", [])
-    return list(variables() if callable(variables) else variables)
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
@@ -46,7 +42,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         opt = getattr(self.model, "optimizer", None)
         if opt is not None:
             owners = getattr(opt, "_hvd_slot_owners", {})
-            variables += [v for v in _optimizer_variables(opt)
+            variables += [v for v in optimizer_variables(opt)
                           if not (id(v) in owners and owners[id(v)] in local)]
         broadcast_variables(variables, root_rank=self.root_rank)
 
