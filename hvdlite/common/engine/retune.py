@@ -72,7 +72,8 @@ class Retuner:
         controller = self.engine.controller
         mine = np.array(manager.current.to_vector() + [float(manager.active)])
         every = np.empty(VECTOR * controller.size)
-        wait_until(controller.transport.start_allgather(mine, every), controller.max_sleep)
+        wait_until(controller.transport.start_allgather(mine, every), controller.max_sleep,
+                   on_slow=lambda waited: controller.local_stall(waited, "autotune's broadcast"))
         chosen = every[:VECTOR]   # rank 0's
         setting = Setting.from_vector(chosen)
         manager.accept(setting, bool(chosen[-1] > 0.5))
