@@ -12,6 +12,7 @@ import numpy as np
 import keras
 
 import hvdlite.keras as hvd
+from tests.keras.workers.linear_case import W0, data, local_grad
 from tests.workers._report import Reporter
 
 hvd.init()
@@ -19,17 +20,6 @@ RANK, SIZE = hvd.rank(), hvd.size()
 BACKEND = keras.backend.backend()
 r = Reporter(RANK)
 LR = 0.5
-W0 = np.arange(3, dtype="float32").reshape(3, 1) / 10
-
-
-def data(rank, n=8):
-    rng = np.random.default_rng(100 + rank)
-    return rng.normal(size=(n, 3)).astype("float32"), rng.normal(size=(n, 1)).astype("float32")
-
-
-def local_grad(w, x, y):
-    """d/dw of mean((x @ w - y)^2)."""
-    return 2.0 * x.T @ (x @ w - y) / len(x)
 
 
 def mean_grad(w):

@@ -12,19 +12,10 @@ import numpy as np
 import keras
 
 import hvdlite.keras as hvd
+from tests.keras.workers.linear_case import W0, data, local_grad
 from tests.workers._report import Reporter
 
 STEPS, KILL_AFTER, LR = 8, 4, 0.1
-W0 = np.arange(3, dtype="float32").reshape(3, 1) / 10
-
-
-def data(rank, n=8):
-    rng = np.random.default_rng(100 + rank)
-    return rng.normal(size=(n, 3)).astype("float32"), rng.normal(size=(n, 1)).astype("float32")
-
-
-def local_grad(w, x, y):
-    return 2.0 * x.T @ (x @ w - y) / len(x)
 
 
 def reference() -> np.ndarray:
