@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Scaling efficiency of the same MLP under Keras 3 on JAX, torch and TensorFlow (through
-``hvdlite.keras``) side by side with the torch adapter, in one run (issue #52).
+``hvdlite.keras``) and under ``hvdlite.jax`` with optax, side by side with the torch adapter, in
+one run (issue #52).
 
 Every framework trains the MLP of examples/pytorch_synthetic_benchmark.py (512-2048-2048-10,
 ~5.3M parameters, batch 64 per rank, SGD with momentum) at 1 and N ranks, one thread per rank;
@@ -10,6 +11,8 @@ alike, and medians are reported:
   keras-jax / keras-torch / keras-tf   benchmarks/keras_backends_ranks.py with
                                        KERAS_BACKEND=jax/torch/tensorflow (compiled step:
                                        jax.jit, torch's eager step, tf.function)
+  jax                                  keras_backends_ranks.py --jax (hvdlite.jax's optax
+                                       DistributedOptimizer in a jax.jit-ed step, no Keras)
   torch                                examples/pytorch_synthetic_benchmark.py --model mlp
   efficiency = total samples/sec at N ranks / (N x samples/sec at 1 rank)
 
@@ -38,6 +41,7 @@ TORCH_EXAMPLE = REPO / "examples" / "pytorch_synthetic_benchmark.py"
 FRAMEWORKS = {"keras-jax": (RANKS_SCRIPT, [], "jax"),
               "keras-torch": (RANKS_SCRIPT, [], "torch"),
               "keras-tf": (RANKS_SCRIPT, [], "tensorflow"),
+              "jax": (RANKS_SCRIPT, ["--jax"], None),
               "torch": (TORCH_EXAMPLE, ["--model", "mlp"], None)}
 
 

@@ -5,6 +5,9 @@ through ``hvdlite.keras``'s DistributedOptimizer (or the plain optimizer with
 ``--no-distributed-optimizer``), with the compiled ``train_on_batch`` step; rank 0 writes the
 slowest rank's samples/sec times the number of ranks to ``--json`` (as that example does).
 
+``--jax`` trains the same MLP without Keras: ``hvdlite.jax``'s optax ``DistributedOptimizer``
+(SGD with momentum) inside one ``jax.jit``-ed step (``--no-distributed-optimizer``: plain optax).
+
 ``--in-jit`` instead times one grouped allreduce of the MLP's six gradients three ways: numpy
 arrays through hvdlite's engine (``hvdlite.grouped_allreduce``), jax arrays through
 ``hvdlite.jax`` eagerly, and the same inside ``jax.jit`` (the ordered ``io_callback`` that the
@@ -36,6 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-batches-per-iter", type=int, default=10)
     p.add_argument("--no-distributed-optimizer", action="store_true")
     p.add_argument("--in-jit", action="store_true", help="time the allreduce in jax.jit")
+    p.add_argument("--jax", action="store_true", help="train with hvdlite.jax and optax")
     p.add_argument("--json", help="write the results to this file (rank 0)")
     return p.parse_args(argv)
 
@@ -69,6 +73,54 @@ def train(args: argparse.Namespace, hvd) -> dict:
             "distributed_optimizer": not args.no_distributed_optimizer}
 
 
+def train_jax(args: argparse.Namespace, hvd) -> dict:
+    """The MLP trained by a jitted jax + optax step, gradients averaged by hvdlite.jax."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    import hvdlite.jax as hvd_jax
+    keys = jax.random.split(jax.random.PRNGKey(1234), 3)
+    dims = [512, 2048, 2048, 10]
+    params = [(jax.random.normal(k, (a, b), jnp.float32) * (2.0 / a) ** 0.5,
+               jnp.zeros((b,), jnp.float32)) for k, a, b in zip(keys, dims, dims[1:])]
+    params = hvd_jax.broadcast_parameters(params, root_rank=0)
+    opt = optax.sgd(0.01 * hvd.size(), momentum=0.9)
+    if not args.no_distributed_optimizer:
+        opt = hvd_jax.DistributedOptimizer(opt)
+    state = opt.init(params)
+
+    def loss(params, x, y):
+        h = x
+        for i, (w, b) in enumerate(params):
+            h = h @ w + b
+            if i < len(params) - 1:
+                h = jax.nn.relu(h)
+        return optax.softmax_cross_entropy_with_integer_labels(h, y).mean()
+
+    @jax.jit
+    def step(params, state, x, y):
+        grads = jax.grad(loss)(params, x, y)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    rng = np.random.default_rng(hvd.rank())
+    x = jnp.asarray(rng.normal(size=(args.batch_size, 512)).astype(np.float32))
+    y = jnp.asarray(rng.integers(0, 10, args.batch_size))
+    for _ in range(args.num_warmup_batches):
+        params, state = jax.block_until_ready(step(params, state, x, y))
+    rates = []
+    for _ in range(args.num_iters):
+        start = time.perf_counter()
+        for _ in range(args.num_batches_per_iter):
+            params, state = step(params, state, x, y)
+        jax.block_until_ready(params)
+        rates.append(args.batch_size * args.num_batches_per_iter / (time.perf_counter() - start))
+    slowest = float(hvd.allreduce(np.array(float(np.median(rates))), op=hvd.Min,
+                                  name="sps.min"))
+    return {"backend": "hvdlite.jax", "per_rank": slowest, "total": slowest * hvd.size(),
+            "ranks": hvd.size(), "distributed_optimizer": not args.no_distributed_optimizer}
+
+
 def in_jit(args: argparse.Namespace, hvd) -> dict:
     import jax
     import jax.numpy as jnp
@@ -98,13 +150,16 @@ def in_jit(args: argparse.Namespace, hvd) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.jax:
+        os.environ["KERAS_BACKEND"] = "jax"   # (hvdlite.keras's init and collectives below)
     if os.environ.get("KERAS_BACKEND", "tensorflow") == "tensorflow":
         import tensorflow as tf
         tf.config.threading.set_intra_op_parallelism_threads(1)
         tf.config.threading.set_inter_op_parallelism_threads(1)
     import hvdlite.keras as hvd
     hvd.init()
-    result = in_jit(args, hvd) if args.in_jit else train(args, hvd)
+    result = (in_jit(args, hvd) if args.in_jit else train_jax(args, hvd) if args.jax
+              else train(args, hvd))
     if hvd.rank() == 0:
         print(json.dumps(result), flush=True)
         if args.json:
