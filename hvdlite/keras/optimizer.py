@@ -90,7 +90,7 @@ class GradientReduction:
                 [grads[i] for i in shared], name=self.name, compression=self.compression,
                 op=self.op, prescale_factor=self.prescale, postscale_factor=self.postscale,
                 process_set=self.process_set)
-            for i, r in zip(shared, reduced):
+            for i, r in zip(shared, reduced, strict=True):   # never a gradient left unreduced
                 out[i] = r
         if self.scale_local_gradients:
             out = [g / set_size if mine else g for g, mine in zip(out, is_local)]

@@ -53,6 +53,12 @@ class Admission:
     def submit(self, entry: Entry) -> Handle:
         """Register and queue one entry; its handle."""
         name = entry.request.name
+        # Taken before the entry is queued: once queued, the engine thread may run the whole
+        # operation and complete it (Completion.complete hands ``entry.handle`` over and sets it
+        # to None) before this thread runs again.  Read after the put, a loaded machine then
+        # returned None: an empty GroupHandle, whose wait() gave [] at once, so the caller (a
+        # DistributedOptimizer) kept its unreduced gradients while the peers used this rank's.
+        handle = entry.handle
         with self._lock:
             if self.in_flight.closed:
                 raise self.in_flight.refusal()
@@ -63,7 +69,7 @@ class Admission:
                     f"(hvd.synchronize) or give the second a different name.")
             self._entries[name] = entry
         self._queue.put(entry)
-        return entry.handle
+        return handle
 
     def submit_group(self, entry: Entry) -> Handle:
         """Submit a grouped operation, negotiated as one request (``entry``, whose ``members``

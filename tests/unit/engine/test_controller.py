@@ -238,6 +238,41 @@ def test_a_name_in_flight_is_refused_and_a_group_is_admitted_as_one_entry():
     assert set(table.entries) == {"m.7", "m.group200"}
 
 
+def test_submit_returns_the_handle_even_if_the_engine_completes_the_entry_first():
+    """The engine thread may take a queued entry, run it and complete it (which hands the
+    entry's handle over and clears ``entry.handle``) before the submitting thread runs again,
+    as on a loaded machine.  submit must still return the entry's handle, with the result: it
+    once returned None there, so a group's GroupHandle had no handle and its wait() returned
+    [] at once, and a DistributedOptimizer kept its own unreduced gradients (Keras-torch
+    ranks ended with different weights)."""
+    from hvdlite.common.engine.admission import Admission
+    from hvdlite.common.engine.completion import Completion
+    from hvdlite.common.engine.handle import GroupHandle
+    from hvdlite.common.engine.in_flight import InFlight
+    table = InFlight()
+    completion = Completion(table, 0)
+    admission = Admission(table, 0, lambda: False, Config(), completion)
+
+    class EngineFirst:   # the queue of an engine thread that finishes before submit returns
+        def put(self, queued):
+            if queued.members is None:
+                completion.complete(queued, queued.output)
+            else:
+                for member in queued.members:
+                    member.handle._complete()
+
+    admission._queue = EngineFirst()
+    one = entry("solo")
+    handle = admission.submit(one)
+    assert one.handle is None   # completed and handed over before submit returned
+    assert handle is not None and handle.wait() is one.output
+    members = [entry(f"g.{i}") for i in range(3)]
+    [group] = grouped("g.group3", members)
+    handle = GroupHandle("g.group3", admission.submit_group(group))
+    assert handle.wait() == [m.output for m in members]
+    assert table.entries == {}
+
+
 def test_joined_rank_stands_in_for_reductions_and_join_ends_when_all_joined():
     def script(rank, rnd):
         if rank == 1 and rnd == 0:
