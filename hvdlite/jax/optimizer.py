@@ -83,7 +83,11 @@ def DistributedOptimizer(optimizer: optax.GradientTransformation,
 
     def reduce(grads):
         leaves, treedef = jax.tree_util.tree_flatten(grads)
-        if member and leaves:
+        # Alone in its set (fixed for a process's life: an elastic world is new processes) an
+        # unscaled Sum or Average is the identity: no callback in the step, no copies.
+        alone = (set_size(process_set) == 1 and op in (ReduceOp.Average, ReduceOp.Sum)
+                 and prescale * postscale == 1.0 and compression is Compression.none)
+        if member and leaves and not alone:
             leaves = grouped_allreduce(leaves, name=label, compression=compression, op=op,
                                        prescale_factor=prescale, postscale_factor=postscale,
                                        process_set=process_set)
