@@ -11,6 +11,7 @@ between rounds.
 * ``autotune.log``: rank 0's CSV has Horovod's columns, a row per scored sample and the best
   last.
 """
+import os
 import random
 import time
 
@@ -94,8 +95,10 @@ def same_switches_case() -> None:
     assert all(h == every[0] for h in every), f"switch histories differ: {every}"
     assert not MANAGER.active, f"tuning did not finish in {STEPS} steps"
     opts = MANAGER.options
-    # the initial setting, then one switch per scored sample
-    samples = 2 * (opts.bayes_opt_max_samples + 1)
+    # the initial setting, then one switch per scored sample: per on/off combination (the
+    # cache; across hosts also the two hierarchical switches) max_samples + 1
+    combos = MANAGER.space.combinations()
+    samples = len(combos) * (opts.bayes_opt_max_samples + 1)
     assert len(mine) == samples + 1, (len(mine), samples)
     assert len({tuple(v) for _, v in mine}) >= 4, mine   # settings really changed
     rounds = [at for at, _ in mine]
@@ -107,6 +110,16 @@ def same_switches_case() -> None:
     last = mine[-1][1]
     assert final.fusion_threshold == int(last[0] * 2**20) and final.cycle_time_ms == last[1]
     assert (final.cache_capacity > 0) == (last[2] > 0.5)
+    if os.environ.get("HVDLITE_TEST_SPANS_HOSTS") == "1":   # (tests/multihost/test_autotune.py)
+        assert len(combos) == 8, combos
+        # the engine's hierarchical path ran with each switch both ways, as the tuner said
+        assert {(v[3], v[4]) for _, v in mine} == {(0.0, 0.0), (0.0, 1.0), (1.0, 0.0),
+                                                   (1.0, 1.0)}, mine
+        hier = ENGINE.path("hierarchical")
+        assert hier.allreduces > 0, "no hierarchical allreduce ran"
+        assert hier.allreduce_on == (last[3] > 0.5) and hier.allgather_on == (last[4] > 0.5)
+    else:
+        assert len(combos) == 2, combos
 
 
 def log_case() -> None:
