@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create (or update) the project's virtual environment in .venv with everything the examples
 # and the test suite need: hvdlite itself (editable), numpy, mpi4py, the MPICH wheel (a working
-# mpiexec), PyTorch's CPU wheel, TensorFlow CPU, scikit-learn, pytest,
+# mpiexec), PyTorch's CPU wheel, TensorFlow CPU, JAX (CPU) with optax, scikit-learn, pytest,
 # MkDocs (the suite builds the docs), Ray (hvdlite.ray) and PySpark (hvdlite.spark; it needs
 # a Java 17+ runtime). Safe to run repeatedly.
 set -euo pipefail
@@ -11,12 +11,8 @@ PYTHON="${PYTHON:-python3}"
 TORCH_SPEC="${HVDLITE_TORCH_SPEC:-torch==2.13.0}"
 TF_SPEC="${HVDLITE_TF_SPEC:-tensorflow-cpu==2.21.0}"
 TF_KERAS_SPEC="${HVDLITE_TF_KERAS_SPEC:-tf-keras==2.21.0}"
-# JAX's CPU wheels and optax (hvdlite.jax, Keras 3's JAX backend) are NOT installed by default
-# (set HVDLITE_JAX_SPEC="jax==0.10.2 jaxlib==0.10.2 optax==0.2.8" to add them; tests/jax and the
-# Keras-JAX cases then run): with jax in this environment a Spark rank of
-# tests/multihost/test_spark.py was killed by SIGSEGV in 4 of 9 runs, against 0 of 6 without it
-# (2026-11-29; the cause is not found yet, and a crashing suite would hide everything else).
-JAX_SPEC="${HVDLITE_JAX_SPEC:-}"
+# JAX's CPU wheels and optax (hvdlite.jax, Keras 3's JAX backend), pinned like torch and TF.
+JAX_SPEC="${HVDLITE_JAX_SPEC:-jax==0.10.2 jaxlib==0.10.2 optax==0.2.8}"
 
 if [ ! -x .venv/bin/python ]; then
   echo "[bootstrap] creating .venv with $($PYTHON --version)"
@@ -29,7 +25,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[bootstrap] installing hvdlite and its test/example/docs dependencies"
   .venv/bin/python -m pip install --quiet --upgrade pip
   .venv/bin/python -m pip install --quiet "$TORCH_SPEC" "$TF_SPEC" $JAX_SPEC \
-    -e ".[test,examples,docs,ray,spark]"
+    -e ".[test,examples,docs,ray,spark,jax]"
   # Keras 2 for the tf-keras tests (TF_USE_LEGACY_KERAS=1): matched to TensorFlow, and without
   # its dependency on the full `tensorflow` wheel (tensorflow-cpu is already there).
   .venv/bin/python -m pip install --quiet --no-deps "$TF_KERAS_SPEC"
