@@ -38,24 +38,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import hvdlite.tensorflow.keras as hvd  # noqa: E402
-from compression_steps import (job_document, print_result, run_ranks,  # noqa: E402
-                               step_result)   # (benchmarks/ is on sys.path)
+from compression_steps import (common_arguments, job_document, print_result,  # noqa: E402
+                               run_ranks, step_result)   # (benchmarks/ is on sys.path)
 
-COMPRESSIONS = ("none", "fp16", "powersgd1", "powersgd2", "powersgd4")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--widths", default="1024,4096,4096,1024",
-                   help="input and hidden widths (default 1024,4096,4096,1024: 25 M parameters)")
-    p.add_argument("--classes", type=int, default=16)
-    p.add_argument("--batch-size", type=int, default=8, help="per rank")
-    p.add_argument("--compressions", default=",".join(COMPRESSIONS))
-    p.add_argument("--start-iter", type=int, default=2, help="PowerSGD's plain steps")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps (>= start_iter + 1)")
-    p.add_argument("--steps", type=int, default=4, help="timed steps per compression")
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--json", metavar="PATH", help="rank 0 writes the results here")
+    p = common_arguments(__doc__.splitlines()[0])
     return p.parse_args(argv)
 
 

@@ -45,28 +45,17 @@ sys.path.insert(0, str(REPO))
 
 import hvdlite.torch as hvd  # noqa: E402
 from hvdlite.torch import powersgd_reducer  # noqa: E402
-from compression_steps import (job_document, print_result, run_ranks,  # noqa: E402
-                               step_result)   # (benchmarks/ is on sys.path)
+from compression_steps import (common_arguments, job_document, print_result,  # noqa: E402
+                               run_ranks, step_result)   # (benchmarks/ is on sys.path)
 
-COMPRESSIONS = ("none", "fp16", "powersgd1", "powersgd2", "powersgd4")
 PHASES = ("reduce", "wait_uncompressed", "wait_P", "wait_Q", "orthogonalize", "factors",
           "step_call")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--widths", default="1024,4096,4096,1024",
-                   help="the MLP's layer widths, input first (default 1024,4096,4096,1024)")
-    p.add_argument("--classes", type=int, default=16)
-    p.add_argument("--batch-size", type=int, default=8, help="per rank")
-    p.add_argument("--compressions", default=",".join(COMPRESSIONS))
-    p.add_argument("--start-iter", type=int, default=2, help="PowerSGD's plain steps")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps (>= start_iter + 1)")
-    p.add_argument("--steps", type=int, default=4, help="timed steps per compression")
-    p.add_argument("--seed", type=int, default=42)
+    p = common_arguments(__doc__.splitlines()[0])
     p.add_argument("--digits", action="store_true",
                    help="time the digits example's model instead (1 rank)")
-    p.add_argument("--json", metavar="PATH", help="rank 0 writes the results here")
     return p.parse_args(argv)
 
 

@@ -1,9 +1,11 @@
 """What the compression benchmark's torch and Keras ranks share (no framework imported here):
-the bytes one training step's allreduces carry under each compression (``none``, ``fp16``,
+the compressions and command-line arguments both take, the bytes one training step's allreduces
+carry under each compression (``none``, ``fp16``,
 ``powersgd<rank>``), a configuration's result from its timed steps, the job's document, and the
 entry point that takes every rank down when one fails."""
 from __future__ import annotations
 
+import argparse
 import math
 import statistics
 import sys
@@ -13,6 +15,25 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hvdlite.common.api import powersgd as policy  # noqa: E402
+
+COMPRESSIONS = ("none", "fp16", "powersgd1", "powersgd2", "powersgd4")
+
+
+def common_arguments(description: str) -> argparse.ArgumentParser:
+    """The parser with the arguments the torch and Keras ranks both take."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--widths", default="1024,4096,4096,1024",
+                   help="the MLP's layer widths, input first (default 1024,4096,4096,1024: "
+                        "25 M parameters)")
+    p.add_argument("--classes", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=8, help="per rank")
+    p.add_argument("--compressions", default=",".join(COMPRESSIONS))
+    p.add_argument("--start-iter", type=int, default=2, help="PowerSGD's plain steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps (>= start_iter + 1)")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per compression")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--json", metavar="PATH", help="rank 0 writes the results here")
+    return p
 
 
 def step_bytes(shapes: list[tuple[int, ...]], name: str) -> dict:
