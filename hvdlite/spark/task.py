@@ -107,6 +107,10 @@ def run_barrier_task(spec: TaskSpec, _rows: Iterator[Any]) -> Iterator[int]:
                    if status < 0 else f"exited with status {status}")
             raise RankFailed(f"rank {member.rank} (Spark partition {member.partition}, host "
                              f"{member.host}) {how}")
+        # A rank still in MPI_Finalize needs its host's proxy and mpiexec; released before
+        # every rank process has ended, a late one was killed by SIGSEGV there.  A failed
+        # task ends the stage, and Spark then ends this wait with the others.
+        context.barrier()
     finally:
         member.leave()
         conn.close()

@@ -4,6 +4,7 @@ traffic between the hosts' loopback addresses), and the driver on the master's h
 
 * ``run`` with 4 tasks (2 per worker): one world across the hosts, each host's ranks
   consecutive, local and cross ranks by host, an allreduce across hosts, nothing left;
+* ``run`` where the last rank ends 2 s after the others: it finalizes MPI cleanly;
 * ``run_elastic`` losing a whole host (every process on it killed, its worker and executor
   included): the job goes on from the last commit on the host that is left.
 """
@@ -105,6 +106,17 @@ def test_run_forms_one_world_across_the_hosts_with_horovod_ranks(cluster):
     assert [(r["local_rank"], r["local_size"], r["cross_rank"], r["cross_size"])
             for r in result] == [(0, 2, 0, 2), (1, 2, 0, 2), (0, 2, 1, 2), (1, 2, 1, 2)]
     assert all(r["sum"] == [float(i * (1 + 2 + 3 + 4)) for i in range(4)] for r in result)
+    nothing_left()
+
+
+def test_run_ends_cleanly_when_one_rank_exits_late(cluster):
+    """A rank whose process ends after the others' (here 2 s late) still finalizes MPI: no task
+    releases its host's proxy or the world's mpiexec before every rank process has ended (it
+    was killed by SIGSEGV in MPI_Finalize when they did)."""
+    bed, master, logs = cluster
+    result = driver_result(_driver(bed, master, "late_exit", tempfile.mkdtemp(dir=logs)),
+                           "Spark")
+    assert [r["rank"] for r in result] == [0, 1, 2, 3]
     nothing_left()
 
 
