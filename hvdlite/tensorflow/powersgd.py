@@ -174,6 +174,16 @@ def _after_join(process_set) -> None:
 core.on_join(_after_join)
 
 
+class Reduced:
+    """The handle of a reduction that was complete when it started (a set of one rank)."""
+
+    def __init__(self, arrays: list) -> None:
+        self.arrays = arrays
+
+    def wait(self) -> list:
+        return self.arrays
+
+
 class PowerSGDReduction:
     """``reduction(grads) -> reduced grads`` (dense or None entries; None stays None): PowerSGD
     over ``process_set`` (module docstring); ``op`` Average or Sum, else ValueError."""
@@ -188,6 +198,7 @@ class PowerSGDReduction:
         self.state = state if state is not None else PowerSGDState(config)
         _LIVE[self.state] = process_set
         self.wire = _WIRE.get(config.wire_dtype)
+        self._alone = False   # this step's process set has one rank (set by reduce)
 
     def __call__(self, grads: list) -> list:
         present = [i for i, g in enumerate(grads) if g is not None]
@@ -208,8 +219,12 @@ class PowerSGDReduction:
     def reduce(self, names: list, arrays) -> list:
         """One step's reduction of ``arrays`` (numpy), named ``names``."""
         state = self.state
-        state.follow(process_set_engine(self.process_set, "PowerSGD")[0])
-        if state.counter.needs_agreement:   # after a join: the ranks' counts may differ
+        engine = process_set_engine(self.process_set, "PowerSGD")[0]
+        state.follow(engine)
+        self._alone = engine.size == 1
+        if state.counter.needs_agreement and self._alone:
+            state.counter.agree(state.counter.steps)
+        elif state.counter.needs_agreement:   # after a join: the ranks' counts may differ
             count = core.allreduce(np.array([state.counter.steps], dtype=np.int64),
                                    name=f"{self.name}.powersgd.steps", op=ReduceOp.Max,
                                    process_set=self.process_set)
@@ -223,12 +238,19 @@ class PowerSGDReduction:
         return out
 
     def _submit(self, arrays: list, what: str, op: ReduceOp, scaled: bool):
-        """Start one grouped allreduce of ``arrays`` cast to the wire dtype."""
+        """Start one grouped allreduce of ``arrays`` cast to the wire dtype.  Alone in its
+        process set the reduction is the identity: only the scaling is applied, with no engine
+        round trip for nothing."""
         if self.wire is not None:
             arrays = [a.astype(self.wire) if is_float(a.dtype) else a for a in arrays]
         arrays = [np.ascontiguousarray(a).reshape(a.shape) for a in arrays]
-        dtypes = ["bfloat16" if a.dtype == BFLOAT16 else None for a in arrays]
         pre, post = (self.prescale, self.postscale) if scaled else (1.0, 1.0)
+        if self._alone:
+            for factor in (pre, post):
+                if factor != 1.0:
+                    arrays = [a * np.asarray(factor, dtype=a.dtype) for a in arrays]
+            return Reduced(arrays)
+        dtypes = ["bfloat16" if a.dtype == BFLOAT16 else None for a in arrays]
         return core.submit_group(ALLREDUCE, arrays, name=f"{self.name}.powersgd.{what}",
                                  dtypes=dtypes if any(dtypes) else None,
                                  process_set=self.process_set, reduce_op=op,

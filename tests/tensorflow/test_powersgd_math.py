@@ -70,12 +70,12 @@ def test_refused_ops_and_per_tensor_use():
 
 
 class FakeEngine:
-    pass
+    size = 2   # (one rank alone would submit nothing: its reductions are the identity)
 
 
 class FakeCollectives:
-    """core.submit_group and the engine lookup of one rank alone: a group's results are its
-    inputs (one rank's Sum or Average); every group's name and op is recorded."""
+    """core.submit_group and the engine lookup: a group's results are its inputs; every
+    group's name and op is recorded."""
 
     def __init__(self, monkeypatch):
         self.engine, self.calls = FakeEngine(), []

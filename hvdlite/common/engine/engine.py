@@ -51,6 +51,7 @@ class Engine:
             transport if transport is not None else MPITransport(comm), config,
             self.in_flight.negotiating, global_ranks)
         self.rank = controller.label   # global rank, for messages
+        self.size = controller.size    # ranks in this engine's process set
         self.completion = Completion(self.in_flight, self.rank)
         self.admission = Admission(self.in_flight, self.rank, lambda: controller.busy, config,
                                    self.completion)

@@ -179,8 +179,33 @@ def join_then_continue():
 
 r.case("join_then_continue", join_then_continue)
 r.case("tape_function_sum", tape_case, "tape_function_sum", True, op=hvd.Sum)
-r.case("tape_process_set", tape_case, "tape_process_set", True,
-       process_set=next(p for p in SETS_HERE if p.included()))
+
+
+def tape_process_set():
+    """A set of two ranks, and sets of one (every reduction there is the identity: PowerSGD
+    submits no collective at all, and its numbers are the reference's for one rank)."""
+    from hvdlite.common import core
+    mine = next(p for p in SETS_HERE if p.included())
+    submitted = []
+    real = core.submit_group
+
+    def counting(kind, arrays, *args, **kwargs):
+        if ".powersgd." in (kwargs.get("name") or ""):
+            submitted.append(kwargs["name"])
+        return real(kind, arrays, *args, **kwargs)
+
+    core.submit_group = counting
+    try:
+        tape_case("tape_process_set", True, process_set=mine)
+    finally:
+        core.submit_group = real
+    if mine.size() == 1:
+        assert submitted == [], f"a set of one rank submitted {submitted}"
+    else:   # 2 plain steps, then 3 of the uncompressed bucket, P and Q
+        assert len(submitted) == 2 + 3 * 3, submitted
+
+
+r.case("tape_process_set", tape_process_set)
 
 
 def keras_model():

@@ -111,8 +111,27 @@ def passes_per_step():
 
 
 def process_set():
-    comm = COMM.Split(SETS[SIZE].index(MINE.ranks))
-    train("set", 4, comm=comm, process_set=MINE, rank=2, start_iter=1)
+    """A set of two ranks, and sets of one (where every reduction is the identity and PowerSGD
+    submits no collective at all, but its arithmetic is the same)."""
+    import hvdlite.torch.powersgd_reducer as reducer_module
+    submitted = []
+    real = reducer_module.grouped_allreduce_async_
+
+    def counting(tensors, *args, **kwargs):
+        submitted.append(kwargs.get("name"))
+        return real(tensors, *args, **kwargs)
+
+    reducer_module.grouped_allreduce_async_ = counting
+    try:
+        comm = COMM.Split(SETS[SIZE].index(MINE.ranks))
+        train("set", 4, comm=comm, process_set=MINE, rank=2, start_iter=1)
+    finally:
+        reducer_module.grouped_allreduce_async_ = real
+    if MINE.size() == 1:
+        assert submitted == [], f"a set of one rank submitted {submitted}"
+    else:
+        assert len(submitted) == 1 + 3 * 3, submitted   # plain, then 3 steps of 3 groups:
+        # the uncompressed bucket, P and Q
 
 
 def fp16_factors():
