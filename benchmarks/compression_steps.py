@@ -41,6 +41,8 @@ def step_bytes(shapes: list[tuple[int, ...]], name: str) -> dict:
     PowerSGD's compression-rate rule (hvdlite/common/api/powersgd.py): every compressed n x m
     gradient sends P (n x r) and Q (m x r), the others travel whole."""
     whole = sum(4 * math.prod(s) for s in shapes)
+    if name == "bare":   # (torch's optimizer alone: no allreduce at all)
+        return {"total": 0, "uncompressed": 0, "P": 0, "Q": 0}
     if name == "none":
         return {"total": whole, "uncompressed": whole, "P": 0, "Q": 0}
     if name == "fp16":

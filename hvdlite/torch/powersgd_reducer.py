@@ -129,15 +129,22 @@ class PowerSGDReducer(Reducer):
 
     def _to_wire(self, tensors: list) -> list:
         dtype = self.compression.wire_dtype
-        return [t.to(dtype) if dtype is not None and t.is_floating_point() else t.contiguous()
-                for t in tensors]
+        if dtype is None:
+            return [t.contiguous() for t in tensors]
+        return [t.to(dtype) if t.is_floating_point() else t.contiguous() for t in tensors]
+
+    def _identity(self, scaled: bool) -> bool:
+        """Whether this step's reduction leaves every tensor as it is: alone in the set, with
+        no scaling and no cast to a wire dtype."""
+        return self._alone and self.compression.wire_dtype is None and (
+            not scaled or self.prescale == self.postscale == 1.0)
 
     def _allreduce_group(self, tensors: list, what: str, op, scaled: bool):
         """Start one grouped in-place allreduce of ``tensors`` (cast to the wire dtype); returns
         (handle, wire tensors).  Alone in its process set the reduction is the identity, so
         only the scaling is applied, here: no engine round trip for nothing (two or three a
         step, most of PowerSGD's cost on a small model at one rank)."""
-        wire = [t if t.is_contiguous() else t.contiguous() for t in self._to_wire(tensors)]
+        wire = self._to_wire(tensors)
         pre, post = (self.prescale, self.postscale) if scaled else (1.0, 1.0)
         if self._alone:
             for t in wire:
@@ -164,7 +171,8 @@ class PowerSGDReducer(Reducer):
         compressed, whole = powersgd_policy.split([g.shape for g in grads], state.config)
         groups = powersgd_policy.groups_by_dtype(whole, [g.dtype for g in grads])
         bucket = None
-        if groups:   # vectors and small matrices: one flat bucket, in flight meanwhile
+        if groups and not self._identity(True):
+            # vectors and small matrices: one flat bucket, in flight meanwhile
             flats = [torch.cat([grads[i].reshape(-1) for i in group]) for group in groups]
             bucket = self._allreduce_group(flats, "uncompressed", self.op, True)
         try:
@@ -186,18 +194,20 @@ class PowerSGDReducer(Reducer):
             return
         state = self.state
         started = [state.start(name, g) for name, g in zip(names, grads)]
-        ps = [matrix @ q for matrix, q in started]
+        ps = [torch.mm(matrix, q) for matrix, q in started]
         handle, wire = self._allreduce_group(ps, "P", ReduceOp.Sum, False)
         handle.wait()
         qs = []
         for (matrix, _), p_wire, name in zip(started, wire, names):
-            p = orthogonalize_(p_wire.to(matrix.dtype), state.config.epsilon)
+            p = p_wire if p_wire.dtype == matrix.dtype else p_wire.to(matrix.dtype)
+            orthogonalize_(p, state.config.epsilon)
             # (P^T M)^T: the same numbers as M^T P, and several times faster for r > 1 (the
             # transposed product of a large M is slow on the CPU)
-            q_local = (p.T @ matrix).T.contiguous()
+            q_local = torch.mm(p.T, matrix).T.contiguous()
             state.finish_local(name, matrix, p, q_local)
             qs.append((p, q_local))
         handle, wire = self._allreduce_group([q for _, q in qs], "Q", self.op, True)
         handle.wait()
         for (p, _), q_wire, name, grad in zip(qs, wire, names, grads):
-            state.finish(name, p, q_wire.to(grad.dtype), grad)
+            state.finish(name, p, q_wire if q_wire.dtype == grad.dtype else q_wire.to(grad.dtype),
+                         grad)
