@@ -113,6 +113,25 @@ def my_segments(segments: list[Segment], rank: int) -> list[Segment]:
     return [s for s in segments if rank in s.group]
 
 
+# A segment crosses hosts in pieces, each started as soon as the host has reduced it, so that
+# the transfer of one piece overlaps the reduction of the next and the writing out of the one
+# before (used where a rank reduces its share chunk by chunk: direct copies).  About this many
+# pieces per segment, none under MIN_PIECE_BYTES (each allreduce has its fixed cost).
+PIECES_PER_SEGMENT = 8
+MIN_PIECE_BYTES = 1 << 20
+
+
+def cross_pieces(segments: list[Segment], itemsize: int) -> list[Segment]:
+    """``segments`` cut into pieces (see :data:`PIECES_PER_SEGMENT`), in order.  The cuts
+    depend on the segment alone, so every member of its group cuts it alike and their
+    allreduces pair up."""
+    cut = []
+    for s in segments:
+        per = max(MIN_PIECE_BYTES // itemsize, -(-(s.hi - s.lo) // PIECES_PER_SEGMENT), 1)
+        cut += [Segment(lo, min(s.hi, lo + per), s.group) for lo in range(s.lo, s.hi, per)]
+    return cut
+
+
 @dataclasses.dataclass(frozen=True)
 class GatherGroup:
     """One allgather group: ``group`` (one rank per host, in host order) and, per member,

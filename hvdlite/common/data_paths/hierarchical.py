@@ -13,7 +13,9 @@ rank: it costs its latency, and one flat allreduce measured faster than these th
    ``Reduce_scatter`` on the host's communicator; a host with one rank holds everything);
 2. across hosts, each rank allreduces its share with the ranks that hold the same elements on
    the other hosts (:mod:`.hier_plan`: on homogeneous hosts, the ranks of equal local rank;
-   hosts with different rank counts are handled too);
+   hosts with different rank counts are handled too), in pieces of about an eighth of a share;
+   where the host reduces by direct copies, each piece crosses as soon as it is reduced and is
+   gathered as soon as it is back, so the transfer overlaps both steps within the host;
 3. within each host, every rank gathers the other shares (written into its memory by their
    owners, read straight out of the window, or an MPI ``Allgatherv``) and applies the
    postscale.
@@ -38,7 +40,7 @@ import logging
 import numpy as np
 
 from hvdlite.common.data_paths.hier_plan import (SMALL_BYTES, Hosts, gather_groups, my_segments,
-                                               reduce_segments, share_bounds)
+                                               cross_pieces, reduce_segments, share_bounds)
 from hvdlite.common.data_paths.helpers import (POLITE_MAX_BYTES, copy_out_pieces, displacements,
                                               flat, pack, phase, postscale_factor, row_layout)
 from hvdlite.common.dtypes import (dtype_info, mpi_datatype, mpi_reduce_op, numpy_reduce_ufunc,
@@ -232,18 +234,20 @@ class HierarchicalPath(DataPath):
         segments = reduce_segments(self.hosts, count, info.itemsize)
         for segment in segments:   # (first time: every rank makes the group together)
             self._group(segment.group)
-        mine = my_segments(segments, self.rank)
+        # (every path cuts its segments alike, whatever it does within its host, so that the
+        # allreduces of each group pair up)
+        cut = cross_pieces(my_segments(segments, self.rank), info.itemsize)
         nbytes = count * info.itemsize
         polite = nbytes <= POLITE_MAX_BYTES
 
         def across(lo: int, share: np.ndarray) -> None:
             """This host's reduction of elements lo.. -> every host's: one allreduce per
-            segment, all in flight at once (a rank in several groups would otherwise carry
+            piece, all in flight at once (a rank in several groups would otherwise carry
             its segments one after another)."""
-            phase(batch, "MPI_CROSS_ALLREDUCE")
-            self._finish([self._groups[s.group].Iallreduce(
-                self._MPI.IN_PLACE, [share[s.lo - lo:s.hi - lo], mpi_type], mpi_op)
-                for s in mine], polite)
+            crossing = MpiCrossing(self, batch, cut, mpi_type, mpi_op, polite)
+            for i, (a, b) in enumerate(crossing.pieces):
+                crossing.start(i, share[a - lo:b - lo])
+            self._finish(crossing.requests, polite)
 
         def within(src: np.ndarray, out: np.ndarray) -> None:
             """MPI on the host's communicator: src reduced, across, gathered into out."""
@@ -256,7 +260,9 @@ class HierarchicalPath(DataPath):
             out = src if entry.output is entry.array else flat(entry.output)
             prescale = 1.0 if entry.stand_in else response.prescale
             if self._copies_somewhere and nbytes >= COPIES_MIN_BYTES:
-                self._single_by_copies(batch, src, out, ufunc, prescale, post, across, within)
+                crossing = MpiCrossing(self, batch, cut, mpi_type, mpi_op, polite)
+                self._single_by_copies(batch, src, out, ufunc, prescale, post, across, within,
+                                       crossing)
             else:
                 self._single(batch, src, out, ufunc, prescale, post, across, within)
             return
@@ -296,7 +302,8 @@ class HierarchicalPath(DataPath):
             scale_in_place(out, post)
 
     def _single_by_copies(self, batch: Batch, src: np.ndarray, out: np.ndarray, ufunc,
-                          prescale: float, post: float, across, within) -> None:
+                          prescale: float, post: float, across, within,
+                          crossing: "MpiCrossing") -> None:
         """A large tensor where some host reduces it by direct copies: those hosts do, the
         others as usual; then every rank of the set learns whether a copy failed anywhere (a
         failed copy leaves that host's share incomplete, which the other hosts received too),
@@ -307,7 +314,7 @@ class HierarchicalPath(DataPath):
             phase(batch, "DIRECT_COPIES_REDUCESCATTER")
             try:
                 self.direct.allreduce_one(src, out, ufunc, prescale, post, name=response.name,
-                                          between=across)
+                                          crossing=crossing)
                 self.by_copies += 1
             except DirectCopyError as exc:
                 failure = exc
@@ -393,6 +400,33 @@ class HierarchicalPath(DataPath):
                 self.local.Free()
         self._groups.clear()
         self.window = self.node_buffer = self.local = None
+
+
+class MpiCrossing:
+    """A share's exchange across hosts in pieces (:func:`~.hier_plan.cross_pieces`), for
+    :meth:`DirectCopies.allreduce_one`: one non-blocking allreduce per piece in its segment's
+    group, all of a rank's in flight together (a rank in several groups would otherwise carry
+    its segments one after another)."""
+
+    def __init__(self, path: HierarchicalPath, batch: Batch, cut: list, mpi_type, mpi_op,
+                 polite: bool) -> None:
+        self.pieces = [(p.lo, p.hi) for p in cut]
+        self._comms = [path._group(p.group) for p in cut]
+        self._path, self._batch = path, batch
+        self._type, self._op, self._polite = mpi_type, mpi_op, polite
+        self.requests: list = [None] * len(cut)
+
+    def start(self, index: int, view: np.ndarray) -> None:
+        if index == 0:
+            phase(self._batch, "MPI_CROSS_ALLREDUCE")
+        self.requests[index] = self._comms[index].Iallreduce(
+            self._path._MPI.IN_PLACE, [view, self._type], self._op)
+
+    def done(self, index: int) -> bool:
+        return self.requests[index].Test()
+
+    def finish(self, index: int) -> None:
+        self._path._finish(self.requests[index], self._polite)
 
 
 class _AllOf:

@@ -13,6 +13,12 @@ Where the kernel lets ranks of one node reach each other's memory (cross-memory 
 3. a second tiny allgather (each rank's "all my copies succeeded") ends the operation: after
    it, every peer has finished reading this rank's input and writing its output.
 
+Across hosts (the hierarchical path's :class:`Crossing`), the finished chunks of a share are
+exchanged with the other hosts piece by piece before they are written to the peers: a piece
+starts crossing once it is reduced, and is written out once it is back, while the next ones
+are being reduced.  Nothing else changes within the host (the peers read only inputs, and look
+at their outputs only after the last allgather).
+
 Each element is reduced by exactly one rank, so results are bitwise identical everywhere.  In
 place, rank ``p`` both reads and writes only share ``p`` of a peer's buffer, and the owner
 touches only its own share, so no copy can see a half-updated value.  Against the shared window
@@ -32,17 +38,32 @@ import errno
 import logging
 import os
 import threading
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 
 from hvdlite.common.dtypes import scale_into
 from hvdlite.common.errors import HvdliteError
 from hvdlite.common.intranode import cma
-from hvdlite.common.intranode.shared_window import Between, SharedWindow, all_on_one_node
+from hvdlite.common.intranode.shared_window import SharedWindow, all_on_one_node
 from hvdlite.common.runtime.waiting import PEER_SPIN_SECONDS, wait_until
 
 log = logging.getLogger("hvdlite")
+
+
+class Crossing(Protocol):
+    """The exchange of this rank's share with other hosts, piece by piece (the hierarchical
+    path's): ``pieces`` are ascending element ranges covering the share; ``start(i, view)``
+    starts piece ``i``'s exchange, in place, once it is reduced here; ``done(i)`` tests it (and
+    moves every started one along); ``finish(i)`` waits for it."""
+
+    pieces: list[tuple[int, int]]
+
+    def start(self, index: int, view: np.ndarray) -> None: ...
+
+    def done(self, index: int) -> bool: ...
+
+    def finish(self, index: int) -> None: ...
 
 # Smaller single tensors keep the window (or MPI): through the engine at 2 ranks, in place
 # this path led from 1 MiB (0.47 against 0.53 ms), but out of place it trailed up to 2 MiB
@@ -230,16 +251,17 @@ class DirectCopies:
 
     # --- one tensor ----------------------------------------------------------------------------
     def allreduce_one(self, src: np.ndarray, out: np.ndarray, ufunc, prescale: float,
-                      postscale: float, name: str = "", between: Between | None = None) -> None:
+                      postscale: float, name: str = "", crossing: Crossing | None = None) -> None:
         """``out = postscale * reduce(prescale_r * src_r over ranks r)`` for one flat contiguous
         array (``out`` may be ``src``); ``prescale`` is this rank's factor (a joined rank's
-        stand-in passes 1.0, so the identity stays neutral).  ``between(lo, share)``, if given,
-        is called with this rank's reduced share of ``out`` (elements ``lo`` onwards) before
-        the postscale and before it is written to the peers (the hierarchical path combines it
-        with other hosts' there); it is called even when a copy failed, so that ranks on other
-        hosts are not left waiting, and the failure is raised after it."""
+        stand-in passes 1.0, so the identity stays neutral).  ``crossing``, if given, exchanges
+        this rank's reduced share with other hosts (the hierarchical path), piece by piece:
+        each piece starts as soon as it is reduced here, and is scaled and written to the peers
+        as soon as it is back, so the transfer overlaps the work on either side.  Every piece is
+        exchanged even when a copy failed, so that ranks on other hosts are not left waiting,
+        and the failure is raised after it."""
         try:
-            self._allreduce_one(src, out, ufunc, prescale, postscale, name, between)
+            self._allreduce_one(src, out, ufunc, prescale, postscale, name, crossing)
         except BaseException:
             # Abandoned half-way (a stall shutdown or a vanished rank raised from a wait): a
             # peer that is late, or stopped inside its copies, may still read this rank's input
@@ -249,7 +271,7 @@ class DirectCopies:
             raise
 
     def _allreduce_one(self, src: np.ndarray, out: np.ndarray, ufunc, prescale: float,
-                       postscale: float, name: str, between: Between | None) -> None:
+                       postscale: float, name: str, crossing: Crossing | None) -> None:
         MPI = self._MPI
         copier, pids = self._copier, self._pids
         itemsize = src.dtype.itemsize
@@ -268,13 +290,27 @@ class DirectCopies:
         scratch = self._scratch[:step * itemsize].view(src.dtype)
         failure: OSError | None = None
         peer = -1   # the peer of the copy in progress
+        pieces = crossing.pieces if crossing is not None else []
+        started = written = 0   # pieces whose exchange started / that were written out
 
-        def write(x: int, y: int) -> None:   # the finished chunk x..y into every peer
+        def write(x: int, y: int) -> None:   # the finished elements x..y into every peer
             nonlocal peer
-            chunk = out[x:y]
-            scale_into(chunk, chunk, postscale)
-            for peer, pid, _, out_at, _ in peers:
-                copier.write(pid, out_at + x * itemsize, chunk)
+            for a in range(x, y, step):
+                chunk = out[a:min(y, a + step)]
+                scale_into(chunk, chunk, postscale)
+                for peer, pid, _, out_at, _ in peers:
+                    copier.write(pid, out_at + a * itemsize, chunk)
+
+        def cross(until: int) -> None:   # start the pieces reduced by now, write those back
+            nonlocal started, written
+            while started < len(pieces) and pieces[started][1] <= until:
+                a, b = pieces[started]
+                crossing.start(started, out[a:b])
+                started += 1
+            while written < started and crossing.done(written):
+                if failure is None:
+                    write(*pieces[written])
+                written += 1
         try:
             with np.errstate(all="ignore"):   # overflow wraps/saturates silently, as in MPI
                 for x in range(lo, hi, step):
@@ -290,19 +326,23 @@ class DirectCopies:
                         copier.read(pid, src_at + offset, part)
                         scale_into(part, part, scale)
                         ufunc(chunk, part, out=chunk)
-                    if between is None:   # finish each chunk while it is in cache
+                    if crossing is None:   # finish each chunk while it is in cache
                         write(x, y)
+                    else:
+                        cross(y)
         except OSError as exc:   # the others must still reach the end: tell them, then raise
             failure = exc
-        if between is not None:
-            between(lo, out[lo:hi])
-            if failure is None:
-                try:
-                    with np.errstate(all="ignore"):
-                        for x in range(lo, hi, step):
-                            write(x, min(hi, x + step))
-                except OSError as exc:
-                    failure = exc
+        if crossing is not None:
+            with np.errstate(all="ignore"):
+                cross(hi)   # (after a failure: the pieces not yet started, as they are)
+                while written < len(pieces):
+                    crossing.finish(written)
+                    if failure is None:
+                        try:
+                            write(*pieces[written])
+                        except OSError as exc:
+                            failure = exc
+                    written += 1
         self._flag[0] = failure is not None
         self._wait(self.comm.Iallgather([self._flag, MPI.INT32_T], [self._flags, MPI.INT32_T]))
         failed = [self._names[r] for r in range(self.size) if self._flags[r]]

@@ -2,9 +2,10 @@
 (hvdlite/common/data_paths/hier_plan.py): pure logic, expectations written down by hand."""
 import pytest
 
-from hvdlite.common.data_paths.hier_plan import (SMALL_BYTES, GatherGroup, Hosts, Segment,
-                                               gather_groups, my_segments, reduce_segments,
-                                               share_bounds)
+from hvdlite.common.data_paths.hier_plan import (MIN_PIECE_BYTES, PIECES_PER_SEGMENT,
+                                               SMALL_BYTES, GatherGroup, Hosts, Segment,
+                                               cross_pieces, gather_groups, my_segments,
+                                               reduce_segments, share_bounds)
 
 F32 = 4
 N = 100_000   # float32 elements: 400 KB, split into shares
@@ -72,10 +73,26 @@ def test_small_and_empty_buffers_are_shares_too():
     assert reduce_segments(hosts, 0, F32) == []
 
 
+def test_a_segment_crosses_in_pieces_of_an_eighth_none_under_the_minimum():
+    big = Segment(100, 100 + (32 << 20) // F32, (0, 2))     # 32 MiB: eight 4 MiB pieces
+    small = Segment(big.hi, big.hi + (1 << 20) // F32 + 5, (1, 3))   # 1 MiB + 5 elements
+    cut = cross_pieces([big, small], F32)
+    assert PIECES_PER_SEGMENT == 8 and MIN_PIECE_BYTES == 1 << 20
+    assert [(p.hi - p.lo) * F32 for p in cut[:8]] == [4 << 20] * 8
+    assert all(p.group == (0, 2) for p in cut[:8])
+    # under 8 MiB a segment is cut at 1 MiB; the last piece takes the remainder
+    assert [(p.lo, p.hi, p.group) for p in cut[8:]] == [
+        (small.lo, small.lo + (1 << 20) // F32, (1, 3)), (small.lo + (1 << 20) // F32,
+                                                          small.hi, (1, 3))]
+    assert cross_pieces([Segment(0, 3, (0, 1))], 8) == [Segment(0, 3, (0, 1))]
+    assert cross_pieces([], F32) == []
+
+
 @pytest.mark.parametrize("members", [((0, 1), (2, 3)), ((0, 1, 2), (3,)), ((0,), (1, 2), (3,)),
                                      ((0, 1), (2, 3, 4)), ((0, 1, 2, 3), (4, 5), (6, 7, 8))])
 @pytest.mark.parametrize("count,itemsize", [(1, 1), (17, 8), (1000, 4), (16384, 4),
-                                            (70001, 1), (12345, 8), (1 << 20, 4)])
+                                            (70001, 1), (12345, 8), (1 << 20, 4),
+                                            (9 << 20, 1)])
 def test_segments_tile_the_buffer_each_within_one_share_per_host(members, count, itemsize):
     hosts = Hosts(members)
     segments = reduce_segments(hosts, count, itemsize)
@@ -97,6 +114,17 @@ def test_segments_tile_the_buffer_each_within_one_share_per_host(members, count,
             covered = sum(s.hi - s.lo for s in mine)
             assert covered == bounds[local + 1] - bounds[local]
             assert mine == sorted(mine, key=lambda s: s.lo)
+            # cut into pieces, they still tile the share in order, each in its segment's group
+            cut = cross_pieces(mine, itemsize)
+            assert sum(p.hi - p.lo for p in cut) == covered
+            assert all(a.hi <= b.lo for a, b in zip(cut, cut[1:]))
+            assert all(any(s.lo <= p.lo < p.hi <= s.hi and s.group == p.group for s in mine)
+                       for p in cut)
+    # every member of a group cuts its segment the same way (so their allreduces pair up)
+    for s in segments:
+        cuts = {tuple(p for p in cross_pieces(my_segments(segments, rank), itemsize)
+                      if p.group == s.group and s.lo <= p.lo < s.hi) for rank in s.group}
+        assert len(cuts) == 1
 
 
 def test_allgather_groups_homogeneous_are_equal_local_ranks():

@@ -20,7 +20,10 @@ class FakeHandle:
 
 
 class FakeEngine:
-    """Stands for an engine (a new one after an elastic reset)."""
+    """Stands for an engine (a new one after an elastic reset) of a set of two ranks (one rank
+    alone would submit nothing: its reductions are the identity)."""
+
+    size = 2
 
 
 class FakeCore:
