@@ -294,3 +294,18 @@ def test_cross_host_benchmark_under_a_cap(lo, tmp_path):
     assert case["link_bytes"] == 2 * MIB
     assert case["floor_ms"] == pytest.approx(2 * MIB / 1.25e9 * 1e3)
     assert "lo capped at 10 Gbit/s" in output and "hier/floor" in output, output
+
+
+def test_link_reference_under_a_cap(lo):
+    """benchmarks/link_reference.py: four TCP flows under a 10 Gbit/s cap (for a second or
+    so), each size's times against its floor, and no cap left."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "link_reference.py"), "--link", RATE,
+         "--sizes", "1MiB,2MiB", "--repeat", "2"],
+        capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not link.shaped(), tc_show()
+    assert "lo capped at 10 Gbit/s" in proc.stdout, proc.stdout
+    floors = [line for line in proc.stdout.splitlines() if line.startswith("S = ")]
+    assert [line.split(":")[0] for line in floors] == ["S = 1 MiB", "S = 2 MiB"], proc.stdout
+    assert "floor 1.7 ms" in floors[0] and "floor 3.4 ms" in floors[1], proc.stdout
