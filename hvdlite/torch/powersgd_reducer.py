@@ -131,7 +131,9 @@ class PowerSGDReducer(Reducer):
         dtype = self.compression.wire_dtype
         if dtype is None:
             return [t.contiguous() for t in tensors]
-        return [t.to(dtype) if t.is_floating_point() else t.contiguous() for t in tensors]
+        # (the cast keeps a non-contiguous layout unless told otherwise; in place needs contiguous)
+        return [t.to(dtype, memory_format=torch.contiguous_format) if t.is_floating_point()
+                else t.contiguous() for t in tensors]
 
     def _identity(self, scaled: bool) -> bool:
         """Whether this step's reduction leaves every tensor as it is: alone in the set, with

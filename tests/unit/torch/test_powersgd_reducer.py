@@ -30,12 +30,14 @@ class FakeCore:
     def __init__(self) -> None:
         self.engine_object = FakeEngine()
         self.names: list[str] = []
+        self.handed: list[list] = []   # the tensors of every grouped allreduce
 
     def engine(self, process_set, what):
         return self.engine_object, None
 
     def grouped(self, tensors, name, op, prescale_factor, postscale_factor, **kwargs):
         self.names.append(name.rsplit(".", 1)[1])
+        self.handed.append(list(tensors))
         return FakeHandle(tensors)
 
     def single(self, tensor, name, op, **kwargs):
@@ -115,6 +117,22 @@ def test_join_drops_factors_and_agrees_on_the_count(fake):
     fake.names.clear()
     train_step(model, opt)
     assert fake.names[0] == "steps" and opt._reducer.state.counter.steps == 2
+
+
+def test_channels_last_gradients_go_out_contiguous_in_the_wire_dtype(fake):
+    """An in-place allreduce needs contiguous tensors: a cast to the wire dtype keeps a
+    channels-last gradient's layout unless it is told not to."""
+    torch.manual_seed(0)
+    model = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters(),
+                               compression=Compression.powersgd(start_iter=5,
+                                                                dtype=torch.float16))
+    model(torch.ones(2, 3, 6, 6).to(memory_format=torch.channels_last)).sum().backward()
+    assert not model.weight.grad.is_contiguous()
+    opt.step()
+    assert fake.names == ["plain"]
+    assert all(t.is_contiguous() and t.dtype == torch.float16 for t in fake.handed[0])
 
 
 def test_refused_ops():
