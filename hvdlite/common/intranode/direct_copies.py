@@ -301,6 +301,14 @@ class DirectCopies:
                 for peer, pid, _, out_at, _ in peers:
                     copier.write(pid, out_at + a * itemsize, chunk)
 
+        def put(index: int) -> None:   # a piece back from the other hosts, to every peer
+            nonlocal failure
+            if failure is None:   # (a failed copy: the others still exchange every piece)
+                try:
+                    write(*pieces[index])
+                except OSError as exc:
+                    failure = exc
+
         def cross(until: int) -> None:   # start the pieces reduced by now, write those back
             nonlocal started, written
             while started < len(pieces) and pieces[started][1] <= until:
@@ -308,8 +316,7 @@ class DirectCopies:
                 crossing.start(started, out[a:b])
                 started += 1
             while written < started and crossing.done(written):
-                if failure is None:
-                    write(*pieces[written])
+                put(written)
                 written += 1
         try:
             with np.errstate(all="ignore"):   # overflow wraps/saturates silently, as in MPI
@@ -337,11 +344,7 @@ class DirectCopies:
                 cross(hi)   # (after a failure: the pieces not yet started, as they are)
                 while written < len(pieces):
                     crossing.finish(written)
-                    if failure is None:
-                        try:
-                            write(*pieces[written])
-                        except OSError as exc:
-                            failure = exc
+                    put(written)
                     written += 1
         self._flag[0] = failure is not None
         self._wait(self.comm.Iallgather([self._flag, MPI.INT32_T], [self._flags, MPI.INT32_T]))
