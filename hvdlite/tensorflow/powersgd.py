@@ -222,12 +222,10 @@ class PowerSGDReduction:
         engine = process_set_engine(self.process_set, "PowerSGD")[0]
         state.follow(engine)
         self._alone = engine.size == 1
-        if state.counter.needs_agreement and self._alone:
-            state.counter.agree(state.counter.steps)
-        elif state.counter.needs_agreement:   # after a join: the ranks' counts may differ
-            count = core.allreduce(np.array([state.counter.steps], dtype=np.int64),
-                                   name=f"{self.name}.powersgd.steps", op=ReduceOp.Max,
-                                   process_set=self.process_set)
+        if state.counter.needs_agreement:   # after a join: the ranks' counts may differ
+            count = [state.counter.steps] if self._alone else core.allreduce(
+                np.array([state.counter.steps], dtype=np.int64),
+                name=f"{self.name}.powersgd.steps", op=ReduceOp.Max, process_set=self.process_set)
             state.counter.agree(int(count[0]))
         arrays = [np.asarray(a) for a in arrays]
         if state.counter.compressing:

@@ -201,8 +201,7 @@ class PowerSGDReducer(Reducer):
         handle.wait()
         qs = []
         for (matrix, _), p_wire, name in zip(started, wire, names):
-            p = p_wire if p_wire.dtype == matrix.dtype else p_wire.to(matrix.dtype)
-            orthogonalize_(p, state.config.epsilon)
+            p = orthogonalize_(p_wire.to(matrix.dtype), state.config.epsilon)
             # (P^T M)^T: the same numbers as M^T P, and several times faster for r > 1 (the
             # transposed product of a large M is slow on the CPU)
             q_local = torch.mm(p.T, matrix).T.contiguous()
@@ -211,5 +210,4 @@ class PowerSGDReducer(Reducer):
         handle, wire = self._allreduce_group([q for _, q in qs], "Q", self.op, True)
         handle.wait()
         for (p, _), q_wire, name, grad in zip(qs, wire, names, grads):
-            state.finish(name, p, q_wire if q_wire.dtype == grad.dtype else q_wire.to(grad.dtype),
-                         grad)
+            state.finish(name, p, q_wire.to(grad.dtype), grad)
